@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make demo` (main job) and `make test` (test suite).
+# Both create .venv when missing and install the package into it.
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+# torch is pinned here (not in setup.py) so that CPU-only machines take the local CPU wheel.
+TORCH_SPEC ?= torch==2.13.0
+NPROC     ?= 4
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit test-distributed test-sglang bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+	    -m earl_megatron.selfcheck
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-distributed: install
+	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Frozen configuration dataclasses; Hydra is converted to these once, at the entry point."""

@@ -1,0 +1,1 @@
+"""Environments: OpenSpiel games and tool-use environments, registered by name."""

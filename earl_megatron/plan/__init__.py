@@ -1,0 +1,1 @@
+"""Pure planning: layouts, cost model, shard maps, packing. Imports neither torch.distributed nor megatron."""

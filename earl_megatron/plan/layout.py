@@ -1,0 +1,255 @@
+"""Parallel layouts: a (tp, cp, pp, dp) value over a world of ranks, in Megatron-Core's rank order.
+
+A layout is pure data. Constructing one checks only that each axis is a positive integer;
+``ParallelLayout.create`` (and ``check``) validate it against a world size and a model shape and
+raise ``InvalidLayoutError`` naming the axis and the fix, before any process group exists.
+
+Rank order is Megatron-Core's default ``order="tp-cp-ep-dp-pp"`` (tp varies fastest, ep = 1)::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+    world 8, tp=2 cp=1 pp=2 dp=2:      pp_stage 0        pp_stage 1
+                                     dp0: [0 1]        dp0: [4 5]     [a b] = one tp group
+                                     dp1: [2 3]        dp1: [6 7]
+
+Invariants:
+- ``tp * cp * pp * dp == world_size`` for a checked layout; ``coords(rank(c)) == c``.
+- ``group_ranks(axis)`` partitions ``range(world_size)``; every group lists ranks ascending.
+- Nothing here imports torch.distributed or megatron.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields
+from typing import Iterator, Optional
+
+AXES = ("tp", "cp", "pp", "dp")
+
+
+class InvalidLayoutError(ValueError):
+    """A layout that cannot run: names the offending axis and how to fix it."""
+
+    def __init__(self, axis: str, problem: str, fix: str):
+        self.axis = axis
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"invalid layout ({axis}): {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model dimensions a layout must divide."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"ModelShape.{f.name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True, order=True)
+class ParallelLayout:
+    """Sizes of the parallel axes. ``ep`` is reserved for expert parallelism and must be 1."""
+
+    tp: int = 1
+    """Tensor parallel size: splits heads and the FFN; 1 means disabled."""
+    cp: int = 1
+    """Context parallel size: splits each sequence (load-balanced, 2*cp chunks); 1 = disabled."""
+    pp: int = 1
+    """Pipeline parallel size: splits layers into pp_stages; 1 means disabled."""
+    dp: int = 1
+    """Data parallel size: replicas that see different samples."""
+    ep: int = 1
+    """Expert parallel size (reserved; only 1 is supported)."""
+
+    def __post_init__(self):
+        for axis in AXES + ("ep",):
+            v = getattr(self, axis)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidLayoutError(axis, f"{axis}={v!r} is not a positive integer",
+                                         f"set {axis} to an integer >= 1")
+        if self.ep != 1:
+            raise InvalidLayoutError("ep", f"ep={self.ep} but expert parallelism is not supported",
+                                     "set ep=1 (dense models only)")
+
+    # ----------------------------------------------------------------- construction / checks
+    @classmethod
+    def create(cls, world_size: int, model: Optional[ModelShape] = None, *, tp: int = 1,
+               cp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ParallelLayout":
+        """Build and check a layout; ``dp=None`` takes whatever the other axes leave."""
+        if dp is None:
+            denom = tp * cp * pp
+            if denom <= 0 or world_size % denom:
+                raise InvalidLayoutError(
+                    "dp", f"tp*cp*pp={tp}*{cp}*{pp}={denom} does not divide world size {world_size}",
+                    f"choose tp, cp, pp whose product divides {world_size}")
+            dp = world_size // denom
+        layout = cls(tp=tp, cp=cp, pp=pp, dp=dp)
+        layout.check(world_size, model)
+        return layout
+
+    def check(self, world_size: int, model: Optional[ModelShape] = None) -> "ParallelLayout":
+        """Raise InvalidLayoutError for the first axis that cannot work; return self otherwise."""
+        if self.world_size != world_size:
+            raise InvalidLayoutError(
+                "dp", f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {self.world_size} "
+                f"!= world size {world_size}",
+                f"make the product equal {world_size} (e.g. leave dp unset so it is inferred)")
+        if model is None:
+            return self
+        if model.num_query_groups % self.tp:
+            raise InvalidLayoutError(
+                "tp", f"tp={self.tp} does not divide num_query_groups={model.num_query_groups} "
+                "(each tp rank must hold whole KV groups)",
+                f"use tp in {_divisors(model.num_query_groups)}")
+        if model.num_attention_heads % self.tp:
+            raise InvalidLayoutError(
+                "tp", f"tp={self.tp} does not divide num_attention_heads={model.num_attention_heads}",
+                f"use tp in {_divisors(model.num_attention_heads)}")
+        if model.vocab_size % self.tp:
+            raise InvalidLayoutError(
+                "tp", f"tp={self.tp} does not divide vocab_size={model.vocab_size}",
+                f"pad the vocabulary to a multiple of {self.tp} or use tp in "
+                f"{_divisors(model.vocab_size, limit=model.num_query_groups)}")
+        if model.ffn_hidden_size is not None and model.ffn_hidden_size % self.tp:
+            raise InvalidLayoutError(
+                "tp", f"tp={self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}",
+                f"use tp in {_divisors(model.ffn_hidden_size, limit=model.num_query_groups)}")
+        if self.pp > model.num_layers:
+            raise InvalidLayoutError(
+                "pp", f"pp={self.pp} exceeds num_layers={model.num_layers}",
+                f"use pp <= {model.num_layers}, from {_divisors(model.num_layers)}")
+        if model.num_layers % self.pp:
+            raise InvalidLayoutError(
+                "pp", f"pp={self.pp} does not divide num_layers={model.num_layers} "
+                "(every pp_stage holds the same number of layers)",
+                f"use pp in {_divisors(model.num_layers)}")
+        return self
+
+    # ----------------------------------------------------------------- rank arithmetic
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica of the model (tp * cp * pp)."""
+        return self.tp * self.cp * self.pp
+
+    def rank(self, coords: Coords) -> int:
+        for axis in AXES:
+            if not 0 <= getattr(coords, axis) < getattr(self, axis):
+                raise ValueError(f"{axis} coordinate {getattr(coords, axis)} out of range for {self}")
+        return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        tp_r = rank % self.tp
+        rest = rank // self.tp
+        cp_r = rest % self.cp
+        rest //= self.cp
+        dp_r = rest % self.dp
+        pp_r = rest // self.dp
+        return Coords(tp=tp_r, cp=cp_r, pp=pp_r, dp=dp_r)
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis`` (or a '-'-joined set such as "dp-cp"), each ascending.
+
+        Matches the rank lists Megatron-Core's RankGenerator produces for the same names.
+        """
+        names = set(axis.split("-"))
+        unknown = names - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axis {sorted(unknown)}; axes are {AXES}")
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            key = tuple(getattr(c, a) for a in AXES if a not in names)
+            groups.setdefault(key, []).append(r)
+        return sorted(groups.values())
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        for g in self.group_ranks(axis):
+            if rank in g:
+                return g
+        raise AssertionError("unreachable: groups partition the world")
+
+    def layers_of(self, pp_rank: int, num_layers: int) -> range:
+        """Global (0-based) layer indices held by one pp_stage."""
+        per = num_layers // self.pp
+        return range(pp_rank * per, (pp_rank + 1) * per)
+
+    def __str__(self) -> str:
+        parts = [f"{a.upper()}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        return "x".join(parts) if parts else "TP1"
+
+    @classmethod
+    def parse(cls, text: str, world_size: Optional[int] = None,
+              model: Optional[ModelShape] = None) -> "ParallelLayout":
+        """Parse "tp2-pp2", "TP2xPP2xDP2" or "tp=2,cp=1,pp=2"; dp inferred from world_size."""
+        sizes: dict[str, int] = {}
+        for token in text.replace("x", ",").replace("-", ",").replace("=", "").lower().split(","):
+            token = token.strip()
+            if not token:
+                continue
+            axis, num = token[:2], token[2:]
+            if axis not in AXES or not num.isdigit():
+                raise InvalidLayoutError(
+                    axis, f"cannot parse {token!r} in layout {text!r}",
+                    "write the layout like 'tp2-pp2' or 'tp=2,pp=2,dp=1'")
+            sizes[axis] = int(num)
+        if world_size is None:
+            return cls(**sizes)
+        return cls.create(world_size, model, **sizes)
+
+
+def _divisors(n: int, limit: Optional[int] = None) -> list[int]:
+    top = n if limit is None else min(n, limit)
+    return [d for d in range(1, top + 1) if n % d == 0]
+
+
+def enumerate_layouts(world_size: int, model: Optional[ModelShape] = None, *,
+                      max_tp: Optional[int] = None, max_cp: Optional[int] = None,
+                      max_pp: Optional[int] = None) -> list[ParallelLayout]:
+    """Every valid layout for a world size and model, in a deterministic order."""
+    out = []
+    divs = _divisors(world_size)
+    for tp, cp, pp in itertools.product(divs, divs, divs):
+        if world_size % (tp * cp * pp):
+            continue
+        if (max_tp and tp > max_tp) or (max_cp and cp > max_cp) or (max_pp and pp > max_pp):
+            continue
+        layout = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp))
+        try:
+            layout.check(world_size, model)
+        except InvalidLayoutError:
+            continue
+        out.append(layout)
+    return sorted(out)
+
+
+def iter_ranks(layout: ParallelLayout) -> Iterator[tuple[int, Coords]]:
+    for r in range(layout.world_size):
+        yield r, layout.coords(r)

@@ -1,0 +1,1 @@
+"""RL math: advantages and losses over per-token tensors (pure tensor code)."""

@@ -1,0 +1,1 @@
+"""Rollout engines (embedded Megatron-Core, SGLang) and the multi-turn agent loop."""

@@ -1,0 +1,1 @@
+"""Side effects: process groups (the one bridge to parallel_state), CPU backend, step runner."""

@@ -1,0 +1,1 @@
+"""HF <-> Megatron-Core parameter mapping tables and conversion."""

@@ -1,0 +1,43 @@
+"""earl_megatron: Megatron-Core-native agentic RL with per-stage parallel layouts."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="earl_megatron",
+    version="0.1.0",
+    description="Agentic RL on Megatron-Core with a layout selector, in-place switcher and "
+                "point-to-point data dispatcher",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["earl_megatron", "earl_megatron.*"]),
+    install_requires=[
+        # Unpinned: the Makefile installs torch==2.13.0 first so CPU-only machines take the CPU
+        # wheel; GPU clusters bring their own CUDA build.
+        "torch>=2.6",
+        "megatron-core==0.16.*",
+        "einops",  # megatron.core.hyper_comm_grid imports it
+        "transformers",
+        "safetensors",
+        "tokenizers",
+        "hydra-core>=1.3",
+        "open_spiel",
+        "psutil",  # dist_checkpointing's writer hangs without it
+        "rich",
+        "matplotlib",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
+        # reached over HTTP. See README.md ("SGLang rollouts") and ../shared/sglang-cpu.
+        "sglang": ["requests"],
+        # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
+        "te": ["transformer_engine[pytorch]"],
+    },
+    entry_points={
+        "console_scripts": [
+            "earl-layout-check=earl_megatron.selfcheck:main",
+        ],
+    },
+)

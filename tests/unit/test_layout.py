@@ -1,0 +1,81 @@
+"""ParallelLayout: validation errors, rank arithmetic against Megatron-Core's RankGenerator."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from earl_megatron.plan.layout import (InvalidLayoutError, ModelShape, ParallelLayout,
+                                       enumerate_layouts)
+
+TINY = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=128,
+                  hidden_size=64, ffn_hidden_size=128)
+
+
+@pytest.mark.parametrize("kwargs,axis,needle", [
+    (dict(tp=3), "dp", "does not divide world size 8"),
+    (dict(tp=8), "tp", "num_query_groups=4"),
+    (dict(pp=8), "pp", "exceeds num_layers=4"),
+])
+def test_invalid_layouts_name_axis_and_fix(kwargs, axis, needle):
+    with pytest.raises(InvalidLayoutError) as e:
+        ParallelLayout.create(8, TINY, **kwargs)
+    assert e.value.axis == axis
+    assert needle in str(e.value)
+    assert "Fix:" in str(e.value)
+
+
+def test_product_mismatch_and_vocab():
+    with pytest.raises(InvalidLayoutError, match="!= world size 4") as e:
+        ParallelLayout(tp=2, dp=4).check(4, TINY)
+    assert e.value.axis == "dp"
+    odd_vocab = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=130)
+    with pytest.raises(InvalidLayoutError, match="vocab_size=130") as e:
+        ParallelLayout.create(4, odd_vocab, tp=4)
+    assert e.value.axis == "tp"
+    with pytest.raises(InvalidLayoutError, match="not a positive integer"):
+        ParallelLayout(tp=0)
+    with pytest.raises(InvalidLayoutError, match="ep=1"):
+        ParallelLayout(ep=2)
+
+
+def test_parse_and_str():
+    lay = ParallelLayout.parse("tp2-pp2", world_size=8, model=TINY)
+    assert lay == ParallelLayout(tp=2, pp=2, dp=2)
+    assert str(lay) == "TP2xPP2xDP2"
+    assert ParallelLayout.parse(str(lay)) == lay
+    assert ParallelLayout.parse("tp=2,cp=2", world_size=4) == ParallelLayout(tp=2, cp=2)
+    with pytest.raises(InvalidLayoutError, match="cannot parse"):
+        ParallelLayout.parse("zz2")
+
+
+@given(st.sampled_from([1, 2, 4, 8, 16]).flatmap(
+    lambda w: st.sampled_from(enumerate_layouts(w))))
+def test_coords_roundtrip_and_groups_partition(layout):
+    world = layout.world_size
+    for r in range(world):
+        assert layout.rank(layout.coords(r)) == r
+    for axis in ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp"):
+        groups = layout.group_ranks(axis)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(world))
+        size = 1
+        for a in axis.split("-"):
+            size *= getattr(layout, a)
+        assert all(len(g) == size for g in groups)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_groups_match_megatron_rank_generator(world):
+    from megatron.core.parallel_state import RankGenerator
+    for lay in enumerate_layouts(world):
+        gen = RankGenerator(tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp,
+                            order="tp-cp-ep-dp-pp")
+        for axis in ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp", "tp-cp"):
+            assert sorted(map(sorted, gen.get_ranks(axis))) == lay.group_ranks(axis), (lay, axis)
+
+
+def test_enumerate_respects_model():
+    layouts = enumerate_layouts(8, TINY)
+    assert ParallelLayout(tp=2, pp=2, dp=2) in layouts
+    assert all(l.tp <= 4 and l.pp <= 4 for l in layouts)
+    assert all(l.world_size == 8 for l in layouts)
+    assert layouts == sorted(set(layouts))
