@@ -1,0 +1,83 @@
+"""Model architecture config for the Llama / Qwen2 family: one frozen value, no torch imports.
+
+``ModelConfig`` describes a decoder-only transformer with RMSNorm, SwiGLU, rotary embeddings and
+grouped-query attention, optionally with a qkv bias (Qwen2) and tied embeddings. It converts to
+the layout checker's ``ModelShape`` and, in models/provider.py, to Megatron-Core's
+TransformerConfig. Invariants: ``num_attention_heads % num_query_groups == 0``;
+``kv_channels`` defaults to ``hidden_size // num_attention_heads``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from earl_megatron.plan.layout import ModelShape
+
+FAMILIES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "llama"
+    """Architecture family: "llama" (no qkv bias) or "qwen2" (qkv bias)."""
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    """Number of KV heads (GQA); equal to num_attention_heads for plain multi-head attention."""
+    vocab_size: int = 128
+    kv_channels: Optional[int] = None
+    """Head dim; None means hidden_size // num_attention_heads."""
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    add_qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    params_dtype: str = "float32"
+    """"float32" or "bfloat16"."""
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; supported: {FAMILIES}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple "
+                             f"of num_query_groups={self.num_query_groups}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must divide by "
+                             f"num_attention_heads={self.num_attention_heads} (or set kv_channels)")
+        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"params_dtype must be float32, bfloat16 or float16, "
+                             f"got {self.params_dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
+                          hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size)
+
+    def num_parameters(self) -> int:
+        """Total parameter count (embedding counted once when tied)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q = self.num_attention_heads * d
+        kv = 2 * self.num_query_groups * d
+        per_layer = (h * (q + kv) + (q + kv if self.add_qkv_bias else 0)  # linear_qkv
+                     + q * h                                               # linear_proj
+                     + 2 * h * f + f * h                                   # SwiGLU fc1, fc2
+                     + 2 * h)                                              # two RMSNorms
+        emb = self.vocab_size * h
+        return self.num_layers * per_layer + h + emb * (1 if self.tie_word_embeddings else 2)
+
+    def with_(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def tiny(cls, family: str = "llama", **overrides) -> "ModelConfig":
+        """The test/demo model: 4 layers, d=64, 8 heads, 4 KV groups, vocab 128 (~0.2M params)."""
+        base = cls(family=family, add_qkv_bias=(family == "qwen2"))
+        return replace(base, **overrides)

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: multi-process gloo jobs with hard timeouts."""

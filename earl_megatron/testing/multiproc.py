@@ -1,0 +1,107 @@
+"""Run a function on N gloo ranks in fresh processes, with hard timeouts (tests and benchmarks).
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises the
+default process group (gloo, a short collective timeout) in each, calls ``fn(*args)`` and returns
+the per-rank results in rank order. Invariants:
+
+- A worker that raises makes the whole call raise, with that worker's traceback in the message.
+- A job that runs past ``timeout`` is killed (every process) and raises ``TimeoutError``: a
+  mismatched collective costs seconds, never the CI budget.
+- ``fn`` must be importable by module path (defined at module level) because workers are spawned.
+- Results travel through a multiprocessing queue: return small picklable values (floats, lists,
+  CPU tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
+            fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s))
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
+                    collective_timeout_s: float = 60.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=False,
+                         args=(r, world_size, port, collective_timeout_s, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        while len(got) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"distributed job {getattr(fn, '__name__', fn)} on {world_size} ranks ran past "
+                    f"{timeout:.0f}s; ranks that finished: {sorted(got)}")
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in got]
+                if dead and not failures:
+                    # a rank died without reporting (segfault, OOM kill): give peers a moment
+                    time.sleep(2.0)
+                    if results.empty():
+                        raise RuntimeError(f"ranks {dead} died with exit codes "
+                                           f"{[procs[i].exitcode for i in dead]}")
+                continue
+            if ok:
+                got[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break
+        if failures:
+            raise RuntimeError("distributed job failed:\n" + "\n".join(failures))
+        return [got[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
