@@ -8,14 +8,14 @@ the per-rank results in rank order. Invariants:
 - A job that runs past ``timeout`` is killed (every process) and raises ``TimeoutError``: a
   mismatched collective costs seconds, never the CI budget.
 - ``fn`` must be importable by module path (defined at module level) because workers are spawned.
-- Results travel through a multiprocessing queue: return small picklable values (floats, lists,
-  CPU tensors).
+- Results are pickled to bytes in the worker (tensor data is copied): return picklable values.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -46,7 +46,9 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s))
         out = fn(*args)
-        results.put((rank, True, out))
+        # plain pickle copies tensor data; torch's queue would pass a shared-memory handle that
+        # dies with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -91,7 +93,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                                            f"{[procs[i].exitcode for i in dead]}")
                 continue
             if ok:
-                got[rank] = payload
+                got[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")
                 break

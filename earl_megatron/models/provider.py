@@ -1,0 +1,147 @@
+"""Megatron-Core GPTModel for the Llama / Qwen2 family, built for a given layout.
+
+``build_gpt_model(cfg, layout)`` returns Megatron-Core's own ``GPTModel`` for this rank's
+pp_stage (pre_process on the first, post_process on the last), with:
+
+- RMSNorm, SwiGLU (gated_linear_unit + silu), rotary embeddings (``rotary_base``), GQA
+  (``num_query_groups``), optional qkv bias (Qwen2), tied or untied embeddings;
+- TransformerEngine layer specs when TE is importable and CUDA is present; otherwise Megatron's
+  local spec, whose core attention is replaced by ``AllGatherKVAttention`` when cp > 1 (Megatron's
+  own DotProductAttention refuses CP without TE);
+- no dropout, no fused kernels that need CUDA, ``use_cpu_initialization`` on CPU.
+
+``wrap_ddp`` wraps the model in Megatron-Core's DistributedDataParallel (grad buffers, bucketed
+all-reduce or reduce-scatter for the distributed optimizer) over the dp x cp group.
+Groups must be built (runtime.groups.build_groups) before calling; this module reads no globals
+of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import ParallelLayout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def te_available() -> bool:
+    """TransformerEngine is used only when importable and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dtype=None,
+                       calculate_per_token_loss: bool = True, recompute: Optional[str] = None,
+                       sequence_parallel: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _DTYPES[cfg.params_dtype]
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=pipeline_dtype or dtype,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        variable_seq_lengths=False,
+        calculate_per_token_loss=calculate_per_token_loss,
+        deallocate_pipeline_outputs=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    elif recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(layout: ParallelLayout):
+    """TE spec when usable, else the local spec (with CP attention when cp > 1)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if te_available():
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if layout.cp > 1:
+        from earl_megatron.models.cp_attention import AllGatherKVAttention
+
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = AllGatherKVAttention
+    return spec
+
+
+def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bool,
+                    post_process: bool, config=None, pg_collection=None):
+    """One pp_stage of a Megatron-Core GPTModel on the current device."""
+    from megatron.core.models.gpt import GPTModel
+
+    tcfg = config or transformer_config(cfg, layout)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(layout),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rotary_base),
+        pg_collection=pg_collection,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def wrap_ddp(model, tcfg, *, use_distributed_optimizer: bool = False,
+             bucket_size: Optional[int] = None):
+    """Megatron-Core DistributedDataParallel over the dp x cp group of the active layout."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)

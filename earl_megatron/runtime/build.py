@@ -1,0 +1,96 @@
+"""Build a Megatron-Core model (optionally with DDP and optimizer) on a layout, in one call.
+
+``build_on_layout`` regroups the world for the layout (runtime.groups), builds this rank's
+pp_stage of the GPTModel, loads this rank's shard of the given full weights (or keeps
+Megatron's seeded init), wraps it in Megatron DDP, and optionally creates Megatron's optimizer
+(plain or distributed). The returned ``ModelOnLayout`` is everything a step needs; callers never
+touch parallel_state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import Coords, ParallelLayout
+from earl_megatron.runtime import groups
+
+
+@dataclass
+class ModelOnLayout:
+    cfg: ModelConfig
+    layout: ParallelLayout
+    coords: Coords
+    tcfg: Any
+    model: Any
+    """Megatron DDP-wrapped GPTModel (or the bare GPTModel when built with ddp=False)."""
+    optimizer: Any = None
+
+    @property
+    def pre_process(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.coords.pp == self.layout.pp - 1
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.cfg.num_layers // self.layout.pp
+
+    def module(self):
+        m = self.model
+        while hasattr(m, "module"):
+            m = m.module
+        return m
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+
+def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
+                    weights: Optional[dict[str, torch.Tensor]] = None, ddp: bool = True,
+                    optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
+                    recompute: Optional[str] = None) -> ModelOnLayout:
+    from earl_megatron.models.provider import build_gpt_model, transformer_config, wrap_ddp
+    from earl_megatron.weights.sharding import load_full_weights
+
+    groups.build_groups(layout, cfg.shape, seed=seed)
+    coords = layout.coords(dist.get_rank())
+    tcfg = transformer_config(cfg, layout, recompute=recompute)
+    model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
+                            post_process=coords.pp == layout.pp - 1, config=tcfg)
+    if weights is not None:
+        load_full_weights(model, weights, tp_rank=coords.tp, tp=layout.tp, pp_rank=coords.pp,
+                          layers_per_stage=cfg.num_layers // layout.pp,
+                          tied=cfg.tie_word_embeddings)
+    if ddp or optimizer is not None:
+        model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
+            optimizer and optimizer.use_distributed_optimizer))
+    opt = build_optimizer(model, optimizer) if optimizer is not None else None
+    return ModelOnLayout(cfg=cfg, layout=layout, coords=coords, tcfg=tcfg, model=model,
+                         optimizer=opt)
+
+
+def build_optimizer(model, spec: OptimizerSpec):
+    """Megatron-Core's Adam (fp32, plain or distributed) over a DDP-wrapped model."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=spec.weight_decay,
+                           adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2,
+                           adam_eps=spec.adam_eps, clip_grad=spec.clip_grad, bf16=False,
+                           fp16=False, params_dtype=torch.float32,
+                           use_distributed_optimizer=spec.use_distributed_optimizer)
+    return get_megatron_optimizer(ocfg, [model])

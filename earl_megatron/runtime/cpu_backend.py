@@ -1,0 +1,240 @@
+"""Run Megatron-Core on CPU under gloo: an explicit, scoped redirection of its CUDA uses.
+
+Megatron-Core 0.16 hard-codes CUDA in a handful of places that are incidental to the math
+(see ../shared/DESIGN.md, "Measured here"): ``torch.zeros(..., device="cuda")`` in the pipeline
+schedules, the causal mask and GlobalMemoryBuffer, ``inv_freq.to(torch.cuda.current_device())``
+in rotary embeddings, p2p receive buffers, DDP grad buffers, the optimizer and grad clipping,
+``pin_memory=True`` in rope utilities, ``param.grad.type() == 'torch.cuda.FloatTensor'`` asserts,
+and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
+
+- a ``TorchFunctionMode`` that rewrites CUDA device arguments (``"cuda"``, ``"cuda:N"``, bare
+  ints, ``torch.device("cuda")``) to CPU, turns ``Tensor.cuda()`` into a no-op, drops
+  ``pin_memory=True``, and answers ``Tensor.type()`` with the CUDA type name of the same dtype
+  (only the no-argument form, which is what the asserts call);
+- ``torch.cuda`` entry points Megatron calls unconditionally (current_device, synchronize,
+  streams, events, memory queries, manual_seed) answered as a single "device 0" host;
+- a CPU RNG tracker installed in place of Megatron's CUDA one, so ``fork()`` swaps CPU generator
+  states and TP-split init stays reproducible.
+
+Invariants: nothing happens at import time; ``cpu_backend()`` is a context manager that restores
+every patched attribute on exit; ``enable_cpu_backend()`` refuses to run when CUDA is available
+(on GPUs the same code runs unmodified on NCCL); entering it twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+_CUDA_TYPE = {
+    torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor",
+    torch.int8: "torch.cuda.CharTensor", torch.int16: "torch.cuda.ShortTensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of any torch function to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE.get(args[0].dtype, func(*args))
+        if func in (torch.Tensor.pin_memory,):
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to or func is torch.Tensor.new_empty or func is torch.Tensor.new_zeros:
+            args = tuple("cpu" if (i == 1 and _is_cuda_device(a)) else a
+                         for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's RNG tracker API over CPU generator states (used by TP-split init, dropout)."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def reset(self) -> None:
+        self._initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict) -> None:
+        self._initialized = True
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        self._initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator().manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"cuda rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+class _HostStream:
+    """Stands for a CUDA stream on a host: work is already ordered, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _HostEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _HostEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _cuda_patches() -> dict[str, Any]:
+    stream = _HostStream()
+    return {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "set_device": lambda *a, **k: None,
+        "synchronize": lambda *a, **k: None,
+        "manual_seed": lambda *a, **k: None,
+        "manual_seed_all": lambda *a, **k: None,
+        "Stream": _HostStream,
+        "Event": _HostEvent,
+        "current_stream": lambda *a, **k: stream,
+        "default_stream": lambda *a, **k: stream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "empty_cache": lambda: None,
+        "nvtx": _Nvtx(),
+    }
+
+
+class _Nvtx:
+    @staticmethod
+    def range_push(*a, **k):
+        pass
+
+    @staticmethod
+    def range_pop(*a, **k):
+        pass
+
+    @staticmethod
+    @contextlib.contextmanager
+    def range(*a, **k):
+        yield
+
+
+@contextlib.contextmanager
+def cpu_backend() -> Iterator[None]:
+    """Scope in which Megatron-Core's CUDA uses run on the CPU. Refuses to run with CUDA."""
+    global _ACTIVE
+    if _ACTIVE:
+        yield
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_backend() is for CPU-only hosts; with CUDA available, run the "
+                           "same code without it (NCCL backend, real CUDA devices)")
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved_cuda = {k: getattr(torch.cuda, k) for k in _cuda_patches() if hasattr(torch.cuda, k)}
+    missing = [k for k in _cuda_patches() if not hasattr(torch.cuda, k)]
+    saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved_tracker_cls = mrandom.CudaRNGStatesTracker
+    mode = _CudaToCpuMode()
+    _ACTIVE = True
+    try:
+        for k, v in _cuda_patches().items():
+            setattr(torch.cuda, k, v)
+        # Megatron's initialize_rng_tracker() instantiates CudaRNGStatesTracker: route it here.
+        mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+        mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        with mode:
+            yield
+    finally:
+        _ACTIVE = False
+        for k, v in saved_cuda.items():
+            setattr(torch.cuda, k, v)
+        for k in missing:
+            if hasattr(torch.cuda, k):
+                delattr(torch.cuda, k)
+        mrandom.CudaRNGStatesTracker = saved_tracker_cls
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def device_backend() -> tuple[str, str]:
+    """(device type, torch.distributed backend) for this host: ("cuda", "nccl") or ("cpu", "gloo")."""
+    return ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
