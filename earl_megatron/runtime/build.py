@@ -93,4 +93,5 @@ def build_optimizer(model, spec: OptimizerSpec):
                            adam_eps=spec.adam_eps, clip_grad=spec.clip_grad, bf16=False,
                            fp16=False, params_dtype=torch.float32,
                            use_distributed_optimizer=spec.use_distributed_optimizer)
-    return get_megatron_optimizer(ocfg, [model])
+    return get_megatron_optimizer(ocfg, [model],
+                                  use_gloo_process_groups=groups.has_gloo_side_groups())

@@ -92,6 +92,11 @@ def _clear_megatron_caches() -> None:
         ps._GLOBAL_MEMORY_BUFFER = None
 
 
+def has_gloo_side_groups() -> bool:
+    """Whether Megatron's extra gloo groups exist (only with a non-gloo default backend)."""
+    return dist.get_backend() != "gloo"
+
+
 def current_pg_collection():
     """Megatron-Core's ProcessGroupCollection for the active layout."""
     from megatron.core.process_groups_config import ProcessGroupCollection

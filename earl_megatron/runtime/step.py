@@ -122,8 +122,8 @@ def forward_backward(model, tcfg, microbatches: list[dict], layout: ParallelLayo
         return output, loss_func
 
     t0 = time.perf_counter()
-    if not forward_only:
-        model.zero_grad_buffer() if hasattr(model, "zero_grad_buffer") else None
+    if not forward_only and hasattr(model, "zero_grad_buffer"):
+        model.zero_grad_buffer()
     fb = get_forward_backward_func()
     reduced = fb(forward_step_func=forward_step, data_iterator=it, model=[model],
                  num_microbatches=len(microbatches), seq_length=seq_len,
@@ -132,11 +132,37 @@ def forward_backward(model, tcfg, microbatches: list[dict], layout: ParallelLayo
     return StepResult(*_global_loss(reduced), seconds=seconds)
 
 
+@dataclass(frozen=True)
+class TrainStepResult:
+    loss: float
+    num_tokens: int
+    grad_norm: float
+    update_successful: bool
+    seconds: float
+
+
+def train_step(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+               loss_fn: PerTokenLoss = _ce_loss) -> TrainStepResult:
+    """zero grads -> forward/backward -> optimizer step, as Megatron-LM's train_step orders it.
+
+    ``optimizer.zero_grad()`` matters as much as ``zero_grad_buffer()``: Megatron's optimizer
+    points ``param.grad`` at the DDP buffer during ``step``; left in place, the next backward
+    accumulates through that alias and the gradients are wrong from the second step on.
+    """
+    t0 = time.perf_counter()
+    mol.optimizer.zero_grad()
+    res = forward_backward(mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
+                           micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+    ok, grad_norm, _ = mol.optimizer.step()
+    return TrainStepResult(loss=res.loss, num_tokens=res.num_tokens,
+                           grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                           update_successful=bool(ok), seconds=time.perf_counter() - t0)
+
+
 def _global_loss(reduced: list[dict]) -> tuple[float, int]:
     """Sum the last pp_stage's (loss_sum, tokens) over dp x cp; every rank gets the result."""
     from earl_megatron.runtime import groups
 
-    from megatron.core import parallel_state as _ps  # noqa: F401  (groups owns the bridge)
     totals = torch.zeros(2, dtype=torch.float64)
     coords = groups.coords_of_this_rank()
     if groups.is_pipeline_last_stage() and coords["tp"] == 0:

@@ -1,0 +1,224 @@
+"""The multi-turn agent loop: many episodes batched against one RolloutEngine.
+
+Each turn, every live episode's whole context (token ids so far) goes to the engine in ONE
+``generate`` call; each episode's sampled tokens go to its environment as text, and the
+environment's answer is rendered with the chat template and appended. An episode is one token
+sequence trained under a loss mask:
+
+    [prompt: system + obs0 + gen prompt][sampled turn 1][end/obs1/gen prompt][sampled turn 2]...
+     loss_mask 0                         1               0                    1
+     logprobs  0.0                       engine's        0.0                  engine's
+
+Invariants (tests check them against a real model):
+- ``len(token_ids) == len(loss_mask) == len(logprobs)``; loss_mask is 1 exactly on tokens the
+  engine sampled (the end-of-turn token included when sampled), and logprobs are the engine's
+  there and 0.0 elsewhere.
+- ``len(token_ids) <= max_context_tokens``. A turn is only started when the context plus a full
+  ``max_action_tokens`` turn fits; otherwise the episode ends with finish_reason "max_context".
+  After ``max_turns`` sampled turns it ends with "max_turns". Neither is silent: finish_reason
+  says which, and the reward is what the environment paid so far (0 for an unfinished game).
+- An episode that ended by the environment (win/loss/draw, answer, bad action) has finish_reason
+  "done"; its last observation is kept in ``observations`` but not appended to the tokens (no
+  policy token follows it, so training would never read it).
+- Sampling is reproducible: turn t uses seed ``config.seed * 1_000_003 + t`` for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from earl_megatron.envs.base import Env
+from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
+from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
+
+FINISH_REASONS = ("done", "max_turns", "max_context")
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    max_turns: int = 16
+    """Sampled assistant turns per episode at most."""
+    max_context_tokens: int = 1024
+    """Tokens per episode at most (prompt, sampled and environment tokens together)."""
+    max_action_tokens: int = 8
+    """Tokens sampled per turn at most (the engine's max_new_tokens)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_action_tokens < 1:
+            raise ValueError(f"max_turns and max_action_tokens must be >= 1, got "
+                             f"{self.max_turns}, {self.max_action_tokens}")
+        if self.max_context_tokens <= self.max_action_tokens:
+            raise ValueError(f"max_context_tokens={self.max_context_tokens} leaves no room for a "
+                             f"prompt before a {self.max_action_tokens}-token turn; raise it")
+
+
+@dataclass(frozen=True)
+class Episode:
+    env: str
+    seed: int
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Rollout logprob of each token under the engine; 0.0 where loss_mask is 0."""
+    reward: float
+    turns: int
+    """Sampled assistant turns."""
+    finish_reason: str
+    """"done" (the environment ended it), "max_turns" or "max_context"."""
+    prompt_length: int
+    actions: tuple[str, ...]
+    """Decoded text of each sampled turn, as the environment received it."""
+    observations: tuple[str, ...]
+    """The reset observation, then the environment's answer to each action."""
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """The environment's step infos merged (flags: illegal, unparsable, tool_error; outcome)."""
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class _Live:
+    # mutable working state of one episode while the loop runs; frozen into an Episode at the end
+    env: Env
+    seed: int
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    observations: list[str]
+    prompt_length: int
+    actions: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    reward: float = 0.0
+    turns: int = 0
+
+    def append(self, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None):
+        self.tokens.extend(tokens)
+        self.mask.extend([mask] * len(tokens))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+    def freeze(self, finish_reason: str) -> Episode:
+        return Episode(env=self.env.name, seed=self.seed, token_ids=tuple(self.tokens),
+                       loss_mask=tuple(self.mask), logprobs=tuple(self.logprobs),
+                       reward=self.reward, turns=self.turns, finish_reason=finish_reason,
+                       prompt_length=self.prompt_length, actions=tuple(self.actions),
+                       observations=tuple(self.observations), info=dict(self.info))
+
+
+def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
+                 config: AgentLoopConfig = AgentLoopConfig()) -> list[Episode]:
+    """Play one episode per (env, seed) to the end; Episodes come back in input order.
+
+    ``envs`` must be distinct objects (an environment holds one episode's state); ``tokenizer``
+    is an HF tokenizer with a chat template (``char_tokenizer()`` or a real one).
+    """
+    if len(envs) != len(seeds):
+        raise ValueError(f"got {len(envs)} environments and {len(seeds)} seeds; need one seed "
+                         "per environment")
+    if len({id(e) for e in envs}) != len(envs):
+        raise ValueError("the same environment object appears twice; make one per episode "
+                         "(e.g. [make_env(name) for _ in seeds])")
+    fmt = chat_format(tokenizer)
+    end_of_turn_id = fmt.stop_token_ids[0]
+    room = config.max_context_tokens - config.max_action_tokens
+    results: dict[int, Episode] = {}
+    active: list[tuple[int, _Live]] = []
+    for i, (env, seed) in enumerate(zip(envs, seeds)):
+        obs = env.reset(seed)
+        prompt = render_prompt(tokenizer, env.system_prompt, obs)
+        live = _Live(env, int(seed), list(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                     [obs], len(prompt))
+        if len(prompt) > room:
+            results[i] = live.freeze("max_context")
+        else:
+            active.append((i, live))
+
+    turn = 0
+    while active:
+        params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                                max_new_tokens=config.max_action_tokens,
+                                stop_token_ids=fmt.stop_token_ids,
+                                seed=config.seed * 1_000_003 + turn)
+        generations = engine.generate([live.tokens for _, live in active], params)
+        if len(generations) != len(active):
+            raise RuntimeError(f"engine returned {len(generations)} generations for "
+                               f"{len(active)} prompts; it breaks the RolloutEngine contract")
+        still = []
+        for (i, live), gen in zip(active, generations):
+            live.append(gen.token_ids, 1, gen.logprobs)
+            live.turns += 1
+            action = tokenizer.decode(list(gen.token_ids), skip_special_tokens=True)
+            result = live.env.step(action)
+            live.actions.append(action)
+            live.observations.append(result.observation)
+            live.reward += result.reward
+            live.info.update(result.info)
+            if result.done:
+                results[i] = live.freeze("done")
+                continue
+            if live.turns >= config.max_turns:
+                results[i] = live.freeze("max_turns")
+                continue
+            # the turn counts as closed by the template only if it ended with end-of-turn; a
+            # turn cut by max_action_tokens (or ended by EOS) gets the end-of-turn token as a
+            # template token with loss mask 0
+            stopped = bool(gen.token_ids) and gen.token_ids[-1] == end_of_turn_id
+            nxt = render_next_turn(tokenizer, fmt, result.observation, stopped)
+            if len(live.tokens) + len(nxt) > room:
+                results[i] = live.freeze("max_context")
+                continue
+            live.append(nxt, 0)
+            still.append((i, live))
+        active = still
+        turn += 1
+    return [results[i] for i in range(len(envs))]
+
+
+@dataclass(frozen=True)
+class RolloutMetrics:
+    episodes: int
+    mean_reward: float
+    win_rate: float
+    draw_rate: float
+    loss_rate: float
+    """Fractions of all episodes whose game ended in that outcome (bad actions count in none)."""
+    illegal_rate: float
+    unparsable_rate: float
+    tool_error_rate: float
+    """Fractions of episodes with the flag set."""
+    mean_context_tokens: float
+    max_context_tokens: int
+    mean_turns: float
+    policy_tokens: int
+    finish_reasons: Mapping[str, int]
+
+
+def summarize(episodes: Sequence[Episode]) -> RolloutMetrics:
+    n = len(episodes)
+    if n == 0:
+        raise ValueError("summarize() needs at least one episode")
+
+    def rate(pred) -> float:
+        return sum(1 for e in episodes if pred(e)) / n
+
+    return RolloutMetrics(
+        episodes=n,
+        mean_reward=sum(e.reward for e in episodes) / n,
+        win_rate=rate(lambda e: e.info.get("outcome") == "win"),
+        draw_rate=rate(lambda e: e.info.get("outcome") == "draw"),
+        loss_rate=rate(lambda e: e.info.get("outcome") == "loss"),
+        illegal_rate=rate(lambda e: e.info.get("illegal", False)),
+        unparsable_rate=rate(lambda e: e.info.get("unparsable", False)),
+        tool_error_rate=rate(lambda e: e.info.get("tool_error", False)),
+        mean_context_tokens=sum(len(e.token_ids) for e in episodes) / n,
+        max_context_tokens=max(len(e.token_ids) for e in episodes),
+        mean_turns=sum(e.turns for e in episodes) / n,
+        policy_tokens=sum(e.num_policy_tokens for e in episodes),
+        finish_reasons=dict(Counter(e.finish_reason for e in episodes)),
+    )

@@ -1,0 +1,134 @@
+"""A tiny character-level HF tokenizer for the CPU default, and chat rendering for any tokenizer.
+
+``char_tokenizer()`` builds a ``tokenizers.Tokenizer`` (WordLevel over single characters, one
+token per character, unknown characters -> <unk>) wrapped as a ``PreTrainedTokenizerFast``, so it
+saves and loads like any HF tokenizer and carries its own chat template. Vocabulary (104 ids, fits
+the tiny model's 128):
+
+    0-7     <pad> <unk> <bos> <eos> <|system|> <|user|> <|assistant|> <|end|>
+    8       "\\n"
+    9-103   printable ASCII, space (9) to "~" (103), in code-point order
+    104+    not tokens: a model with a larger vocabulary may sample them; they decode to ""
+
+Chat rendering works for this tokenizer and for a real HF tokenizer with a ``chat_template``.
+The agent loop builds a context turn by turn, so it needs the template cut into pieces:
+
+    render_prompt(system, obs0)  = template([system, user obs0], generation prompt)
+    <assistant tokens sampled by the engine, ending with the end-of-turn token>
+    render_next_turn(obs1)       = what the template puts between that end-of-turn token and the
+                                   next generation prompt, user turn obs1 included
+
+Invariant (tested): prompt + sampled tokens + next turn + ... equals the template applied to the
+whole conversation, so training sees exactly the text the template defines. The pieces come from
+rendering the template on a short conversation and cutting it, so any template that renders
+earlier turns identically when a turn is appended works; one that does not gets a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = (PAD, UNK, BOS, EOS) + ROLE_TOKENS + (END_OF_TURN,)
+CHARS = ("\n",) + tuple(chr(c) for c in range(32, 127))
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+_DUMMY_USER = "Q"
+_DUMMY_ASSISTANT = "ASSISTANT-REPLY"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer with a chat template (see the module docstring)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # every character is its own pre-token; [\s\S] because "." would skip newlines
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, unk_token=UNK,
+                                   additional_special_tokens=list(ROLE_TOKENS + (END_OF_TURN,)))
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """Where a tokenizer's chat template ends an assistant turn, found once per tokenizer."""
+
+    end_of_turn: str
+    """The special token text closing an assistant turn (<|end|>, <|im_end|>, <|eot_id|>)."""
+    stop_token_ids: tuple[int, ...]
+    """Token ids that end a generated turn: the end-of-turn token, plus EOS if different."""
+
+
+def _template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+              generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{type(tokenizer).__name__} has no chat_template; set "
+                         "tokenizer.chat_template (a Jinja string) or use char_tokenizer()")
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    # the template text already holds BOS and role tokens: add nothing
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _messages(system: str, *turns: tuple[str, str]) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": role, "content": content} for role, content in turns]
+
+
+def chat_format(tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+    """Find the end-of-turn token by rendering a one-turn conversation and cutting it."""
+    text = _template(tokenizer, _messages("", ("user", _DUMMY_USER),
+                                          ("assistant", _DUMMY_ASSISTANT)), False)
+    at = text.rfind(_DUMMY_ASSISTANT)
+    if at < 0:
+        raise ValueError("the chat template does not render assistant content verbatim; "
+                         "cannot find where an assistant turn ends")
+    after = text[at + len(_DUMMY_ASSISTANT):]
+    specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()),
+                      key=len, reverse=True)
+    end = next((s for s in specials if s and after.startswith(s)), None)
+    if end is None:
+        raise ValueError(f"the chat template ends assistant turns with {after[:20]!r}, not with a "
+                         "special token; the engine needs a single stop token to end a turn. "
+                         "Add an end-of-turn special token to the template")
+    ids = [tokenizer.convert_tokens_to_ids(end)]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ChatFormat(end_of_turn=end, stop_token_ids=tuple(ids))
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, system: str, observation: str) -> list[int]:
+    """Token ids of the first turn: system (omitted when empty), user observation, generation
+    prompt."""
+    return _encode(tokenizer, _template(tokenizer, _messages(system, ("user", observation)), True))
+
+
+def render_next_turn(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, observation: str,
+                     stopped: bool) -> list[int]:
+    """Token ids between the end of a sampled assistant turn and the next generation prompt.
+
+    ``stopped`` says whether the sampled turn ended with the end-of-turn token; when it did not
+    (the turn hit its token budget) the end-of-turn token is part of these template tokens.
+    """
+    turns = (("user", _DUMMY_USER), ("assistant", _DUMMY_ASSISTANT))
+    base = _template(tokenizer, _messages("", *turns), False)
+    full = _template(tokenizer, _messages("", *turns, ("user", observation)), True)
+    if not full.startswith(base):
+        raise ValueError("the chat template renders earlier turns differently once a turn is "
+                         "appended; multi-turn contexts cannot be built incrementally with it")
+    after_content = base[base.rfind(_DUMMY_ASSISTANT) + len(_DUMMY_ASSISTANT):]
+    if stopped:
+        after_content = after_content[len(fmt.end_of_turn):]
+    return _encode(tokenizer, after_content + full[len(base):])

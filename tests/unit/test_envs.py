@@ -1,0 +1,207 @@
+"""Environments: game outcomes from known move sequences, bad actions, MCTS, the calculator."""
+
+import pyspiel
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from earl_megatron.envs import EnvStateError, list_envs, make_env
+from earl_megatron.envs.openspiel_games import MCTSOpponent, ScriptedOpponent, parse_move
+from earl_megatron.envs.tool_env import (CalcError, CalcUnparsable, CalculatorEnv, make_question,
+                                         safe_eval)
+
+# A full-board Connect Four draw found by random play (pyspiel confirms: returns [0, 0]).
+C4_DRAW = [int(c) for c in "361313645534311043046626105524515600224220"]
+
+
+def play(env, agent_moves, seed=0):
+    env.reset(seed)
+    results = [env.step(str(m)) for m in agent_moves]
+    assert all(not r.done for r in results[:-1])
+    return results[-1]
+
+
+def scripted(game, opponent, **kw):
+    return make_env(game, opponent=ScriptedOpponent(opponent), **kw)
+
+
+def test_registry_lists_and_rejects():
+    assert {"connect_four", "tic_tac_toe", "calculator"} <= set(list_envs())
+    with pytest.raises(KeyError, match="known environments: calculator, connect_four"):
+        make_env("chess")
+    assert make_env("connect_four", agent_player=1).agent_player == 1
+
+
+def test_connect_four_render_exact():
+    env = scripted("connect_four", [1])
+    assert env.reset(0) == "moves:\n" + ".......\n" * 6 + "0123456"
+    res = env.step(" 0 because")
+    assert res == type(res)("moves: 0 1\n" + ".......\n" * 5 + "xo.....\n0123456", 0.0, False,
+                            {})
+
+
+def test_connect_four_vertical_four_wins():
+    res = play(scripted("connect_four", [1, 1, 1]), [0, 0, 0, 0])
+    assert (res.reward, res.done, res.info) == (1.0, True, {"outcome": "win"})
+    assert res.observation == ("moves: 0 1 0 1 0 1 0\n" + ".......\n" * 2 + "x......\n"
+                               + "xo.....\n" * 3 + "0123456\nresult: win")
+
+
+def test_connect_four_opponent_four_loses():
+    res = play(scripted("connect_four", [1, 1, 1, 1]), [0, 5, 0, 5])
+    assert (res.reward, res.done, res.info["outcome"]) == (-1.0, True, "loss")
+
+
+@pytest.mark.parametrize("agent_player", [0, 1])
+def test_connect_four_full_board_draws(agent_player):
+    state = pyspiel.load_game("connect_four").new_initial_state()
+    for a in C4_DRAW:
+        state.apply_action(a)
+    assert state.is_terminal() and state.returns() == [0.0, 0.0]
+    mine, theirs = C4_DRAW[agent_player::2], C4_DRAW[1 - agent_player::2]
+    res = play(scripted("connect_four", theirs, agent_player=agent_player), mine)
+    assert (res.reward, res.done, res.info["outcome"]) == (0.0, True, "draw")
+    assert "." not in res.observation.split("\n")[1]  # top row full
+
+
+def test_full_column_is_illegal_with_penalty():
+    env = scripted("connect_four", [0, 0, 0], invalid_penalty=-0.5)
+    res = play(env, [0, 0, 0, 0])
+    assert (res.reward, res.done) == (-0.5, True)
+    assert res.info == {"illegal": True, "move": 0}
+    assert res.observation.endswith("result: illegal")
+    with pytest.raises(EnvStateError, match="reset"):
+        env.step("1")
+
+
+@pytest.mark.parametrize("text,flag", [("7", "illegal"), ("9x", "illegal"), ("abc", "unparsable"),
+                                       ("", "unparsable"), ("x3", "unparsable"),
+                                       ("\n", "unparsable")])
+def test_bad_actions_flagged_never_raise(text, flag):
+    env = make_env("connect_four", invalid_penalty=-2.0)
+    env.reset(3)
+    res = env.step(text)
+    assert (res.reward, res.done, res.info[flag]) == (-2.0, True, True)
+
+
+def test_parse_move():
+    assert [parse_move(t) for t in ["3", " 4\n", "5 and more", "62", "x", ""]] == \
+        [3, 4, 5, 6, None, None]
+
+
+def test_tic_tac_toe_outcomes_and_digit_board():
+    env = scripted("tic_tac_toe", [4], agent_player=1)
+    assert env.reset(0) == "moves: 4\n012\n3x5\n678"
+    res = play(scripted("tic_tac_toe", [3, 5]), [0, 4, 8])  # diagonal 0-4-8
+    assert (res.reward, res.info["outcome"]) == (1.0, "win")
+    assert res.observation == "moves: 0 3 4 5 8\nx12\noxo\n67x\nresult: win"
+    res = play(scripted("tic_tac_toe", [1, 4, 5, 6]), [0, 2, 3, 7, 8])  # xox/xoo/oxx
+    assert (res.reward, res.info["outcome"]) == (0.0, "draw")
+    res = play(scripted("tic_tac_toe", [4]), [0, 4])  # cell 4 taken
+    assert res.info == {"illegal": True, "move": 4}
+
+
+def test_random_opponent_is_seeded():
+    def opponent_reply(seed):
+        env = make_env("connect_four")
+        env.reset(seed)
+        return env.step("3").observation
+
+    assert opponent_reply(5) == opponent_reply(5)
+    assert len({opponent_reply(s) for s in range(12)}) > 1
+
+
+def state_after(game, moves):
+    game = pyspiel.load_game(game)
+    state = game.new_initial_state()
+    for m in moves:
+        state.apply_action(m)
+    return game, state
+
+
+@pytest.mark.parametrize("game,moves,block", [
+    ("connect_four", [0, 1, 0, 1, 0], 0),  # x has three in column 0: o must play 0
+    ("connect_four", [0, 6, 1, 6, 2], 3),  # x has 0-1-2 on the bottom row: o must play 3
+    ("tic_tac_toe", [0, 4, 1], 2),         # x has cells 0 and 1: o must take 2
+])
+def test_mcts_blocks_immediate_threat(game, moves, block):
+    game, state = state_after(game, moves)
+    for seed in range(2):
+        bot = MCTSOpponent(simulations=300)
+        bot.reset(game, seed)
+        assert bot.choose(state) == block
+
+
+def test_mcts_beats_lowest_free_cell_agent():
+    env = make_env("tic_tac_toe", opponent="mcts", mcts_simulations=200)
+    obs, res = env.reset(0), None
+    while res is None or not res.done:
+        # the agent takes the lowest free cell; free cells show as digits on the board rows
+        res = env.step(min(c for c in "".join(obs.split("\n")[1:4]) if c.isdigit()))
+        obs = res.observation
+    assert (res.reward, res.info["outcome"]) == (-1.0, "loss")
+
+
+def test_safe_eval_values_and_rejections():
+    assert [safe_eval(e) for e in ["12*(3+4)", "7//2", "-3**2", "2**-1", "17%5", "1.5*4"]] == \
+        [84, 3, -9, 0.5, 2, 6.0]
+    for bad in ["__import__('os')", "x", "(lambda: 1)()", "[1]*10", "'a'*3", "True+1",
+                "().__class__", "1;2", "9" * 250]:
+        with pytest.raises(CalcUnparsable):
+            safe_eval(bad)
+    for refused in ["2**100000", "10**10**10", "1/0", "5%0", "10**20*10**20", "0**-1"]:
+        with pytest.raises(CalcError):
+            safe_eval(refused)
+
+
+EXPRS = st.recursive(st.integers(0, 999).map(str),
+                     lambda sub: st.one_of(
+                         st.tuples(sub, st.sampled_from("+-*%"), sub).map(
+                             lambda t: f"({t[0]}{t[1]}{t[2]})"),
+                         sub.map(lambda e: f"-{e}")), max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(EXPRS)
+def test_safe_eval_agrees_with_python_on_arithmetic(expr):
+    # expr is built only from digits, operators and parentheses, so Python's eval is safe here
+    try:
+        expected = eval(expr)
+    except ZeroDivisionError:
+        with pytest.raises(CalcError, match="division by zero"):
+            safe_eval(expr)
+        return
+    assert safe_eval(expr) == expected
+
+
+def test_calculator_episode():
+    env = CalculatorEnv(invalid_penalty=-1.0)
+    question = env.reset(7)
+    expr, value = make_question(7)
+    assert question == f"compute {expr}" and value == safe_eval(expr)
+    assert env.reset(7) == question
+    res = env.step(f"let me see <calc>{expr}</calc>")
+    assert (res.observation, res.reward, res.done) == (f"<result>{value}</result>", 0.0, False)
+    res = env.step("<calc>2**100000</calc>")
+    assert res.done is False and res.info["tool_error"] and "exponent" in res.observation
+    res = env.step(f"<answer>{value}</answer>")
+    assert (res.reward, res.done, res.info["correct"], res.info["tool_calls"]) == \
+        (1.0, True, True, 2)
+    env.reset(7)
+    assert env.step(f"<answer>{value + 1}</answer>").reward == 0.0
+
+
+@pytest.mark.parametrize("text", ["<calc>__import__('os').system('ls')</calc>", "84",
+                                  "<answer>eighty</answer>", "<calc>1+2"])
+def test_calculator_bad_calls_penalised(text):
+    env = CalculatorEnv(invalid_penalty=-0.25)
+    env.reset(1)
+    res = env.step(text)
+    assert (res.reward, res.done, res.info["unparsable"]) == (-0.25, True, True)
+
+
+def test_calculator_tool_budget():
+    env = CalculatorEnv(max_tool_calls=1)
+    env.reset(0)
+    assert not env.step("<calc>1+1</calc>").done
+    res = env.step("<calc>1+1</calc>")
+    assert (res.reward, res.done, res.info["tool_budget"]) == (0.0, True, True)
