@@ -1,0 +1,247 @@
+"""Per-rank memory of one RL stage under one layout: exact parameter counts, modelled activations.
+
+Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
+
+- weights: ``param_count_per_rank`` x param bytes. EXACT for Megatron-Core 0.16 ``GPTModel`` with
+  the local (non-TE) layer spec, RMSNorm, SwiGLU and no linear biases other than the optional
+  qkv bias (checked against live models in tests/unit/test_memory_model.py); the TE spec has
+  the same counts (its norm weights live in linear_qkv / linear_fc1 as layer_norm_weight).
+- grads (TRAIN): the DDP ``main_grad`` buffer, one element per local parameter in ``grad_dtype``.
+  Megatron pads each bucket to a multiple of lcm(dp*cp, 128) elements; that padding is ignored.
+- optimizer (TRAIN): Adam moments (8 B/param) plus an fp32 master copy (4 B) for bf16 params,
+  divided by dp*cp under the distributed optimizer (Megatron shards over the dp-with-cp group).
+- activations: the Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", Sec. 4) per-layer accounting, redone for this architecture (RMSNorm,
+  GQA, SwiGLU, no dropout), sequence parallel off, in two variants (``layer_activation_bytes``):
+  the TransformerEngine path (fused attention: norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU
+  4f/t per token, in activation bytes) and Megatron's local spec in eager torch (the CPU path),
+  whose saved tensors were counted with autograd saved-tensor hooks and match the formula
+  exactly in fp32 at tp 1, 2, 4 and cp 2: norms 6h + 2, Q/K/V with K and V repeated per head
+  3q/t, context q/t, SwiGLU 5f/t, rotary 4d, plus the softmax output a/t and a 1-byte mask per
+  score.
+  Context parallel splits the tokens by cp; the all-gather CP attention used without
+  TransformerEngine keeps the gathered K and V (x cp). 1F1B keeps pp - pp_rank micro-batches in
+  flight on pp_rank (Narayanan et al. 2021). Selective recompute drops the scores term; full
+  recompute keeps only each layer's input (h) plus one layer's full set.
+- logits (last pp_stage): vocab/tp per token in activation dtype plus two fp32 working copies
+  (upcast and the saved softmax for the backward), plus the logits' gradient in TRAIN.
+- kv_cache (ROLLOUT): 2 x (g/t) x head_dim x b per token per local layer, reserved for the longest
+  context for every response in flight on the replica (a static cache, as the embedded engine
+  allocates it). Prefill runs in chunks of ``micro_batch_tokens`` (chunked prefill).
+- comm_buffers: pipeline p2p send/recv tensors (two each way in TRAIN) and the transient gathered
+  K/V of one layer for CP outside TRAIN. TP all-reduces run in place; DDP and the distributed
+  optimizer communicate inside their own buffers.
+- reserved: ``ClusterSpec.reserved_bytes`` (CUDA context, NCCL, allocator slack).
+- resident: bytes other stages leave on the device (e.g. optimizer state kept during rollout),
+  passed in by the caller.
+
+Invariants: every term is a non-negative int; for a fixed layout every term is non-decreasing
+in the context lengths, the micro-batch budget and the responses in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
+                                     human_bytes)
+
+
+def param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
+    """Exact number of parameter elements one rank of ``pp_rank`` holds (Megatron-Core 0.16
+    GPTModel, local layer spec). Every tp/cp/dp rank of a pp_stage holds the same count."""
+    layout.check(layout.world_size, model.shape)
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank {pp_rank} out of range for pp={layout.pp}")
+    t, h, f = layout.tp, model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_query_groups * model.head_dim
+    qkv_rows = (q + 2 * kv) // t
+    per_layer = (h                                              # input_layernorm.weight
+                 + qkv_rows * h                                 # linear_qkv.weight
+                 + (qkv_rows if model.add_qkv_bias else 0)      # linear_qkv.bias
+                 + h * (q // t)                                 # linear_proj.weight
+                 + h                                            # pre_mlp_layernorm.weight
+                 + (2 * f // t) * h                             # linear_fc1.weight (gate; up)
+                 + h * (f // t))                                # linear_fc2.weight
+    count = (model.num_layers // layout.pp) * per_layer
+    vocab_shard = (model.vocab_size // t) * h
+    if pp_rank == 0:
+        count += vocab_shard                                    # embedding.word_embeddings
+    if pp_rank == layout.pp - 1:
+        count += h                                              # decoder.final_layernorm
+        # Tied embeddings share the embedding tensor only when one pp_stage holds both ends;
+        # with pp > 1 the last pp_stage allocates its own output_layer copy (kept in sync).
+        if not (model.tie_word_embeddings and layout.pp == 1):
+            count += vocab_shard                                # output_layer.weight
+    return count
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by term, for the pp_stage (``pp_rank``) with the largest total."""
+
+    stage: Stage
+    layout: ParallelLayout
+    pp_rank: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    kv_cache: int
+    comm_buffers: int
+    reserved: int
+    resident: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms().values())
+
+    def terms(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("stage", "layout", "pp_rank")}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.terms().items() if v)
+        return (f"{self.stage.value} {self.layout} pp_rank {self.pp_rank}: "
+                f"{human_bytes(self.total)} ({parts})")
+
+
+def _micro_batches_per_replica(workload: StageWorkload, layout: ParallelLayout) -> int:
+    tokens = math.ceil(workload.total_tokens / layout.dp)
+    return max(1, math.ceil(tokens / workload.effective_micro_batch_tokens))
+
+
+def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: int,
+                           longest: int, act_bytes: int, *, fused_attention: bool,
+                           keep_scores: bool = True) -> int:
+    """Activations one transformer layer keeps for the backward of a micro-batch of ``tokens``
+    tokens (before the cp split) whose longest sequence has ``longest`` tokens.
+
+    ``fused_attention=False`` is Megatron's local spec in eager torch (the CPU path), counted
+    from the tensors autograd saves (measured with saved-tensor hooks, see the tests): each
+    RMSNorm keeps its input, the normalised input, its output and 1/rms (3h + 1); Q, the context
+    and K, V repeated to every query head (the unfused GQA path) a*d/t each; SwiGLU 5f/t (fc1
+    output 2f, silu output, gate x up, the chunk copy); rotary cos/sin for q and k (4d); the
+    softmax output (a/t x s_kv per query token) and the causal mask (1 B per score, per layer).
+    ``fused_attention=True`` is the TransformerEngine path (Korthikanti et al. 2022 accounting
+    without dropout): norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU 4f/t, fp32 log-sum-exp.
+    """
+    t, c, h, f = layout.tp, layout.cp, model.hidden_size, model.ffn_hidden_size
+    a, d = model.num_attention_heads, model.head_dim
+    q, kv = a * d, model.num_query_groups * d
+    local = math.ceil(tokens / c)
+    # Packed sequences: sum of s_i^2 over the micro-batch is at most tokens * longest.
+    scores = math.ceil(tokens * min(longest, tokens) / c)
+    if fused_attention:
+        per_token = act_bytes * (4 * h + (q + 2 * kv) // t + q // t + 4 * f // t)
+        return local * (per_token + (a // t) * 4)            # + fp32 log-sum-exp per head
+    kv_mult = c                 # the all-gather CP attention keeps the gathered K and V
+    per_token = act_bytes * (2 * (3 * h + 1) + 2 * (q // t) * kv_mult + 2 * (q // t)
+                             + 5 * f // t + 4 * d)
+    total = local * per_token
+    if keep_scores:
+        total += scores * ((a // t) * act_bytes + 1)
+    return total
+
+
+def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
+                        workload: StageWorkload, opts: TrainOptions, fused: bool,
+                        reserved: int, resident: int) -> MemoryEstimate:
+    stage = workload.stage
+    b = opts.param_bytes(model)
+    t, c, pp = layout.tp, layout.cp, layout.pp
+    h = model.hidden_size
+    params = param_count_per_rank(model, layout, pp_rank)
+    layers = model.num_layers // pp
+    last = pp_rank == pp - 1
+    # Training and scoring keep a sequence in one micro-batch; rollout prefills in chunks of the
+    # budget (the KV cache holds the earlier chunks), so a long context needs no long chunk.
+    mb = workload.micro_batch_tokens if stage is Stage.ROLLOUT \
+        else workload.effective_micro_batch_tokens
+    longest = workload.max_context
+    local_mb = math.ceil(mb / c)
+    vocab_local = model.vocab_size // t
+
+    grads = optimizer = kv_cache = 0
+    layer_full = layer_activation_bytes(model, layout, mb, longest, b, fused_attention=fused)
+    if stage is Stage.TRAIN:
+        grads = params * opts.grad_bytes
+        shard = layout.dp * layout.cp if opts.distributed_optimizer else 1
+        optimizer = math.ceil(params * opts.optimizer_bytes_per_param(model) / shard)
+        in_flight = min(pp - pp_rank, _micro_batches_per_replica(workload, layout))
+        if opts.recompute is Recompute.FULL:
+            stored, transient = local_mb * h * b, layer_full
+        elif opts.recompute is Recompute.SELECTIVE and not fused:
+            stored = layer_activation_bytes(model, layout, mb, longest, b,
+                                            fused_attention=fused, keep_scores=False)
+            transient = layer_full - stored
+        else:       # no recompute, or selective over flash attention (which stores no scores)
+            stored, transient = layer_full, 0
+        activations = in_flight * layers * stored + transient
+        logits = local_mb * vocab_local * (2 * b + 8) if last else 0
+        comm = 4 * local_mb * h * b if pp > 1 else 0
+    elif stage is Stage.LOGPROB:
+        activations = layer_full                # forward only: one layer alive at a time
+        logits = local_mb * vocab_local * (b + 8) if last else 0
+        comm = 2 * local_mb * h * b if pp > 1 else 0
+        if c > 1:
+            comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
+    else:
+        # ROLLOUT: responses in flight share the replica's static KV cache; prefill runs in
+        # chunks of the micro-batch budget, decoding one token per response per step.
+        seqs = min(math.ceil(workload.responses_in_flight / layout.dp),
+                   math.ceil(workload.num_sequences / layout.dp))
+        kv_per_token = 2 * (model.num_query_groups // t) * model.head_dim * b
+        kv_cache = seqs * math.ceil(longest / c) * layers * kv_per_token
+        decode = layer_activation_bytes(model, layout, seqs * c, 1, b, fused_attention=True)
+        if not fused:
+            decode += seqs * (model.num_attention_heads // t) * math.ceil(longest / c) * b
+        activations = max(layer_full, decode)
+        logits = max(local_mb * vocab_local * (b + 4), seqs * vocab_local * 4) if last else 0
+        comm = 2 * local_mb * h * b if pp > 1 else 0
+        if c > 1:
+            comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
+    return MemoryEstimate(stage=stage, layout=layout, pp_rank=pp_rank, weights=params * b,
+                          grads=grads, optimizer=optimizer, activations=activations,
+                          logits=logits, kv_cache=kv_cache, comm_buffers=comm,
+                          reserved=reserved, resident=resident)
+
+
+def memory_by_pp_rank(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
+                      train_opts: TrainOptions = TrainOptions(), *,
+                      cluster: Optional[ClusterSpec] = None,
+                      resident_bytes: int = 0) -> tuple[MemoryEstimate, ...]:
+    """One estimate per pp_stage (all ranks of a pp_stage need the same memory)."""
+    if resident_bytes < 0:
+        raise ValueError(f"resident_bytes must be >= 0, got {resident_bytes}")
+    fused = True if cluster is None else cluster.fused_attention
+    reserved = 0 if cluster is None else cluster.reserved_bytes
+    return tuple(_memory_for_pp_rank(model, layout, r, workload, train_opts, fused, reserved,
+                                     resident_bytes) for r in range(layout.pp))
+
+
+def memory_breakdown(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
+                     train_opts: TrainOptions = TrainOptions(), *,
+                     cluster: Optional[ClusterSpec] = None,
+                     resident_bytes: int = 0) -> MemoryEstimate:
+    """The estimate of the pp_stage that needs the most memory (the lowest pp_rank on ties)."""
+    per_rank = memory_by_pp_rank(model, layout, workload, train_opts, cluster=cluster,
+                                 resident_bytes=resident_bytes)
+    return max(per_rank, key=lambda e: (e.total, -e.pp_rank))
+
+
+def train_state_bytes(model: ModelConfig, layout: ParallelLayout,
+                      train_opts: TrainOptions = TrainOptions()) -> int:
+    """Grads + optimizer state per rank of the most loaded pp_stage: what stays resident outside
+    TRAIN when the training state is not offloaded (pass it as ``resident_bytes``)."""
+    shard = layout.dp * layout.cp if train_opts.distributed_optimizer else 1
+    return max(param_count_per_rank(model, layout, r) * train_opts.grad_bytes
+               + math.ceil(param_count_per_rank(model, layout, r)
+                           * train_opts.optimizer_bytes_per_param(model) / shard)
+               for r in range(layout.pp))

@@ -1,0 +1,399 @@
+"""The layout selector: the fastest layout that fits, per stage, with the cost of switching counted.
+
+For one stage's workload::
+
+    valid layouts (enumerate_layouts)  --memory model-->  fitting: total <= budget * (1 - margin)
+        --time model x profile factor + switch cost from the live layout-->  ranked candidates
+        --hysteresis against last iteration's choice for this stage-->  LayoutPlan
+
+Switch cost: the bytes each rank must receive to hold its shard of the new layout (weights; for
+TRAIN also the optimizer state, which lives in the TRAIN layout) over the slowest link a reshard
+may use, plus the fixed regroup time. A parameter element moves to a rank when the rank owns it
+in the new layout and did not in the old one (owner sets differ); an element keeps its place when
+the rank's tp slice and pp layers overlap.
+
+Hysteresis: the previous choice for the stage is kept unless the best candidate's cost is lower
+by more than ``hysteresis`` (a fraction), so a workload that oscillates around a boundary does not
+flap. The state is a frozen ``SelectorState`` passed in and returned; nothing is mutated.
+
+Invariants (tested): a plan's layout is valid for the world size and model; its predicted memory
+is at most budget x (1 - margin); equal inputs give equal plans (ties break by cost, then memory,
+then layout order); ``NoLayoutFitsError`` lists only suggestions it has checked fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
+from earl_megatron.plan.memory_model import MemoryEstimate, memory_breakdown, param_count_per_rank
+from earl_megatron.plan.profile_table import ProfileTable
+from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
+                                     human_bytes)
+from earl_megatron.plan.time_model import StageTime, stage_time
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    memory_margin: float = 0.1
+    """Keep this fraction of device memory free (fragmentation, estimate error)."""
+    hysteresis: float = 0.05
+    """Switch away from last iteration's layout only if the new one is this fraction cheaper."""
+    max_tp: Optional[int] = None
+    max_cp: Optional[int] = None
+    max_pp: Optional[int] = None
+    rollout_cp: bool = False
+    """Allow cp > 1 for ROLLOUT. Off: Megatron-Core's inference engines and SGLang do not split
+    a KV cache by sequence position."""
+
+    def __post_init__(self):
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+
+
+@dataclass(frozen=True)
+class SelectorState:
+    """Last chosen layout per stage, as sorted (stage value, layout) pairs."""
+
+    chosen: tuple[tuple[str, ParallelLayout], ...] = ()
+
+    def previous(self, stage: Stage) -> Optional[ParallelLayout]:
+        return dict(self.chosen).get(stage.value)
+
+    def with_choice(self, stage: Stage, layout: ParallelLayout) -> "SelectorState":
+        d = dict(self.chosen)
+        d[stage.value] = layout
+        return SelectorState(tuple(sorted(d.items())))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: ParallelLayout
+    memory: MemoryEstimate
+    time: StageTime
+    scale: float
+    """Profile-table factor applied to the analytic time (1.0 without a table)."""
+    switch_seconds: float
+
+    @property
+    def predicted_seconds(self) -> float:
+        return self.time.total * self.scale
+
+    @property
+    def cost(self) -> float:
+        return self.predicted_seconds + self.switch_seconds
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    stage: Stage
+    chosen: Candidate
+    runner_up: Optional[Candidate]
+    reason: str
+    num_valid: int
+    oom: tuple[ParallelLayout, ...]
+    """Valid layouts rejected because their predicted memory exceeds the budget."""
+    budget_bytes: int
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.chosen.layout
+
+    @property
+    def predicted_memory_bytes(self) -> int:
+        return self.chosen.memory.total
+
+    @property
+    def predicted_seconds(self) -> float:
+        return self.chosen.predicted_seconds
+
+
+class NoLayoutFitsError(RuntimeError):
+    """No valid layout fits; ``suggestions`` are changes checked to make one fit."""
+
+    def __init__(self, stage: Stage, budget_bytes: int, smallest: Optional[MemoryEstimate],
+                 suggestions: tuple[str, ...]):
+        self.stage, self.budget_bytes, self.smallest = stage, budget_bytes, smallest
+        self.suggestions = suggestions
+        need = smallest.describe() if smallest else "no valid layout at all"
+        fixes = "; ".join(suggestions) if suggestions else (
+            "nothing checked fits (up to 64x the devices, recompute, a smaller micro-batch, fewer "
+            "responses, shorter contexts): the weights and optimizer state alone are too large")
+        super().__init__(f"no layout fits stage {stage.value} in {human_bytes(budget_bytes)} per "
+                         f"rank; the smallest is {need}. Would fit: {fixes}")
+
+
+# ------------------------------------------------------------------------------ switch cost
+def reshard_bytes_per_rank(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout,
+                           param_bytes: int) -> tuple[int, ...]:
+    """Bytes each rank must receive to go from its ``src`` weight shard to its ``dst`` one."""
+    if src.world_size != dst.world_size:
+        raise ValueError(f"layouts over different world sizes: {src} vs {dst}")
+    h, L, f = model.hidden_size, model.num_layers, model.ffn_hidden_size
+    q = model.num_attention_heads * model.head_dim
+    qkv = q + 2 * model.num_query_groups * model.head_dim
+    # One layer's tp-split elements (qkv [+ bias], proj, fc1, fc2) and replicated ones (norms).
+    split = qkv * h + (qkv if model.add_qkv_bias else 0) + q * h + 3 * f * h
+    replicated = 2 * h
+    vocab = model.vocab_size * h
+    out = []
+    for r in range(dst.world_size):
+        a, b = src.coords(r), dst.coords(r)
+        need = dst.layers_of(b.pp, L)
+        held = src.layers_of(a.pp, L)
+        both = len(range(max(need.start, held.start), min(need.stop, held.stop)))
+        lo = max(a.tp / src.tp, b.tp / dst.tp)
+        hi = min((a.tp + 1) / src.tp, (b.tp + 1) / dst.tp)
+        same_slice = max(0.0, hi - lo)                      # fraction of a tp-split tensor
+        elems = len(need) * split / dst.tp - both * split * same_slice
+        elems += (len(need) - both) * replicated
+        ends_src = _ends(model, src, a.pp)
+        ends_dst = _ends(model, dst, b.pp)
+        # A tied output layer holds the embedding's values, so either end can serve the other.
+        vocab_src = ends_src & {"embedding", "output"}
+        for end in ends_dst:
+            if end == "final_norm":
+                elems += 0 if end in ends_src else h
+                continue
+            have = end in vocab_src or (model.tie_word_embeddings and bool(vocab_src))
+            elems += vocab / dst.tp - (vocab * same_slice if have else 0)
+        out.append(max(0, math.ceil(elems)) * param_bytes)
+    return tuple(out)
+
+
+def _ends(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> set[str]:
+    s = set()
+    if pp_rank == 0:
+        s.add("embedding")
+    if pp_rank == layout.pp - 1:
+        s.add("final_norm")
+        if not (model.tie_word_embeddings and layout.pp == 1):
+            s.add("output")
+    return s
+
+
+def switch_seconds(model: ModelConfig, cluster: ClusterSpec, src: Optional[ParallelLayout],
+                   dst: ParallelLayout, train_opts: TrainOptions = TrainOptions(), *,
+                   optimizer_src: Optional[ParallelLayout] = None) -> float:
+    """Seconds to switch the live layout ``src`` to ``dst`` (0 if equal or nothing is live).
+
+    ``optimizer_src``: the layout the optimizer state lives in, when ``dst`` is a TRAIN layout
+    (its state must follow when the TRAIN layout changes)."""
+    pb = train_opts.param_bytes(model)
+    recv = [0] * dst.world_size
+    moved = False
+    if src is not None and src != dst:
+        recv = list(reshard_bytes_per_rank(model, src, dst, pb))
+        moved = True
+    if optimizer_src is not None and optimizer_src != dst:
+        obpp = train_opts.optimizer_bytes_per_param(model)
+        shard_src = optimizer_src.dp * optimizer_src.cp if train_opts.distributed_optimizer else 1
+        shard_dst = dst.dp * dst.cp if train_opts.distributed_optimizer else 1
+        weights = reshard_bytes_per_rank(model, optimizer_src, dst, obpp)
+        for r in range(dst.world_size):
+            if shard_src == shard_dst:
+                recv[r] += math.ceil(weights[r] / shard_dst)
+            else:                       # shard boundaries move: assume the whole shard does
+                p = param_count_per_rank(model, dst, dst.coords(r).pp)
+                recv[r] += math.ceil(p * obpp / shard_dst)
+        moved = True
+    if not moved:
+        return 0.0
+    bw = (cluster.inter_node_bandwidth / cluster.devices_per_node if cluster.nodes > 1
+          else cluster.intra_node_bandwidth)
+    return cluster.regroup_seconds + max(recv) / bw
+
+
+# ------------------------------------------------------------------------------ selection
+def _load(workload: StageWorkload) -> int:
+    return workload.responses_in_flight if workload.stage is Stage.ROLLOUT \
+        else workload.num_sequences
+
+
+def _profile_workload(workload: StageWorkload, context: int, load: int) -> StageWorkload:
+    """The uniform workload a profile entry measured: ``load`` sequences of ``context`` tokens."""
+    return replace(workload, contexts=((context, load),), responses_in_flight=load,
+                   predicted_context=0)
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Model, cluster and options fixed for a run; ``plan`` picks one stage's layout."""
+
+    model: ModelConfig
+    cluster: ClusterSpec
+    train_opts: TrainOptions = TrainOptions()
+    config: SelectorConfig = SelectorConfig()
+    profile: Optional[ProfileTable] = None
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.cluster.device_memory_bytes * (1 - self.config.memory_margin))
+
+    def valid_layouts(self, stage: Optional[Stage] = None) -> list[ParallelLayout]:
+        """Layouts valid for the world and model, within the config's caps, for ``stage``."""
+        c = self.config
+        max_cp = 1 if stage is Stage.ROLLOUT and not c.rollout_cp else c.max_cp
+        return enumerate_layouts(self.cluster.world_size, self.model.shape, max_tp=c.max_tp,
+                                 max_cp=max_cp, max_pp=c.max_pp)
+
+    def memory(self, layout: ParallelLayout, workload: StageWorkload,
+               resident_bytes: int = 0) -> MemoryEstimate:
+        return memory_breakdown(self.model, layout, workload, self.train_opts,
+                                cluster=self.cluster, resident_bytes=resident_bytes)
+
+    def evaluate(self, layout: ParallelLayout, workload: StageWorkload, *,
+                 current: Optional[ParallelLayout] = None, state: SelectorState = SelectorState(),
+                 resident_bytes: int = 0) -> Candidate:
+        """Memory, time, profile factor and switch cost of one layout (fitting or not)."""
+        t = stage_time(self.model, layout, workload, self.cluster, self.train_opts)
+        scale = 1.0
+        if self.profile is not None:
+            def analytic_for(lay):
+                return lambda ctx, ld: stage_time(self.model, lay, _profile_workload(
+                    workload, ctx, ld), self.cluster, self.train_opts).total
+            scale = self.profile.scale_factor(workload.stage, layout, workload.contexts[-1][0],
+                                              _load(workload), analytic_for)
+        opt_src = state.previous(Stage.TRAIN) if workload.stage is Stage.TRAIN else None
+        sw = switch_seconds(self.model, self.cluster, current, layout, self.train_opts,
+                            optimizer_src=opt_src)
+        return Candidate(layout, self.memory(layout, workload, resident_bytes), t, scale, sw)
+
+    def plan(self, workload: StageWorkload, *, current: Optional[ParallelLayout] = None,
+             state: SelectorState = SelectorState(),
+             resident_bytes: int = 0) -> tuple[LayoutPlan, SelectorState]:
+        """Choose the layout for ``workload``; return the plan and the next state.
+
+        ``current``: the live layout (the previous stage's), from which switching is costed."""
+        valid = self.valid_layouts(workload.stage)
+        budget = self.budget_bytes
+        fitting, oom, smallest = [], [], None
+        for lay in valid:
+            mem = self.memory(lay, workload, resident_bytes)
+            if mem.total <= budget:
+                fitting.append(self.evaluate(lay, workload, current=current, state=state,
+                                             resident_bytes=resident_bytes))
+            else:
+                oom.append(lay)
+                if smallest is None or mem.total < smallest.total:
+                    smallest = mem
+        if not fitting:
+            raise NoLayoutFitsError(workload.stage, budget, smallest,
+                                    self._suggestions(workload, resident_bytes))
+        ranked = sorted(fitting, key=lambda c: (c.cost, c.memory.total, c.layout))
+        best = ranked[0]
+        chosen, runner_up = best, (ranked[1] if len(ranked) > 1 else None)
+        prev = state.previous(workload.stage)
+        incumbent = next((c for c in ranked if c.layout == prev), None)
+        if incumbent is not None and incumbent is not best \
+                and best.cost >= incumbent.cost * (1 - self.config.hysteresis):
+            chosen, runner_up = incumbent, best
+            reason = (f"kept {prev}: best alternative {best.layout} is only "
+                      f"{100 * (1 - best.cost / incumbent.cost):.1f}% cheaper, under the "
+                      f"{100 * self.config.hysteresis:.0f}% hysteresis")
+        else:
+            gone = prev is not None and incumbent is None
+            reason = (f"{best.layout}: last layout {prev} no longer fits; fastest of "
+                      f"{len(ranked)}" if gone else
+                      f"{best.layout}: fastest of {len(ranked)} fitting layouts")
+            if runner_up is not None:
+                reason += f" ({best.cost:.3g} s vs {runner_up.cost:.3g} s for {runner_up.layout})"
+        reason += f"; {human_bytes(chosen.memory.total)} of {human_bytes(budget)}"
+        plan = LayoutPlan(workload.stage, chosen, runner_up, reason, len(valid), tuple(oom),
+                          budget)
+        return plan, state.with_choice(workload.stage, chosen.layout)
+
+    def plan_iteration(self, workloads: Sequence[StageWorkload], *,
+                       current: Optional[ParallelLayout] = None,
+                       state: SelectorState = SelectorState()
+                       ) -> tuple[tuple[LayoutPlan, ...], SelectorState]:
+        """Plan the stages of one iteration in order; each switches from the previous one."""
+        plans = []
+        for wl in workloads:
+            plan, state = self.plan(wl, current=current, state=state)
+            plans.append(plan)
+            current = plan.layout
+        return tuple(plans), state
+
+    # -------------------------------------------------------------- what would fit
+    def fits_somewhere(self, workload: StageWorkload, resident_bytes: int = 0) -> \
+            Optional[MemoryEstimate]:
+        """The smallest-memory fitting estimate, or None if nothing fits."""
+        best = None
+        for lay in self.valid_layouts(workload.stage):
+            mem = self.memory(lay, workload, resident_bytes)
+            if mem.total <= self.budget_bytes and (best is None or mem.total < best.total):
+                best = mem
+        return best
+
+    def _suggestions(self, workload: StageWorkload, resident_bytes: int) -> tuple[str, ...]:
+        out = []
+        for k in (2, 4, 8, 16, 32, 64):
+            bigger = replace(self, cluster=self.cluster.with_(nodes=self.cluster.nodes * k))
+            fit = bigger.fits_somewhere(workload, resident_bytes)
+            if fit is not None:
+                out.append(f"{bigger.cluster.nodes} nodes ({bigger.cluster.world_size} devices), "
+                           f"e.g. {fit.layout} at {human_bytes(fit.total)}")
+                break
+        if workload.stage is Stage.TRAIN:
+            order = [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
+            for rc in order[order.index(self.train_opts.recompute) + 1:]:
+                other = replace(self, train_opts=self.train_opts.with_(recompute=rc))
+                fit = other.fits_somewhere(workload, resident_bytes)
+                if fit is not None:
+                    out.append(f"recompute={rc.value}, e.g. {fit.layout} at "
+                               f"{human_bytes(fit.total)}")
+                    break
+        # A TRAIN/LOGPROB micro-batch holds at least one whole sequence; rollout chunks prefill.
+        floor = 1 if workload.stage is Stage.ROLLOUT else workload.max_context
+        mb = workload.micro_batch_tokens
+        while mb > floor and mb > 1:
+            mb //= 2
+            fit = self.fits_somewhere(workload.with_(micro_batch_tokens=mb), resident_bytes)
+            if fit is not None:
+                out.append(f"micro_batch_tokens={mb}, e.g. {fit.layout} at "
+                           f"{human_bytes(fit.total)}")
+                break
+        if workload.stage is Stage.ROLLOUT and workload.responses_in_flight > 1:
+            r = _largest(lambda n: self.fits_somewhere(
+                workload.with_(responses_in_flight=n), resident_bytes) is not None,
+                1, workload.responses_in_flight - 1)
+            if r:
+                out.append(f"responses_in_flight={r}")
+        if workload.max_context > 1:
+            top = workload.contexts[-1][0]
+            s = _largest(lambda n: self.fits_somewhere(
+                workload.scaled_to(n).with_(predicted_context=0), resident_bytes) is not None,
+                1, workload.max_context - 1)
+            if s and s < top:
+                out.append(f"contexts up to {s} tokens (now {workload.max_context})")
+        return tuple(out)
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with ok(n), assuming ok is monotone (true then false); 0 if none."""
+    if hi < lo or not ok(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def select_layout(model: ModelConfig, cluster: ClusterSpec, workload: StageWorkload,
+                  train_opts: TrainOptions = TrainOptions(), *,
+                  current: Optional[ParallelLayout] = None,
+                  state: SelectorState = SelectorState(),
+                  config: SelectorConfig = SelectorConfig(),
+                  profile: Optional[ProfileTable] = None,
+                  resident_bytes: int = 0) -> tuple[LayoutPlan, SelectorState]:
+    """Functional form of ``Selector(...).plan(...)``."""
+    return Selector(model, cluster, train_opts, config, profile).plan(
+        workload, current=current, state=state, resident_bytes=resident_bytes)

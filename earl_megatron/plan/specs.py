@@ -1,0 +1,290 @@
+"""Inputs of the layout selector: the cluster, one stage's workload, and the training options.
+
+Three frozen values, pure Python (no torch): ``ClusterSpec`` (devices and links),
+``StageWorkload`` (what one RL stage must process) and ``TrainOptions`` (optimizer, recompute,
+dtypes). The model itself is ``earl_megatron.config.model.ModelConfig``; it is not duplicated.
+
+Units are SI throughout: bytes, seconds, FLOP/s, bytes/s. Bandwidths are one direction.
+
+Invariants:
+- Every count is a positive int and every rate a positive float; constructors raise ValueError
+  naming the field otherwise.
+- ``StageWorkload.contexts`` is a histogram: ascending, distinct lengths, positive counts, and its
+  counts sum to ``num_sequences``.
+- Rank r lives on node ``r // devices_per_node`` (ranks of a node are consecutive, as torchrun
+  assigns them), which with Megatron's rank order (tp fastest) keeps small TP groups in a node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Iterable, Optional
+
+GiB = 1024 ** 3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB": messages stay readable from the tiny CPU model to a 72B model."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+
+
+class Stage(Enum):
+    """An RL step. Each gets its own layout."""
+
+    ROLLOUT = "rollout"
+    """Multi-turn generation: prefill prompts/observations, decode responses with a KV cache."""
+    LOGPROB = "logprob"
+    """Forward-only scoring of finished episodes (old policy / reference policy)."""
+    TRAIN = "train"
+    """Forward + backward + optimizer step."""
+
+
+class Recompute(Enum):
+    """Megatron-Core activation recomputation (``recompute_granularity``)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Recompute the attention core only (``recompute_modules=["core_attn"]``)."""
+    FULL = "full"
+    """Recompute each whole layer from its input (``recompute_method="uniform"``, 1 layer)."""
+
+
+def _positive(obj, *names: str, kind=int) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+            isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok or v <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive "
+                             f"{'int' if kind is int else 'number'}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: ``nodes`` x ``devices_per_node`` ranks."""
+
+    nodes: int
+    devices_per_node: int
+    device_memory_bytes: int
+    """Memory one rank may use (HBM on a GPU; the per-rank budget on CPU)."""
+    peak_flops: float
+    """Dense bf16 FLOP/s of one device (fp32 on CPU)."""
+    hbm_bandwidth: float
+    """Device memory bandwidth, bytes/s: bounds decoding, which reads all weights per token."""
+    intra_node_bandwidth: float
+    """Bytes/s one device can send to another in its node (NVLink: 450e9 on H100 SXM)."""
+    inter_node_bandwidth: float
+    """Bytes/s one NODE can send to other nodes (all its NICs together); groups that cross
+    nodes at the same time share it."""
+    achievable_flops_fraction: float = 0.45
+    """Fraction of peak a large GEMM-dominated step reaches (MFU); the profile table corrects it."""
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 20e-6
+    fused_attention: bool = True
+    """A fused (flash) attention kernel that never stores the s x s scores. False on CPU, where
+    Megatron's unfused DotProductAttention materialises them."""
+    reserved_bytes: int = 0
+    """Per-rank memory the runtime takes before the model (CUDA context, NCCL, allocator slack)."""
+    regroup_seconds: float = 0.05
+    """Fixed cost of rebuilding process groups at a layout switch (measured 40-70 ms on CPU)."""
+    name: str = "custom"
+
+    def __post_init__(self):
+        _positive(self, "nodes", "devices_per_node", "device_memory_bytes")
+        _positive(self, "peak_flops", "hbm_bandwidth", "intra_node_bandwidth",
+                  "inter_node_bandwidth", "regroup_seconds", kind=float)
+        if not 0 < self.achievable_flops_fraction <= 1:
+            raise ValueError(f"achievable_flops_fraction must be in (0, 1], "
+                             f"got {self.achievable_flops_fraction}")
+        if self.reserved_bytes < 0 or self.reserved_bytes >= self.device_memory_bytes:
+            raise ValueError(f"reserved_bytes={self.reserved_bytes} must be in "
+                             f"[0, device_memory_bytes={self.device_memory_bytes})")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.peak_flops * self.achievable_flops_fraction
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def with_(self, **changes) -> "ClusterSpec":
+        return replace(self, **changes)
+
+    @classmethod
+    def h100_80gb(cls, nodes: int = 1, inter_node_gbps: float = 200.0) -> "ClusterSpec":
+        """8 x H100-80GB SXM per node. Datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
+        NVLink 4 at 450 GB/s per direction; ``inter_node_gbps`` is the node's network in Gbit/s."""
+        return cls(nodes=nodes, devices_per_node=8, device_memory_bytes=80 * 10 ** 9,
+                   peak_flops=989e12, hbm_bandwidth=3.35e12, intra_node_bandwidth=450e9,
+                   inter_node_bandwidth=inter_node_gbps * 1e9 / 8,
+                   achievable_flops_fraction=0.45, intra_node_latency_s=1e-6,
+                   inter_node_latency_s=5e-6, fused_attention=True, reserved_bytes=3 * GiB,
+                   regroup_seconds=0.5, name=f"{nodes}x8 H100-80GB, {inter_node_gbps:g} Gbps")
+
+    @classmethod
+    def cpu(cls, ranks: int = 4, memory_budget_bytes: int = 2 * GiB, cores: int = 2,
+            core_flops: float = 35e9) -> "ClusterSpec":
+        """This development machine: ``ranks`` gloo processes sharing ``cores`` CPU cores.
+
+        Ranks beyond the core count time-share, so each gets ``cores / ranks`` of a core's
+        ``core_flops`` (an fp32 matmul on one thread measured 34-36 GFLOP/s here, 2026-11, on a
+        busy machine). Memory and gloo loopback rates are nominal (~10 and ~1.5 GB/s); the
+        profile table corrects all of them. The per-rank memory is a budget we choose.
+        """
+        share = min(1.0, cores / ranks)
+        return cls(nodes=1, devices_per_node=ranks, device_memory_bytes=memory_budget_bytes,
+                   peak_flops=core_flops * share, hbm_bandwidth=10e9 * share,
+                   intra_node_bandwidth=1.5e9, inter_node_bandwidth=1.5e9,
+                   achievable_flops_fraction=0.3, intra_node_latency_s=50e-6,
+                   inter_node_latency_s=50e-6, fused_attention=False, reserved_bytes=0,
+                   regroup_seconds=0.055, name=f"cpu {ranks} ranks on {cores} cores")
+
+
+@dataclass(frozen=True)
+class StageWorkload:
+    """What one stage must process in one RL iteration (globally, over all dp replicas)."""
+
+    stage: Stage
+    contexts: tuple[tuple[int, int], ...]
+    """Histogram of sequence lengths in tokens: ((length, count), ...) ascending."""
+    responses_in_flight: int = 1
+    """ROLLOUT: sequences decoding at once over the whole world (their KV caches are resident).
+    Ignored by LOGPROB and TRAIN."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one packed micro-batch per dp replica. A sequence is never split across
+    micro-batches, so a micro-batch holds at least one whole sequence."""
+    predicted_context: int = 0
+    """Plan memory for contexts up to this length even if none is that long yet (growth)."""
+    decode_fraction: float = 0.25
+    """ROLLOUT: fraction of each context generated token by token; the rest (prompt, environment
+    and tool observations) is prefilled."""
+
+    def __post_init__(self):
+        if not isinstance(self.stage, Stage):
+            raise ValueError(f"stage must be a Stage, got {self.stage!r}")
+        if not self.contexts:
+            raise ValueError("StageWorkload.contexts is empty: give at least one (length, count)")
+        prev = 0
+        for length, count in self.contexts:
+            ints = isinstance(length, int) and isinstance(count, int)
+            if not ints or length <= 0 or count <= 0:
+                raise ValueError(f"context bucket ({length!r}, {count!r}) must be two positive "
+                                 "ints")
+            if length <= prev:
+                raise ValueError(f"context lengths must be strictly ascending, got {self.contexts}")
+            prev = length
+        _positive(self, "responses_in_flight", "micro_batch_tokens")
+        if self.predicted_context < 0:
+            raise ValueError(f"predicted_context must be >= 0, got {self.predicted_context}")
+        if not 0 <= self.decode_fraction <= 1:
+            raise ValueError(f"decode_fraction must be in [0, 1], got {self.decode_fraction}")
+
+    @classmethod
+    def of(cls, stage: Stage, lengths: "int | Iterable[int]", num_sequences: int = 1,
+           **kwargs) -> "StageWorkload":
+        """From one length (``num_sequences`` copies) or from a list of per-sequence lengths."""
+        if isinstance(lengths, int):
+            hist = {lengths: num_sequences}
+        else:
+            hist = {}
+            for n in lengths:
+                hist[n] = hist.get(n, 0) + 1
+        return cls(stage=stage, contexts=tuple(sorted(hist.items())), **kwargs)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(c for _, c in self.contexts)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence memory must hold: the longest present or the predicted one."""
+        return max(self.contexts[-1][0], self.predicted_context)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(n * c for n, c in self.contexts)
+
+    @property
+    def sum_sq_tokens(self) -> int:
+        """Sum of squared lengths: causal attention work grows with it."""
+        return sum(n * n * c for n, c in self.contexts)
+
+    @property
+    def mean_context(self) -> float:
+        return self.total_tokens / self.num_sequences
+
+    @property
+    def effective_micro_batch_tokens(self) -> int:
+        """Tokens of the largest micro-batch: the budget, or one whole longest sequence."""
+        return max(self.micro_batch_tokens, self.max_context)
+
+    def with_(self, **changes) -> "StageWorkload":
+        return replace(self, **changes)
+
+    def scaled_to(self, max_context: int) -> "StageWorkload":
+        """The same histogram stretched so its longest sequence is ``max_context`` tokens."""
+        top = self.contexts[-1][0]
+        hist: dict[int, int] = {}
+        for n, c in self.contexts:
+            m = max(1, math.ceil(n * max_context / top))
+            hist[m] = hist.get(m, 0) + c
+        return replace(self, contexts=tuple(sorted(hist.items())))
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How TRAIN runs; the other stages use ``param_dtype`` for weights and activations."""
+
+    optimizer: str = "adam"
+    distributed_optimizer: bool = True
+    """Shard fp32 master weights and Adam moments over the dp x cp group (Megatron's
+    ``use_distributed_optimizer``)."""
+    recompute: Recompute = Recompute.NONE
+    param_dtype: Optional[str] = None
+    """Dtype of weights and activations; None takes ``ModelConfig.params_dtype``."""
+    grad_dtype: str = "float32"
+    """Dtype of the DDP grad buffer (``main_grad``); fp32 is Megatron's default for bf16."""
+
+    def __post_init__(self):
+        if self.optimizer != "adam":
+            raise ValueError(f"optimizer {self.optimizer!r} is not modelled; only 'adam' is")
+        if not isinstance(self.recompute, Recompute):
+            raise ValueError(f"recompute must be a Recompute, got {self.recompute!r}")
+        if self.param_dtype is not None:
+            dtype_bytes(self.param_dtype)
+        dtype_bytes(self.grad_dtype)
+
+    def param_bytes(self, model) -> int:
+        """Bytes per weight (and per activation element) for ``model`` (a ModelConfig)."""
+        return dtype_bytes(self.param_dtype or model.params_dtype)
+
+    @property
+    def grad_bytes(self) -> int:
+        return dtype_bytes(self.grad_dtype)
+
+    def optimizer_bytes_per_param(self, model) -> int:
+        """Adam keeps exp_avg and exp_avg_sq in fp32 (8 B); with low-precision params it also keeps
+        an fp32 master copy (4 B), as Megatron's mixed-precision optimizer does."""
+        return 8 + (4 if self.param_bytes(model) < 4 else 0)
+
+    def with_(self, **changes) -> "TrainOptions":
+        return replace(self, **changes)
+
