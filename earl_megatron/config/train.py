@@ -1,0 +1,215 @@
+"""The trainer's configuration: frozen dataclasses, built once from Hydra's composed config.
+
+``TrainConfig.from_dict`` is the only place a Hydra/OmegaConf container becomes configuration;
+library code sees these values only. Unknown keys, wrong types and impossible combinations
+raise ``ConfigError`` naming the key and the fix, before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from earl_megatron.config.model import ModelConfig
+
+STAGES = ("rollout", "logprob", "train")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    mode: str = "auto"
+    """"auto": the selector picks a layout per stage every iteration; "static": use the strings."""
+    rollout: Optional[str] = None
+    """Static layout of the ROLLOUT stage, e.g. "tp2" (dp inferred); required when static."""
+    logprob: Optional[str] = None
+    train: Optional[str] = None
+    memory_budget_gb: Optional[float] = None
+    """Per-rank memory budget the selector plans against (None: the cluster's device memory)."""
+    memory_margin: float = 0.1
+    hysteresis: float = 0.05
+    max_tp: Optional[int] = None
+    max_cp: Optional[int] = None
+    max_pp: Optional[int] = None
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "static"):
+            raise ConfigError(f"layout.mode={self.mode!r}: use 'auto' or 'static'")
+        if self.mode == "static":
+            missing = [s for s in STAGES if getattr(self, s) is None]
+            if missing:
+                raise ConfigError(f"layout.mode=static needs a layout for {missing}: e.g. "
+                                  f"layout.{missing[0]}=tp2 (or layout.mode=auto)")
+
+    def static(self, stage: str) -> Optional[str]:
+        return getattr(self, stage) if self.mode == "static" else None
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    name: str = "connect_four"
+    kwargs: dict = field(default_factory=dict)
+    """Passed to make_env(name, **kwargs): opponent, mcts_simulations, invalid_penalty, ..."""
+    eval_opponents: tuple = ("random",)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "embedded"
+    """"embedded" (Megatron-Core in the rollout layout) or "sglang" (HTTP servers)."""
+    episodes_per_iteration: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 32
+    max_context_tokens: Optional[int] = None
+    """None: not capped (the model's max_position_embeddings bounds it)."""
+    max_action_tokens: int = 4
+    sglang_python: Optional[str] = None
+    sglang_device: str = "cuda"
+
+    def __post_init__(self):
+        if self.engine not in ("embedded", "sglang"):
+            raise ConfigError(f"rollout.engine={self.engine!r}: use 'embedded' or 'sglang'")
+        if self.episodes_per_iteration < 1:
+            raise ConfigError("rollout.episodes_per_iteration must be >= 1")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "reinforce_pp"
+    """"reinforce_pp", "grpo" or "ppo" (PPO-clip without a critic, several epochs per batch)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    group_size: int = 1
+    """GRPO: episodes per group sharing one environment seed."""
+    epochs: int = 1
+    """Optimizer passes over each batch (PPO uses > 1)."""
+    clip_eps: float = 0.2
+    kl_mode: str = "off"
+    """"off", "loss" (k3 KL term) or "reward" (KL-in-reward, REINFORCE++ style)."""
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    micro_batch_size: int = 4
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.name not in ("reinforce_pp", "grpo", "ppo"):
+            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp, grpo or ppo")
+        if self.kl_mode not in ("off", "loss", "reward"):
+            raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
+        if self.kl_mode != "off" and self.kl_coef <= 0:
+            raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
+        if self.name == "grpo" and self.group_size < 2:
+            raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
+        if self.entropy_coef:
+            raise ConfigError("algorithm.entropy_coef is not supported yet (entropy of the "
+                              "vocab-parallel logits is not computed); set it to 0")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    preset: str = "cpu"
+    """"cpu" (this machine) or "h100" (8x H100-80GB nodes)."""
+    nodes: int = 1
+    devices_per_node: Optional[int] = None
+    """None: torchrun's LOCAL_WORLD_SIZE."""
+    inter_node_gbps: float = 200.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    iterations: int = 40
+    output_dir: str = "runs/default"
+    checkpoint_every: int = 10
+    """Iterations between checkpoints (0: only on SIGTERM and at the end)."""
+    resume: bool = True
+    """Continue from output_dir's latest checkpoint when one exists."""
+    eval_every: int = 0
+    """Iterations between evaluations (0: at start and end only)."""
+    eval_episodes: int = 64
+    live_view: bool = True
+    init: Optional[str] = None
+    """HF directory or converted checkpoint to start from; None: random init from the seed."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig.tiny)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.algorithm.name == "grpo" and \
+                self.rollout.episodes_per_iteration % self.algorithm.group_size:
+            raise ConfigError(
+                f"rollout.episodes_per_iteration={self.rollout.episodes_per_iteration} must be a "
+                f"multiple of algorithm.group_size={self.algorithm.group_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return _build(cls, d, "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, d: Any, path: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[_join(path, k) for k in unknown]}; valid keys of "
+                          f"{path or 'the config'}: {sorted(names)}")
+    kwargs = {}
+    for name, value in d.items():
+        kwargs[name] = _coerce(hints[name], value, _join(path, name))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from e
+
+
+def _coerce(tp, value, path):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        return tuple(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp in (int, float, str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{path}={value!r} must be {tp.__name__}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{path}={value!r} must be int")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

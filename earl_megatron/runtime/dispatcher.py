@@ -1,0 +1,284 @@
+"""The dispatcher executor: moves per-sample tensors producer -> consumer along a shard map.
+
+Every rank calls the same functions in the same order (SPMD):
+
+1. ``exchange_metadata``: ONE ``all_gather_object`` of each rank's (sample_id, length, group_id).
+2. Pure planning on every rank from that metadata (``plan_dispatch``): producer placement,
+   token-balanced consumer placement, shard map. Identical everywhere by construction.
+3. ``execute_shard_map``: per round, one ``batch_isend_irecv`` in which each rank posts ONE
+   packed uint8 buffer per peer it sends to and one per peer it receives from. A buffer holds
+   that pair's transfers back to back in shard-map order, so sizes and offsets are known to both
+   ends from the map and no header is sent. Round 1 (layout-aware fan-out) forwards data received
+   in round 0. Buffers live on the device of the local tensors: gloo on CPU, NCCL on CUDA.
+
+Local tensors, in and out, are ``{tensor name: {sample_id: 1-D tensor}}`` where each tensor is
+this rank's pieces of that sample concatenated in ascending token order (for CP: chunk i then
+chunk 2*cp-1-i, Megatron's order).
+
+Advantage statistics are reduced with all_reduce over sums (never by gathering samples): each
+element is counted once, by its owner (``Placement.owned_intervals``: the lowest rank holding it).
+Means come first, then sums of squared deviations about the global mean (two small all_reduces;
+one pass of sum and sum of squares loses digits when the mean is large).
+
+Only the default (world) process group is supported: shard-map ranks are global ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.placement import (RL_TENSORS, Placement, TensorSpec, consumer_placement,
+                                          producer_placement)
+from earl_megatron.plan.shard_map import (ShardMap, Topology, Transfer, build_centralized_map,
+                                          build_shard_map)
+
+Local = dict[str, dict[int, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    sample_id: int
+    length: int
+    group_id: int = 0
+    """Prompt group (GRPO): samples of one prompt share it."""
+
+
+@dataclass(frozen=True)
+class DispatchStats:
+    bytes_sent: int
+    bytes_received: int
+    messages: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    tensors: Local
+    stats: DispatchStats
+
+
+def exchange_metadata(local: Sequence[SampleMeta]) -> list[list[SampleMeta]]:
+    """All ranks' sample metadata, in rank order (one all_gather_object)."""
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, [(m.sample_id, m.length, m.group_id) for m in local])
+    return [[SampleMeta(*m) for m in per_rank] for per_rank in out]
+
+
+def plan_dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
+                  metadata: Sequence[Sequence[SampleMeta]],
+                  tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
+                  topology: Optional[Topology] = None,
+                  producer_pp_stages: Optional[Mapping[str, str]] = None,
+                  ) -> tuple[Placement, Placement, ShardMap]:
+    """Pure: the producer and consumer placements and the shard map from gathered metadata."""
+    reports = [[(m.sample_id, m.length) for m in r] for r in metadata]
+    producer = producer_placement(producer_layout, reports, tensors, pp_stages=producer_pp_stages)
+    consumer = consumer_placement(consumer_layout, producer.length_of, tensors, num_micro_batches,
+                                  producer=producer)
+    return producer, consumer, build_shard_map(producer, consumer, topology)
+
+
+# ----------------------------------------------------------------------------- local store
+class _Store:
+    """Pieces this rank holds: (tensor, sample) -> [(start, end, 1-D tensor)]."""
+
+    def __init__(self):
+        self.pieces: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+
+    def add(self, name: str, s: int, a: int, b: int, x: torch.Tensor) -> None:
+        self.pieces.setdefault((name, s), []).append((a, b, x))
+
+    def read(self, name: str, s: int, a: int, b: int) -> torch.Tensor:
+        parts, cur = [], a
+        for c, d, x in sorted(self.pieces.get((name, s), []), key=lambda p: p[:2]):
+            if d <= cur or c > cur:
+                continue
+            stop = min(b, d)
+            parts.append(x[cur - c:stop - c])
+            cur = stop
+            if cur == b:
+                break
+        if cur != b:
+            raise RuntimeError(f"rank {dist.get_rank()} lacks {name!r} of sample {s} "
+                               f"[{cur}, {b}); the shard map and the local tensors disagree")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _load(store: _Store, placement: Placement, rank: int,
+          local: Mapping[str, Mapping[int, torch.Tensor]], names: Sequence[str]) -> None:
+    for name in names:
+        for s in placement.local_samples(rank, name):
+            ivs = placement.intervals(rank, name, s)
+            x = local.get(name, {}).get(s)
+            want = sum(b - a for a, b in ivs)
+            if x is None or x.dim() != 1 or x.numel() != want:
+                got = "missing" if x is None else f"shape {tuple(x.shape)}"
+                raise ValueError(f"rank {rank}: local[{name!r}][{s}] is {got}; the producer "
+                                 f"placement says this rank holds {ivs} ({want} elements, 1-D)")
+            x, off = x.contiguous(), 0
+            for a, b in ivs:
+                store.add(name, s, a, b, x[off:off + b - a])
+                off += b - a
+
+
+def execute_shard_map(smap: ShardMap, producer: Placement, consumer: Placement,
+                      local: Mapping[str, Mapping[int, torch.Tensor]], *,
+                      device: Optional[torch.device] = None) -> DispatchResult:
+    """Run ``smap`` (decentralized or centralized) and return what ``consumer`` places here."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != smap.world_size:
+        raise ValueError(f"shard map for {smap.world_size} ranks run on a world of "
+                         f"{dist.get_world_size()}")
+    names = [t.name for t in consumer.tensors]
+    dtypes = {t.name: getattr(torch, t.dtype) for t in consumer.tensors}
+    if device is None:
+        device = next((x.device for per in local.values() for x in per.values()),
+                      torch.device("cpu"))
+    store = _Store()
+    _load(store, producer, rank, local, names)
+    sent = received = messages = 0
+    t0 = time.perf_counter()
+    for rnd in range(smap.rounds):
+        ops, inbox = [], []
+        for dst, ts in sorted(smap.sends(rank, rnd).items()):
+            buf = torch.empty(sum(t.nbytes for t in ts), dtype=torch.uint8, device=device)
+            off = 0
+            for t in ts:
+                buf[off:off + t.nbytes].copy_(
+                    store.read(t.tensor, t.sample_id, t.start, t.end).view(torch.uint8))
+                off += t.nbytes
+            ops.append(dist.P2POp(dist.isend, buf, dst))
+            sent += off
+        for src, ts in sorted(smap.recvs(rank, rnd).items()):
+            buf = torch.empty(sum(t.nbytes for t in ts), dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, src))
+            inbox.append((buf, ts))
+            received += buf.numel()
+        messages += len(ops)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for buf, ts in inbox:
+            _unpack(store, buf, ts, dtypes, device)
+    seconds = time.perf_counter() - t0
+    out: Local = {}
+    for name in names:
+        for s in consumer.local_samples(rank, name):
+            parts = [store.read(name, s, a, b) for a, b in consumer.intervals(rank, name, s)]
+            out.setdefault(name, {})[s] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return DispatchResult(out, DispatchStats(sent, received, messages, seconds))
+
+
+def _unpack(store: _Store, buf: torch.Tensor, ts: Sequence[Transfer],
+            dtypes: Mapping[str, torch.dtype], device) -> None:
+    off = 0
+    for t in ts:
+        # copy bytes into a typed tensor rather than viewing the buffer: a view would need
+        # the offset aligned to the element size
+        x = torch.empty(t.end - t.start, dtype=dtypes[t.tensor], device=device)
+        x.view(torch.uint8).copy_(buf[off:off + t.nbytes])
+        store.add(t.tensor, t.sample_id, t.start, t.end, x)
+        off += t.nbytes
+
+
+def dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
+             local_meta: Sequence[SampleMeta], local: Mapping[str, Mapping[int, torch.Tensor]],
+             tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
+             topology: Optional[Topology] = None,
+             producer_pp_stages: Optional[Mapping[str, str]] = None,
+             ) -> tuple[DispatchResult, Placement, list[list[SampleMeta]]]:
+    """One call for the trainer: exchange metadata, plan, execute. Returns the result, the
+    consumer placement (micro-batches, ownership for reductions) and the gathered metadata."""
+    meta = exchange_metadata(local_meta)
+    producer, consumer, smap = plan_dispatch(
+        producer_layout, consumer_layout, meta, tensors, num_micro_batches=num_micro_batches,
+        topology=topology, producer_pp_stages=producer_pp_stages)
+    return execute_shard_map(smap, producer, consumer, local), consumer, meta
+
+
+def dispatch_centralized(producer: Placement, consumer: Placement,
+                         local: Mapping[str, Mapping[int, torch.Tensor]], *, root: int = 0,
+                         device: Optional[torch.device] = None) -> DispatchResult:
+    """Baseline for benchmarks and tests only: gather everything on ``root``, then scatter."""
+    return execute_shard_map(build_centralized_map(producer, consumer, root), producer, consumer,
+                             local, device=device)
+
+
+# ----------------------------------------------------------------------------- reductions
+def owned_slices(placement: Placement, name: str,
+                 local: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The parts of this rank's local tensors that it owns (each element has one owner)."""
+    rank = dist.get_rank()
+    out = {}
+    for s, x in local.items():
+        ivs = placement.intervals(rank, name, s)
+        offsets, off = {}, 0
+        for a, b in ivs:
+            offsets[a] = (off, b)
+            off += b - a
+        parts = []
+        for a, b in placement.owned_intervals(rank, name, s):
+            base = max(c for c in offsets if c <= a)  # the local piece containing [a, b)
+            parts.append(x[offsets[base][0] + a - base:offsets[base][0] + b - base])
+        if parts:
+            out[s] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t)
+    return t
+
+
+def group_mean_std(values: Mapping[int, float], group_of: Mapping[int, int], num_groups: int,
+                   *, unbiased: bool = True, device=None) -> tuple[torch.Tensor, ...]:
+    """GRPO statistics per prompt group: (mean, std, count), float64 of shape [num_groups].
+
+    ``values`` are the per-sample scalars (rewards) this rank OWNS; ``group_of`` maps every
+    sample id to a group in ``[0, num_groups)``. Two all_reduces of ``num_groups`` numbers.
+    """
+    dev = device or torch.device("cpu")
+    idx = torch.tensor([group_of[s] for s in values], dtype=torch.long, device=dev)
+    v = torch.tensor([float(x) for x in values.values()], dtype=torch.float64, device=dev)
+    acc = torch.zeros(2, num_groups, dtype=torch.float64, device=dev)
+    acc[0].index_add_(0, idx, v)
+    acc[1].index_add_(0, idx, torch.ones_like(v))
+    total, count = _all_reduce(acc)
+    mean = total / count.clamp(min=1)
+    sq = torch.zeros(num_groups, dtype=torch.float64, device=dev)
+    sq.index_add_(0, idx, (v - mean[idx]) ** 2)
+    _all_reduce(sq)
+    denom = (count - 1 if unbiased else count).clamp(min=1)
+    return mean, (sq / denom).sqrt(), count
+
+
+def masked_mean_std(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *,
+                    unbiased: bool = False, device=None) -> tuple[float, float, int]:
+    """REINFORCE++ batch normalisation: mean and std over all masked tokens of the global
+    batch. Pass only OWNED tokens (``owned_slices``). Returns (mean, std, token count)."""
+    dev = device or torch.device("cpu")
+    acc = torch.zeros(2, dtype=torch.float64, device=dev)
+    for v, m in zip(values, masks):
+        acc[0] += v.to(torch.float64)[m.bool()].sum()
+        acc[1] += m.bool().sum()
+    total, count = _all_reduce(acc).tolist()
+    mean = total / max(count, 1)
+    sq = torch.zeros(1, dtype=torch.float64, device=dev)
+    for v, m in zip(values, masks):
+        sq += ((v.to(torch.float64)[m.bool()] - mean) ** 2).sum()
+    var = _all_reduce(sq).item() / max(count - (1 if unbiased else 0), 1)
+    return mean, var ** 0.5, int(count)
+
+
+def token_count(masks: Sequence[torch.Tensor], *, device=None) -> int:
+    """Masked tokens in the global batch (pass OWNED masks)."""
+    t = torch.zeros(1, dtype=torch.int64, device=device or torch.device("cpu"))
+    for m in masks:
+        t += m.bool().sum()
+    return int(_all_reduce(t).item())
