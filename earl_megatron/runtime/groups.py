@@ -17,7 +17,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-import gc
 from typing import Optional
 
 import torch
@@ -81,7 +80,6 @@ def destroy_groups() -> None:
             dist.destroy_process_group(g)
     _clear_megatron_caches()
     _ACTIVE = None
-    gc.collect()
 
 
 def _clear_megatron_caches() -> None:
