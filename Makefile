@@ -32,5 +32,9 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
+bench: install
+	$(PY) benchmarks/dispatch.py
+	$(PY) benchmarks/selector.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
