@@ -32,6 +32,11 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
+# Opt-in: a real SGLang server on CPU (build its venv once with ../shared/sglang-cpu/setup.sh).
+test-sglang: install
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$${EARL_SGLANG_VENV:-$$HOME/.cache/earl-sglang-cpu} \
+	    $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+
 bench: install
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/selector.py

@@ -30,8 +30,9 @@ setup(
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis"],
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
-        # reached over HTTP. See README.md ("SGLang rollouts") and ../shared/sglang-cpu.
-        "sglang": ["requests"],
+        # reached over HTTP with the standard library, so this extra installs nothing here. See
+        # README.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
+        "sglang": [],
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],
     },

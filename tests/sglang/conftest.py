@@ -1,0 +1,107 @@
+"""Fixtures for the opt-in SGLang tests: the venv's python, tiny HF Llama models, a reference.
+
+The server tests run only when EARL_SGLANG_VENV names a venv built with
+../shared/sglang-cpu/setup.sh; otherwise they are skipped with the command that enables them.
+The tiny models are random Llamas built from a config with transformers (no download).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ENABLE_HINT = ("build the venv with `../shared/sglang-cpu/setup.sh ~/.cache/earl-sglang-cpu` "
+               "and run `EARL_SGLANG_VENV=~/.cache/earl-sglang-cpu pytest -m sglang tests/sglang`")
+
+# Config ids 2..33 are EOS for the served model: SGLang stops on them unless told otherwise,
+# which exercises the engine's "continue past an EOS the caller did not ask for" path.
+EOS_IDS = list(range(2, 34))
+
+
+@pytest.fixture(scope="session")
+def eos_ids() -> list[int]:
+    return list(EOS_IDS)
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    venv = os.environ.get("EARL_SGLANG_VENV")
+    if not venv:
+        pytest.skip(f"EARL_SGLANG_VENV is not set; to enable: {ENABLE_HINT}")
+    python = Path(venv).expanduser() / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"EARL_SGLANG_VENV={venv} has no bin/python; {ENABLE_HINT}")
+    return str(python)
+
+
+def build_tiny_llama(path: Path, seed: int) -> Path:
+    """Random 2-layer Llama (vocab 128, hidden 64, 4 heads, 2 KV heads), float32, saved to path.
+
+    initializer_range 0.2 (not 0.02) makes next-token distributions peaked, so greedy argmaxes
+    are far from ties and a 1e-5 numerical difference cannot flip them.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1,
+                      eos_token_id=EOS_IDS, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = tmp_path_factory.mktemp("sglang-models")
+    return {"a": build_tiny_llama(root / "a", seed=1), "b": build_tiny_llama(root / "b", seed=2)}
+
+
+class Reference:
+    """transformers' fp32 forward of a saved model: greedy decode and teacher-forced logprobs."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        self.torch = torch
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def log_softmax(self, ids: list[int], temperature: float = 1.0):
+        # One thread: next to a server's busy CPU threads, two OpenMP threads here ran ~15x
+        # slower than one (measured on 2 cores).
+        threads = self.torch.get_num_threads()
+        self.torch.set_num_threads(1)
+        try:
+            with self.torch.no_grad():
+                logits = self.model(self.torch.tensor([ids])).logits[0].double()
+        finally:
+            self.torch.set_num_threads(threads)
+        return self.torch.log_softmax(logits / temperature, dim=-1)
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy decode by full recompute (no KV cache), with log_softmax(logits) per token."""
+        ids, out, lps = list(prompt), [], []
+        for _ in range(n):
+            lp = self.log_softmax(ids)[-1]
+            tok = int(lp.argmax())
+            out.append(tok)
+            lps.append(float(lp[tok]))
+            ids.append(tok)
+        return out, lps
+
+    def logprobs(self, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+        """log_softmax(logits / T) of each of ``tokens`` given prompt + the tokens before it."""
+        lp = self.log_softmax(list(prompt) + list(tokens), temperature)
+        start = len(prompt) - 1
+        return [float(lp[start + k, t]) for k, t in enumerate(tokens)]
+
+
+@pytest.fixture(scope="session")
+def references(tiny_models) -> dict[str, Reference]:
+    return {name: Reference(path) for name, path in tiny_models.items()}
