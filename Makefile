@@ -38,6 +38,7 @@ test-sglang: install
 	    $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
 
 bench: install
+	$(PY) benchmarks/rollout.py
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/selector.py
 

@@ -70,6 +70,8 @@ class RolloutConfig:
     max_context_tokens: Optional[int] = None
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
+    tokenizer: str = "game"
+    """"game" (28-symbol char vocabulary), "ascii" (104 symbols) or an HF tokenizer directory."""
     sglang_python: Optional[str] = None
     sglang_device: str = "cuda"
 

@@ -141,8 +141,12 @@ class OpenSpielEnv(Env):
     def __init__(self, game: str = "connect_four", agent_player: int = 0,
                  opponent: str | Opponent = "random", mcts_simulations: int = 100,
                  mcts_uct_c: float = 2.0, mcts_rollouts: int = 1, invalid_penalty: float = -1.0,
-                 show_history: bool = True, system_prompt: str | None = None):
+                 show_history: bool = True, system_prompt: str | None = None,
+                 legal_move_reward: float = 0.0):
         super().__init__(invalid_penalty)
+        # format reward: paid for every legal agent move, so an untrained policy that rarely
+        # finishes a game still sees rewards that differ between episodes (0 = off)
+        self.legal_move_reward = legal_move_reward
         if game not in GAMES:
             raise ValueError(f"unknown game {game!r}; supported: {sorted(GAMES)}")
         if agent_player not in (0, 1):
@@ -185,9 +189,9 @@ class OpenSpielEnv(Env):
         ret = self.state.returns()[self.agent_player]
         return float(ret), "win" if ret > 0 else "loss" if ret < 0 else "draw"
 
-    def _finish(self) -> StepResult:
+    def _finish(self, bonus: float = 0.0) -> StepResult:
         reward, outcome = self._outcome()
-        return StepResult(self.render(outcome), reward, True, {"outcome": outcome})
+        return StepResult(self.render(outcome), reward + bonus, True, {"outcome": outcome})
 
     def _step(self, action: str) -> StepResult:
         move = parse_move(action)
@@ -196,12 +200,13 @@ class OpenSpielEnv(Env):
         if move not in self.state.legal_actions():
             return self.invalid("illegal", self.render("illegal"), move=move)
         self.state.apply_action(move)
+        bonus = self.legal_move_reward
         if self.state.is_terminal():
-            return self._finish()
+            return self._finish(bonus)
         self.state.apply_action(self.opponent.choose(self.state))
         if self.state.is_terminal():
-            return self._finish()
-        return StepResult(self.render(), 0.0, False, {})
+            return self._finish(bonus)
+        return StepResult(self.render(), bonus, False, {})
 
 
 def connect_four(**kwargs) -> OpenSpielEnv:

@@ -1,0 +1,117 @@
+"""The main job: agentic RL with a layout per stage, SPMD under torchrun.
+
+    torchrun --standalone --nproc-per-node 4 -m earl_megatron.train run.iterations=20 \\
+        layout=static layout.train=tp2
+
+Hydra composes recipes/config.yaml with the command-line overrides; the result is converted once
+to ``TrainConfig`` (frozen) and saved with the run as resolved.yaml. Bad configuration (unknown
+keys, an unknown environment, a layout the model cannot take, a model that fits no layout, a
+node count that does not match the world) stops here, before any model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.config.train import ConfigError, TrainConfig
+
+RECIPES = os.environ.get("EARL_RECIPES",
+                         str(Path(__file__).resolve().parents[1] / "recipes"))
+
+
+def make_tokenizer(cfg: TrainConfig):
+    from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer
+
+    name = cfg.rollout.tokenizer
+    if name == "game":
+        tok = char_tokenizer(GAME_ALPHABET)
+    elif name == "ascii":
+        tok = char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(name)
+    if len(tok) > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {name!r} has {len(tok)} tokens but model.vocab_size="
+                          f"{cfg.model.vocab_size}; raise model.vocab_size")
+    return tok
+
+
+def validate(cfg: TrainConfig, world: int) -> None:
+    """Everything that can be checked before a model exists."""
+    from earl_megatron.envs import list_envs
+    from earl_megatron.plan.layout import ParallelLayout
+
+    if cfg.env.name not in list_envs():
+        raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment; known: "
+                          f"{list(list_envs())}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if cfg.cluster.nodes * local != world:
+        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
+                          f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
+                          "does)")
+    for stage in ("rollout", "logprob", "train"):
+        text = cfg.layout.static(stage)
+        if text is not None:
+            lay = ParallelLayout.parse(text, world_size=world, model=cfg.model.shape)
+            if stage == "rollout" and lay.cp != 1:
+                raise ConfigError(f"layout.rollout={text}: rollout decodes with cp=1")
+    if cfg.rollout.episodes_per_iteration < world:
+        raise ConfigError(f"rollout.episodes_per_iteration={cfg.rollout.episodes_per_iteration} "
+                          f"< world size {world}: some dp rank would train on nothing")
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+    from earl_megatron.runtime.dist import init_distributed
+    from earl_megatron.trainer.runner import Runner
+
+    rank, world = init_distributed()
+    validate(cfg, world)
+    # Hydra configures the root logger at INFO; Megatron logs every optimizer and DDP setup
+    import logging
+    logging.disable(logging.INFO)
+    torch.set_num_threads(1)
+    out = Path(cfg.run.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resolved.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    backend = contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        from earl_megatron.runtime.cpu_backend import cpu_backend
+        backend = cpu_backend()
+    with backend:
+        return Runner(cfg, make_tokenizer(cfg)).train()
+
+
+def main() -> None:
+    import hydra
+    from omegaconf import OmegaConf
+
+    @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
+    def _entry(dcfg) -> None:
+        try:
+            cfg = TrainConfig.from_dict(OmegaConf.to_container(dcfg, resolve=True))
+        except ConfigError as e:
+            raise SystemExit(f"configuration error: {e}")
+        t0 = time.time()
+        try:
+            run(cfg)
+        except ConfigError as e:
+            raise SystemExit(f"configuration error: {e}")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"done in {time.time() - t0:.0f} s; metrics in {cfg.run.output_dir}")
+
+    _entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The agentic RL trainer: data path, loop pieces, runner, report."""
