@@ -46,7 +46,7 @@ def make_tokenizer(cfg: TrainConfig):
 def validate(cfg: TrainConfig, world: int) -> None:
     """Everything that can be checked before a model exists."""
     from earl_megatron.envs import list_envs
-    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout
 
     if cfg.env.name not in list_envs():
         raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment; known: "
@@ -59,7 +59,10 @@ def validate(cfg: TrainConfig, world: int) -> None:
     for stage in ("rollout", "logprob", "train"):
         text = cfg.layout.static(stage)
         if text is not None:
-            lay = ParallelLayout.parse(text, world_size=world, model=cfg.model.shape)
+            try:
+                lay = ParallelLayout.parse(text, world_size=world, model=cfg.model.shape)
+            except InvalidLayoutError as e:
+                raise ConfigError(f"layout.{stage}={text}: {e}") from e
             if stage == "rollout" and lay.cp != 1:
                 raise ConfigError(f"layout.rollout={text}: rollout decodes with cp=1")
     if cfg.rollout.episodes_per_iteration < world:

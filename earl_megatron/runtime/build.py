@@ -70,8 +70,13 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     groups.build_groups(layout, cfg.shape, seed=seed)
     coords = layout.coords(dist.get_rank())
     tcfg = transformer_config(cfg, layout, recompute=recompute)
-    model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
-                            post_process=coords.pp == layout.pp - 1, config=tcfg)
+    # Megatron initialises weights from torch's default generator (use_cpu_initialization draws
+    # each full matrix there, then splits it): seed it, in a fork, so the same seed gives the same
+    # model in every run and layout without disturbing the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
+                                post_process=coords.pp == layout.pp - 1, config=tcfg)
     if weights is not None:
         load_full_weights(model, weights, tp_rank=coords.tp, tp=layout.tp, pp_rank=coords.pp,
                           layers_per_stage=cfg.num_layers // layout.pp,

@@ -1,0 +1,285 @@
+"""Hugging Face <-> Megatron-Core names, tensor transforms and configs (Llama, Qwen2): pure.
+
+Megatron names are the full (unsharded) GPTModel parameter names of the local spec with global
+layer indices, as in weights/sharding.py. Every Megatron tensor is built from one to three HF
+tensors by a ``Rule``:
+
+    Megatron (global layer i)                     HF                                    kind
+    embedding.word_embeddings.weight              model.embed_tokens.weight             copy
+    decoder.layers.i.input_layernorm.weight       model.layers.i.input_layernorm.weight copy
+    decoder.layers.i.self_attention.linear_qkv.*  model.layers.i.self_attn.{q,k,v}_proj.* qkv
+    decoder.layers.i.self_attention.linear_proj.weight  ...self_attn.o_proj.weight      copy
+    decoder.layers.i.pre_mlp_layernorm.weight     ...post_attention_layernorm.weight    copy
+    decoder.layers.i.mlp.linear_fc1.weight        ...mlp.{gate,up}_proj.weight          fc1
+    decoder.layers.i.mlp.linear_fc2.weight        ...mlp.down_proj.weight               copy
+    decoder.final_layernorm.weight                model.norm.weight                     copy
+    output_layer.weight (untied only)             lm_head.weight (untied only)          copy
+
+- qkv: rows grouped per KV group g = 0..ng-1 as ``[q heads of g | k_g | v_g]`` (weight and, for
+  Qwen2, bias), so a contiguous dim-0 TP split hands each rank whole groups.
+- fc1: ``[gate; up]`` (SwiGLU, partition stride 2 under TP: rank r holds ``[gate_r; up_r]``).
+- Tied embeddings: neither ``lm_head.weight`` nor ``output_layer.weight`` exists.
+
+``sources(rule, cfg, tp_rank, tp)`` lists the HF row/column ranges that tp rank ``tp_rank`` needs,
+and ``combine`` assembles them; with ``tp=1`` that is the full tensor. Invariant:
+``combine(rule, cfg, [read(s) for s in sources(rule, cfg, r, tp)], tp) ==
+sharding.shard(rule.mcore, full, r, tp)`` bit-exact, and ``split(rule, cfg, full)`` returns the HF
+tensors ``full`` was combined from, bit-exact. Nothing here touches files or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from earl_megatron.config.model import ModelConfig
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModelError(ValueError):
+    """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2 GPTModel."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    """Full Megatron-Core name (global layer index)."""
+    hf: tuple[str, ...]
+    """HF names it is built from: (q, k, v) for "qkv", (gate, up) for "fc1", one for "copy"."""
+    kind: str
+    """"copy", "qkv" or "fc1"."""
+
+
+@dataclass(frozen=True)
+class SourceSlice:
+    hf_name: str
+    dim: Optional[int]
+    """Dim the range applies to; None reads the whole tensor."""
+    start: int = 0
+    stop: int = 0
+
+
+# ----------------------------------------------------------------------------- names
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Every Megatron tensor of ``cfg`` with its HF sources, in model order."""
+    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
+    for i in range(cfg.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = h + "self_attn."
+        out.append(Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy"))
+        out.append(Rule(m + "self_attention.linear_qkv.weight",
+                        tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"))
+        if cfg.add_qkv_bias:
+            out.append(Rule(m + "self_attention.linear_qkv.bias",
+                            tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+        out.append(Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "copy"))
+        out.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
+                        "copy"))
+        out.append(Rule(m + "mlp.linear_fc1.weight",
+                        (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"))
+        out.append(Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"))
+    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+    if not cfg.tie_word_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",), "copy"))
+    return out
+
+
+def rule_for(cfg: ModelConfig, mcore_name: str) -> Rule:
+    for r in rules(cfg):
+        if r.mcore == mcore_name:
+            return r
+    raise KeyError(f"no HF mapping for Megatron tensor {mcore_name!r} of a {cfg.family} model")
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor a checkpoint of ``cfg`` holds (lm_head only when untied)."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)})
+        if cfg.add_qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+# ----------------------------------------------------------------------------- transforms
+def _tp_dim(name: str) -> Optional[int]:
+    from earl_megatron.weights.sharding import tp_split_dim
+
+    return tp_split_dim(name)
+
+
+def sources(rule: Rule, cfg: ModelConfig, tp_rank: int = 0, tp: int = 1) -> list[SourceSlice]:
+    """The HF ranges tp rank ``tp_rank`` of ``tp`` needs for its shard of ``rule.mcore``."""
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank={tp_rank} out of range for tp={tp}")
+    d = cfg.head_dim
+    if rule.kind == "qkv":
+        ng, hpg = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
+        if ng % tp:
+            raise ValueError(f"tp={tp} does not divide num_query_groups={ng}")
+        g0, g1 = tp_rank * ng // tp, (tp_rank + 1) * ng // tp
+        q, k, v = rule.hf
+        return [SourceSlice(q, 0, g0 * hpg * d, g1 * hpg * d), SourceSlice(k, 0, g0 * d, g1 * d),
+                SourceSlice(v, 0, g0 * d, g1 * d)]
+    if rule.kind == "fc1":
+        f = cfg.ffn_hidden_size
+        if f % tp:
+            raise ValueError(f"tp={tp} does not divide ffn_hidden_size={f}")
+        a, b = tp_rank * f // tp, (tp_rank + 1) * f // tp
+        return [SourceSlice(n, 0, a, b) for n in rule.hf]
+    (name,) = rule.hf
+    dim = _tp_dim(rule.mcore)
+    if dim is None or tp == 1:
+        return [SourceSlice(name, None)]
+    size = hf_shapes(cfg)[name][dim]
+    if size % tp:
+        raise ValueError(f"{rule.mcore}: dim {dim} of size {size} does not divide by tp={tp}")
+    return [SourceSlice(name, dim, tp_rank * size // tp, (tp_rank + 1) * size // tp)]
+
+
+def combine(rule: Rule, cfg: ModelConfig, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Assemble the tensors read for ``sources(rule, ...)`` into the Megatron tensor (shard)."""
+    if rule.kind == "copy":
+        return parts[0]
+    if rule.kind == "fc1":
+        return torch.cat(list(parts), dim=0)
+    q, k, v = parts
+    d = cfg.head_dim
+    groups = k.shape[0] // d  # KV groups in this slice
+    tail = tuple(q.shape[1:])
+    return torch.cat([q.reshape(groups, -1, *tail), k.reshape(groups, d, *tail),
+                      v.reshape(groups, d, *tail)], dim=1).reshape(-1, *tail)
+
+
+def split(rule: Rule, cfg: ModelConfig, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of ``combine`` on a full tensor: {HF name: tensor}."""
+    if rule.kind == "copy":
+        return {rule.hf[0]: full}
+    if rule.kind == "fc1":
+        gate, up = full.chunk(2, dim=0)
+        return {rule.hf[0]: gate.contiguous(), rule.hf[1]: up.contiguous()}
+    d, ng = cfg.head_dim, cfg.num_query_groups
+    hpg = cfg.num_attention_heads // ng
+    tail = tuple(full.shape[1:])
+    grouped = full.reshape(ng, (hpg + 2) * d, *tail)
+    q, k, v = grouped.split([hpg * d, d, d], dim=1)
+    return {n: t.reshape(-1, *tail).contiguous() for n, t in zip(rule.hf, (q, k, v))}
+
+
+def to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole in-memory HF state dict -> full Megatron tensors (small models, tests)."""
+    return {r.mcore: combine(r, cfg, [hf[n] for n in r.hf]) for r in rules(cfg)}
+
+
+def to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors -> HF state dict (small models, tests)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in rules(cfg):
+        out.update(split(r, cfg, full[r.mcore]))
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+def _rope_theta(hf: dict[str, Any]) -> float:
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict):
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModelError(
+                f"rope_parameters.rope_type={rope_type!r} (rope scaling) is not supported; only "
+                "'default' rotary embeddings convert (e.g. Llama 3 8B, Qwen2.5), not Llama 3.1+")
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"rope_scaling={scaling!r} is not supported; only default "
+                                    "rotary embeddings convert")
+    return float(hf.get("rope_theta", 10000.0))
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+    else:  # configs built without a model (tests) carry only model_type
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+            hf.get("model_type", ""), f"model_type={hf.get('model_type')!r}")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch} is not supported; supported: {sorted(ARCHITECTURES)} (dense "
+            "decoder-only, RMSNorm, SwiGLU, default rope, no sliding window, no MoE)")
+    return arch
+
+
+def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
+    """An HF config.json (dict) -> ModelConfig; raises UnsupportedModelError naming the problem."""
+    arch = _architecture(hf)
+    family = ARCHITECTURES[arch]
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu/SwiGLU)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true")
+    if family == "llama" and hf.get("attention_bias"):
+        problems.append("attention_bias=true (Llama with biases on q/k/v/o)")
+    if family == "qwen2" and hf.get("use_sliding_window"):
+        problems.append("use_sliding_window=true")
+    if hf.get("num_local_experts") or hf.get("num_experts"):
+        problems.append("mixture of experts")
+    if problems:
+        raise UnsupportedModelError(f"{arch} with {', '.join(problems)} is not supported")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim")
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+    if dtype not in _DTYPES:
+        raise UnsupportedModelError(f"{arch} with dtype {dtype!r}; supported: {_DTYPES}")
+    return ModelConfig(
+        family=family, num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
+        ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        vocab_size=int(hf["vocab_size"]),
+        kv_channels=(int(head_dim) if head_dim and int(head_dim) * heads != hidden else None),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rotary_base=_rope_theta(hf), norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        add_qkv_bias=(family == "qwen2"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), params_dtype=dtype)
+
+
+def to_hf_config(cfg: ModelConfig, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """ModelConfig -> HF config.json dict; ``base`` (the original config) keeps its other keys."""
+    if cfg.family == "llama" and cfg.add_qkv_bias:
+        raise UnsupportedModelError("a llama ModelConfig with add_qkv_bias has no HF equivalent")
+    out = dict(base or {})
+    theta = float(cfg.rotary_base)
+    out.update(
+        architectures=[_FAMILY_ARCH[cfg.family]], model_type=cfg.family,
+        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups, head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
+        hidden_act="silu", dtype=cfg.params_dtype,
+        # transformers >= 5 reads rope_parameters, older versions rope_theta
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta)
+    out.pop("torch_dtype", None)
+    if cfg.family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.setdefault("use_sliding_window", False)
+    return out

@@ -1,0 +1,211 @@
+"""HF <-> Megatron-Core mapping (pure) and safetensors directory I/O, in one process."""
+
+import json
+
+import pytest
+import torch
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.weights import hf_mapping as hfm
+from earl_megatron.weights.hf_io import CheckpointError, HFCheckpoint, read_header, write_hf_dir
+from earl_megatron.weights.sharding import reference_weights, shard
+
+
+def _rows(values, width=3):
+    """A [len(values), width] tensor whose row i is filled with values[i]."""
+    return torch.tensor(values, dtype=torch.float32)[:, None].expand(-1, width).contiguous()
+
+
+# ----------------------------------------------------------------------------- table
+def test_table_llama_untied_and_qwen2_tied():
+    llama = hfm.rules(ModelConfig.tiny("llama", num_layers=2))
+    # embedding + 6 per layer + final norm + output layer
+    assert len(llama) == 1 + 6 * 2 + 1 + 1
+    by = {r.mcore: r for r in llama}
+    assert by["decoder.layers.1.self_attention.linear_qkv.weight"] == hfm.Rule(
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+         "model.layers.1.self_attn.v_proj.weight"), "qkv")
+    assert by["decoder.layers.0.pre_mlp_layernorm.weight"].hf == (
+        "model.layers.0.post_attention_layernorm.weight",)
+    assert by["decoder.layers.0.mlp.linear_fc1.weight"].hf == (
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    assert by["output_layer.weight"].hf == ("lm_head.weight",)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" not in by
+
+    qwen = ModelConfig.tiny("qwen2", num_layers=2, tie_word_embeddings=True)
+    names = {r.mcore for r in hfm.rules(qwen)}
+    assert "output_layer.weight" not in names
+    assert "decoder.layers.1.self_attention.linear_qkv.bias" in names
+    shapes = hfm.hf_shapes(qwen)
+    assert "lm_head.weight" not in shapes
+    # tiny: 8 heads x head_dim 8 = 64 q rows, 4 KV groups x 8 = 32 k rows
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)
+    assert shapes["model.layers.0.self_attn.k_proj.bias"] == (32,)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 128)
+
+
+# ----------------------------------------------------------------------------- transforms
+def test_qkv_rows_grouped_per_kv_group():
+    # 4 query heads in 2 KV groups, head_dim 1: q heads 0,1 belong to group 0, 2,3 to group 1
+    cfg = ModelConfig(family="qwen2", hidden_size=4, num_attention_heads=4, num_query_groups=2,
+                      num_layers=1, ffn_hidden_size=4, vocab_size=8, add_qkv_bias=True)
+    rule = hfm.rule_for(cfg, "decoder.layers.0.self_attention.linear_qkv.weight")
+    q, k, v = _rows([0, 1, 2, 3], 4), _rows([10, 11], 4), _rows([20, 21], 4)
+    qkv = hfm.combine(rule, cfg, [q, k, v])
+    assert qkv[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    bias_rule = hfm.rule_for(cfg, "decoder.layers.0.self_attention.linear_qkv.bias")
+    bias = hfm.combine(bias_rule, cfg, [q[:, 0], k[:, 0], v[:, 0]])
+    assert bias.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    back = hfm.split(rule, cfg, qkv)
+    assert torch.equal(back[rule.hf[0]], q) and torch.equal(back[rule.hf[2]], v)
+    # tp rank 1 of 2 reads only group 1: q rows 2..4, k and v row 1
+    assert hfm.sources(rule, cfg, 1, 2) == [
+        hfm.SourceSlice(rule.hf[0], 0, 2, 4), hfm.SourceSlice(rule.hf[1], 0, 1, 2),
+        hfm.SourceSlice(rule.hf[2], 0, 1, 2)]
+
+
+def test_fc1_is_gate_then_up_and_tp_rank_holds_both_halves():
+    cfg = ModelConfig(hidden_size=4, num_attention_heads=2, num_query_groups=2, num_layers=1,
+                      ffn_hidden_size=4, vocab_size=8)
+    rule = hfm.rule_for(cfg, "decoder.layers.0.mlp.linear_fc1.weight")
+    gate, up = _rows([0, 1, 2, 3], 4), _rows([10, 11, 12, 13], 4)
+    assert hfm.combine(rule, cfg, [gate, up])[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    parts = [_read({"g": gate, "u": up}, s, rename={rule.hf[0]: "g", rule.hf[1]: "u"})
+             for s in hfm.sources(rule, cfg, 1, 2)]
+    assert hfm.combine(rule, cfg, parts)[:, 0].tolist() == [2, 3, 12, 13]
+
+
+def _read(tensors, src, rename=None):
+    t = tensors[(rename or {}).get(src.hf_name, src.hf_name)]
+    if src.dim is None:
+        return t
+    return t.narrow(src.dim, src.start, src.stop - src.start)
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+def test_sources_give_exactly_the_tp_shard_and_split_inverts(family, tied):
+    cfg = ModelConfig.tiny(family, num_layers=2, tie_word_embeddings=tied)
+    hf = hfm.to_hf(cfg, reference_weights(cfg, seed=3))
+    assert set(hf) == set(hfm.hf_shapes(cfg))
+    assert all(tuple(hf[n].shape) == s for n, s in hfm.hf_shapes(cfg).items())
+    full = hfm.to_megatron(cfg, hf)
+    assert set(full) == set(reference_weights(cfg))
+    for name, t in hfm.to_hf(cfg, full).items():
+        assert torch.equal(t, hf[name]), name
+    for tp in (1, 2, 4):
+        for rule in hfm.rules(cfg):
+            for r in range(tp):
+                got = hfm.combine(rule, cfg, [_read(hf, s) for s in hfm.sources(rule, cfg, r, tp)])
+                assert torch.equal(got, shard(rule.mcore, full[rule.mcore], r, tp)), (rule, tp, r)
+
+
+# ----------------------------------------------------------------------------- configs
+def _hf_llama_dict(**changes):
+    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+         "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "bfloat16"}
+    d.update(changes)
+    return d
+
+
+def test_config_parsing_new_and_old_rope_keys_and_round_trip():
+    cfg = hfm.from_hf_config(_hf_llama_dict())
+    assert cfg == ModelConfig(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                              num_attention_heads=8, num_query_groups=2, vocab_size=128,
+                              max_position_embeddings=256, rotary_base=5e5, norm_epsilon=1e-5,
+                              params_dtype="bfloat16")
+    old = _hf_llama_dict(rope_theta=1e6, torch_dtype="float32")
+    del old["rope_parameters"], old["dtype"]
+    assert hfm.from_hf_config(old).rotary_base == 1e6
+    assert hfm.from_hf_config(old).params_dtype == "float32"
+    # head_dim that is not hidden/heads becomes kv_channels
+    assert hfm.from_hf_config(_hf_llama_dict(head_dim=16)).head_dim == 16
+    qwen = hfm.from_hf_config({**_hf_llama_dict(), "architectures": ["Qwen2ForCausalLM"],
+                               "model_type": "qwen2", "tie_word_embeddings": True})
+    assert qwen.add_qkv_bias and qwen.tie_word_embeddings and qwen.family == "qwen2"
+    for c in (cfg, qwen, ModelConfig.tiny("llama", kv_channels=16)):
+        hf = hfm.to_hf_config(c, base={"bos_token_id": 7, "torch_dtype": "float16"})
+        assert hf["bos_token_id"] == 7 and "torch_dtype" not in hf
+        assert hf["rope_parameters"]["rope_theta"] == c.rotary_base == hf["rope_theta"]
+        assert hfm.from_hf_config(json.loads(json.dumps(hf))) == c
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+     ["MistralForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"]),
+    ({"architectures": ["MixtralForCausalLM"]}, ["MixtralForCausalLM", "MoE"]),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     ["rope_type='llama3'", "Llama 3.1"]),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
+     ["Qwen2ForCausalLM", "use_sliding_window"]),
+    ({"hidden_act": "gelu"}, ["gelu"]),
+])
+def test_unsupported_architectures_are_named(changes, words):
+    with pytest.raises(hfm.UnsupportedModelError) as e:
+        hfm.from_hf_config(_hf_llama_dict(**changes))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+# ----------------------------------------------------------------------------- files
+@pytest.fixture()
+def hf_dir(tmp_path):
+    cfg = ModelConfig.tiny("qwen2", num_layers=2)
+    hf = hfm.to_hf(cfg, reference_weights(cfg, seed=5))
+    files = write_hf_dir(tmp_path / "m", hf, hfm.to_hf_config(cfg), max_shard_bytes=40_000)
+    return tmp_path / "m", cfg, hf, files
+
+
+def test_sharded_directory_reads_whole_tensors_and_slices(hf_dir):
+    path, cfg, hf, files = hf_dir
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in hf.values())
+    ckpt = HFCheckpoint(path)
+    ckpt.check_against(hfm.hf_shapes(cfg))
+    assert ckpt.names() == sorted(hf)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(ckpt.read(name), hf[name])
+    assert torch.equal(ckpt.read(hfm.SourceSlice(name, 1, 16, 48)), hf[name][:, 16:48])
+    assert torch.equal(ckpt.read(hfm.SourceSlice(name, 0, 8, 9)), hf[name][8:9])
+
+
+def test_missing_shard(hf_dir):
+    path, _, _, files = hf_dir
+    (path / files[1]).unlink()
+    with pytest.raises(CheckpointError, match=f"{files[1]}.*do not exist"):
+        HFCheckpoint(path)
+
+
+def test_truncated_shard(hf_dir):
+    path, _, _, files = hf_dir
+    f = path / files[0]
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated shard.*100 missing"):
+        HFCheckpoint(path)
+    f.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match="too short"):
+        read_header(f)
+
+
+def test_tensor_missing_from_index(hf_dir):
+    path, cfg, _, _ = hf_dir
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    index_path.write_text(json.dumps(index))
+    ckpt = HFCheckpoint(path)  # its shard still holds it, but the index decides
+    with pytest.raises(CheckpointError, match="up_proj.weight' is missing from model.safetensors"):
+        ckpt.check_against(hfm.hf_shapes(cfg))
+
+
+def test_shape_that_does_not_match_the_config(hf_dir):
+    path, cfg, _, _ = hf_dir
+    bigger = cfg.with_(ffn_hidden_size=256)
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight' .* has shape \(128, 64\) but "
+                                              r"config.json implies \(256, 64\)"):
+        HFCheckpoint(path).check_against(hfm.hf_shapes(bigger))

@@ -1,0 +1,52 @@
+"""Convert a Megatron-Core checkpoint written by convert_hf_to_mcore.py back to Hugging Face.
+
+    python tools/convert_mcore_to_hf.py /ckpt/qwen2.5-7b-mcore /models/qwen2.5-7b-trained
+
+Writes config.json (the source config with the model fields updated), safetensors shards of at
+most ``--shard-mb`` with model.safetensors.index.json (one model.safetensors when it fits), and
+copies tokenizer files from the checkpoint's hf/ folder or ``--tokenizer-from``. The result
+loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Runs in one process on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # conversion is CPU work; hide GPUs before torch loads
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ckpt_dir", help="checkpoint written by convert_hf_to_mcore.py")
+    p.add_argument("out_dir", help="new (or empty) HF output directory")
+    p.add_argument("--part-mb", type=float, default=256.0,
+                   help="tensors read from the checkpoint at a time (default 256)")
+    p.add_argument("--shard-mb", type=float, default=2048.0,
+                   help="largest safetensors shard (default 2048)")
+    p.add_argument("--tokenizer-from", default=None,
+                   help="copy tokenizer files from this directory instead of the checkpoint's hf/")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    from earl_megatron.weights.convert import convert_mcore_to_hf
+
+    try:
+        stats = convert_mcore_to_hf(args.ckpt_dir, args.out_dir,
+                                    part_bytes=int(args.part_mb * 2**20),
+                                    max_shard_bytes=int(args.shard_mb * 2**20),
+                                    tokenizer_from=args.tokenizer_from,
+                                    progress=not args.no_progress)
+    except (ValueError, KeyError, OSError) as e:  # CheckpointError, UnsupportedModelError, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"wrote {args.out_dir}: {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
+          f"{stats.seconds:.1f} s ({stats.mb_per_s:.1f} MB/s), peak RSS {rss:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
