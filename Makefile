@@ -8,7 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC     ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-distributed test-sglang bench clean
+ARGS ?=
+
+.PHONY: install demo selfcheck test test-unit test-distributed test-sglang bench clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +21,14 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The main job: agentic RL of the tiny model on Connect Four, $(NPROC) CPU ranks, layouts chosen
+# per stage by the selector. Extra Hydra overrides: make demo ARGS="run.iterations=10"
 demo: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/torchrun --standalone \
+	    --nproc-per-node $(NPROC) -m earl_megatron.train $(ARGS)
+
+# Every valid layout of the tiny model in one job: same losses on all of them.
+selfcheck: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 	    -m earl_megatron.selfcheck
 

@@ -160,6 +160,15 @@ class Runner:
                 self._log_line(f"resumed from {ckpt} at iteration {state['iteration'] + 1}")
             return state["iteration"] + 1, mol
         first = self.plan(None)["train"]
+        if cfg.run.init:
+            from earl_megatron.weights.convert import load_policy, read_model_config
+            found = read_model_config(cfg.run.init)
+            if found != cfg.model:
+                raise ConfigError(f"run.init={cfg.run.init} holds {found}, but the model config "
+                                  f"is {cfg.model}; pick the matching model= recipe")
+            mol = load_policy(cfg.run.init, first, optimizer=loop.optimizer_spec(cfg),
+                              seed=cfg.run.seed)
+            return 0, mol
         mol = build_on_layout(cfg.model, first, optimizer=loop.optimizer_spec(cfg),
                               seed=cfg.run.seed)
         return 0, mol

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-PURE = ["earl_megatron.plan.layout", "earl_megatron.plan.specs", "earl_megatron.plan.presets",
+PURE = ["earl_megatron.plan.layout", "earl_megatron.plan.reshard_plan", "earl_megatron.plan.specs", "earl_megatron.plan.presets",
         "earl_megatron.plan.memory_model", "earl_megatron.plan.time_model",
         "earl_megatron.plan.profile_table", "earl_megatron.plan.selector",
         "earl_megatron.config.model"]

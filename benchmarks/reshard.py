@@ -1,0 +1,295 @@
+"""Layout switch benchmark: in-memory reshard vs dist_checkpointing round trip vs Megatron's refit.
+
+For each layout pair (on 4 and 8 gloo ranks, one launch per world size) on a model with
+>= 100 MB of fp32 weights, measures:
+
+- in-memory   runtime/switcher.switch_layout: plan + collect, fixed cost (free the old model,
+              regroup, build the new one) and transfer time, bytes sent, rounds;
+- disk        dist_checkpointing save under A, rebuild, load under B (weights only), bytes written;
+- megatron    megatron.core.resharding.swap_model_weights (gloo copy service) between a live
+              model in A and a second live model in B built on its own HyperCommGrid groups
+              (both resident); first swap (plans) and a second, steady one; weights only;
+- minimum     the bytes any plan must move (plan/reshard_plan.py).
+
+Every path is checked: the sum of squares of all weights (double) is the same after the switch.
+Run:  python benchmarks/reshard.py [--worlds 4 8] [--layers 8 --hidden 512 ...]
+Fixed costs (regroup + model construction) are printed apart from data movement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+PAIRS = {
+    4: [("tp2-pp2", "tp4"), ("pp4", "tp2-dp2"), ("tp4", "pp2-dp2")],
+    8: [("tp2-pp2-dp2", "tp4-pp2"), ("pp4-dp2", "tp4-dp2")],
+}
+
+
+def _cfg(args):
+    from earl_megatron.config.model import ModelConfig
+
+    return ModelConfig(family="llama", num_layers=args.layers, hidden_size=args.hidden,
+                       ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+                       num_query_groups=args.groups, vocab_size=args.vocab)
+
+
+def _sumsq(module, layout, coords, tied: bool) -> float:
+    """Sum of squares of every full weight (each element once), identical on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    local = torch.zeros(1, dtype=torch.float64)
+    if coords.dp == 0 and coords.cp == 0:
+        for name, p in module.named_parameters():
+            if tied and name == "output_layer.weight" and layout.pp > 1:
+                continue
+            dup = "layernorm" in name and coords.tp > 0   # norms are replicated over tp
+            if not dup:
+                local += p.detach().double().pow(2).sum()
+    dist.all_reduce(local)
+    return local.item()
+
+
+def _sync_replicas(mol) -> None:
+    """Make dp x cp replicas equal: Megatron's CPU init without weights differs per dp rank."""
+    import torch.distributed as dist
+
+    from earl_megatron.runtime import groups
+
+    g = groups.dp_group(with_context_parallel=True)
+    root = dist.get_process_group_ranks(g)[0]
+    for p in mol.module().parameters():
+        dist.broadcast(p.data, src=root, group=g)
+
+
+def _maxed(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _summed(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _megatron_swap(mol, dst_layout, cfg):
+    """Megatron's refit into a second live model in ``dst_layout``; returns timings and sumsq."""
+    import torch.distributed as dist
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.resharding import swap_model_weights
+    from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+
+    from earl_megatron.models.provider import build_gpt_model, transformer_config
+
+    b = dst_layout
+    t0 = time.perf_counter()
+    grid = HyperCommGrid([b.tp, b.cp, b.dp, b.pp], ["tp", "cp", "dp", "pp"], backend="gloo")
+    pgs = {k: grid.create_pg(k) for k in ("tp", "cp", "dp", "pp")}
+    pgc = ProcessGroupCollection(tp=pgs["tp"], cp=pgs["cp"], pp=pgs["pp"], dp=pgs["dp"],
+                                 embd=None)
+    c = b.coords(dist.get_rank())
+    target = build_gpt_model(cfg, b, pre_process=c.pp == 0, post_process=c.pp == b.pp - 1,
+                             config=transformer_config(cfg, b), pg_collection=pgc)
+    service = GlooCopyService()
+    t1 = time.perf_counter()
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        s = time.perf_counter()
+        swap_model_weights([mol.module()], [target], refit_method=service)
+        dist.barrier()
+        times.append(time.perf_counter() - s)
+    sumsq = _sumsq(target, b, c, cfg.tie_word_embeddings)
+    del target
+    for pg in list(pgs.values()) + [service.gloo_pg]:
+        dist.destroy_process_group(pg)
+    return dict(fixed_s=t1 - t0, first_s=times[0], steady_s=times[1], sumsq=sumsq)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _job(pairs, args_dict, tmp_root):
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.runtime.switcher import SwitchStats, switch_layout, switch_via_checkpoint
+
+    args = argparse.Namespace(**args_dict)
+    cfg = _cfg(args)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lay = lambda s: ParallelLayout.parse(s, world, cfg.shape)  # noqa: E731
+    rows = []
+    with cpu_backend():
+        for n, (a_name, b_name) in enumerate(pairs):
+            a, b = lay(a_name), lay(b_name)
+            row = dict(world=world, src=str(a), dst=str(b))
+            t = time.perf_counter()
+            mol = build_on_layout(cfg, a, ddp=False)
+            _sync_replicas(mol)
+            row["build_s"] = _maxed([time.perf_counter() - t])[0]
+            ref = _sumsq(mol.module(), a, mol.coords, cfg.tie_word_embeddings)
+            if not args.skip_megatron:
+                try:
+                    m = _megatron_swap(mol, b, cfg)
+                    m["ok"] = abs(m["sumsq"] - ref) <= 1e-9 * ref
+                    for k in ("fixed_s", "first_s", "steady_s"):
+                        m[k] = _maxed([m[k]])[0]
+                    row["megatron"] = m
+                except Exception as e:  # noqa: BLE001 - a failing path is a result to report
+                    row["megatron"] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+            # in-memory A -> B, then B -> A (the reverse pair, also reported)
+            for key, dst in (("mem", b), ("mem_back", a)):
+                st = SwitchStats()
+                dist.barrier()
+                t = time.perf_counter()
+                mol = switch_layout(mol, dst, bucket_bytes=args.bucket_mb << 20, stats=st)
+                dist.barrier()
+                wall = time.perf_counter() - t
+                ok = abs(_sumsq(mol.module(), dst, mol.coords, cfg.tie_word_embeddings) - ref) \
+                    <= 1e-9 * ref
+                wall, plan_s, collect_s, rebuild_s, transfer_s = _maxed(
+                    [wall, st.plan_s, st.collect_s, st.rebuild_s, st.transfer_s])
+                sent, = _summed([st.bytes_sent])
+                row[key] = dict(wall_s=wall, plan_s=plan_s, collect_s=collect_s,
+                                rebuild_s=rebuild_s, transfer_s=transfer_s, bytes_sent=int(sent),
+                                bytes_moved=st.plan.bytes_moved, min_bytes=st.plan.min_bytes,
+                                max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok)
+            # disk: A -> B through dist_checkpointing (a throwaway save first warms its workers)
+            path = os.path.join(tmp_root, f"{world}_{n}")
+            if n == 0:
+                from megatron.core import dist_checkpointing
+                os.makedirs(path + "_warm", exist_ok=True)
+                dist.barrier()
+                t = time.perf_counter()
+                dist_checkpointing.save(mol.module().sharded_state_dict(), path + "_warm")
+                row["first_save_s"] = _maxed([time.perf_counter() - t])[0]
+            st = SwitchStats()
+            dist.barrier()
+            t = time.perf_counter()
+            mol = switch_via_checkpoint(mol, b, path, stats=st)
+            dist.barrier()
+            wall = time.perf_counter() - t
+            ok = abs(_sumsq(mol.module(), b, mol.coords, cfg.tie_word_embeddings) - ref) \
+                <= 1e-9 * ref
+            wall, save_s, rebuild_s, load_s = _maxed([wall, st.collect_s, st.rebuild_s,
+                                                      st.transfer_s])
+            row["disk"] = dict(wall_s=wall, save_s=save_s, rebuild_s=rebuild_s, load_s=load_s,
+                               bytes=_dir_bytes(path) if rank == 0 else 0, ok=ok)
+            mol = None
+            groups.destroy_groups()
+            rows.append(row)
+    return rows if rank == 0 else None
+
+
+def _print(rows, weight_bytes):
+    mb = 1 << 20
+    print(f"\nmodel: {weight_bytes / mb:.0f} MiB of fp32 weights; times are the slowest rank's")
+    print("mem: in-memory switch (xfer = transfers only; fixed = free + regroup + build);"
+          " disk: dist_checkpointing save + rebuild + load;\ndisk/mem = total times; xfer ratio ="
+          " (save + load) / in-memory transfer; mcore = swap_model_weights, first / steady")
+    hdr = (f"{'world':>5} {'switch':<22} {'min MiB':>7} {'movedMiB':>8} {'moved/min':>9} "
+           f"{'mem xfer s':>10} {'mem fixed s':>11} {'mem total s':>11} {'disk s':>7} "
+           f"{'disk save+load s':>16} {'disk/mem':>8} {'xfer ratio':>10} "
+           f"{'mcore 1st/steady s':>18}")
+    print(hdr)
+    for r in rows:
+        there, back = f"{r['src']}->{r['dst']}", f"{r['dst']}->{r['src']}"
+        for key, label in (("mem", there), ("mem_back", back)):
+            m = r[key]
+            ratio = m["bytes_moved"] / m["min_bytes"] if m["min_bytes"] else 1.0
+            if key == "mem":
+                d = r["disk"]
+                disk = f"{d['wall_s']:7.2f} {d['save_s'] + d['load_s']:16.2f} " \
+                       f"{d['wall_s'] / m['wall_s']:8.1f} " \
+                       f"{(d['save_s'] + d['load_s']) / max(m['transfer_s'], 1e-9):10.1f}"
+                mc = r.get("megatron", {})
+                mcs = (f"{mc['first_s']:.2f}/{mc['steady_s']:.2f}" if "first_s" in mc
+                       else "skipped" if not mc else "fails")
+            else:
+                disk, mcs = f"{'':7} {'':16} {'':8} {'':10}", ""
+            print(f"{r['world']:>5} {label:<22} {m['min_bytes'] / mb:7.1f} "
+                  f"{m['bytes_moved'] / mb:8.1f} {ratio:9.2f} {m['transfer_s']:10.2f} "
+                  f"{m['rebuild_s']:11.2f} {m['wall_s']:11.2f} {disk} {mcs:>18}")
+    print("\nchecks (sum of squares of all weights unchanged):")
+    for r in rows:
+        mc = r.get("megatron", {})
+        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory {r['mem']['ok']}, back "
+              f"{r['mem_back']['ok']}, disk {r['disk']['ok']} ({r['disk']['bytes'] / mb:.0f} MiB "
+              f"written), megatron "
+              f"{mc.get('ok', mc.get('error', 'skipped'))}"
+              + (f" (fixed {mc['fixed_s']:.2f}s: grid groups + second model)" if "fixed_s" in mc
+                 else ""))
+    firsts = [r["first_save_s"] for r in rows if "first_save_s" in r]
+    builds = ", ".join(f"{r['build_s']:.2f}s" for r in rows)
+    warm = ", ".join(f"{x:.2f}s" for x in firsts)
+    print(f"  build of a model on its first layout: {builds}; first dist_checkpointing save in "
+          f"a process (warm-up, not counted): {warm}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1408)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+
+    from earl_megatron.plan.reshard_plan import full_shapes
+    from earl_megatron.testing.multiproc import run_distributed
+
+    cfg = _cfg(args)
+    weight_bytes = 4 * sum(_numel(s) for s in full_shapes(cfg).values())
+    rows = []
+    tmp_root = tempfile.mkdtemp(prefix="reshard_bench_")
+    try:
+        for world in args.worlds:
+            t = time.time()
+            rows += run_distributed(_job, world, PAIRS[world], vars(args), tmp_root,
+                                    timeout=args.timeout, collective_timeout_s=600)[0]
+            print(f"[world {world}: {time.time() - t:.0f}s including process start]",
+                  file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    _print(rows, weight_bytes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Switch a live Megatron-Core model (and its optimizer) to another layout on the same ranks.
+
+``switch_layout(mol, new_layout)`` is collective over the world and runs, on every rank:
+
+1. plan   ``plan_reshard(cfg, old, new)`` (pure, identical on every rank; plan/reshard_plan.py);
+2. collect this rank's old shards: weights, and with an optimizer the fp32 Adam moments
+   (``exp_avg``, ``exp_avg_sq``) and the step count. The distributed optimizer holds each
+   moment as a flat range per dp x cp rank; an all-reduce (sum of zero-padded ranges: exact)
+   within its dp group turns them into whole per-parameter TP shards first. fp32 weights are
+   their own master copies (Megatron's fp32 optimizers step the parameters themselves);
+3. free the old model, its grad buffers and optimizer (``mol`` is consumed);
+4. regroup (``groups.build_groups`` via ``build_on_layout``) and build the model and optimizer
+   for the new layout without loading weights;
+5. local copies, then the plan's transfers in rounds of ``torch.distributed.batch_isend_irecv``
+   on the WORLD group (the old groups are gone), each round sending at most ``bucket_bytes``
+   and receiving at most ``bucket_bytes`` per rank;
+6. Adam state into the new optimizer: same step count, same moments, so training continues on
+   the same trajectory (tests/distributed/test_switcher.py checks losses to 1e-5).
+
+Peak memory per rank during a switch (documented in docs/switcher.md):
+    old shard (weights [+ 2 moments]) + new model, grad buffer and optimizer state
+    + at most 2 x bucket_bytes of staging (non-contiguous sends are packed, non-contiguous
+      receives land in a buffer; dim-0 slices are received in place)
+    + with the distributed optimizer, whole-shard moments on both sides (2 x the local
+      parameter bytes each) instead of the dp-sharded ones.
+Never a second copy of the whole model on one rank: each rank holds only its two shards.
+
+``switch_via_checkpoint`` is the disk baseline: Megatron's dist_checkpointing save under the old
+layout and load under the new one (weights only), used by benchmarks/reshard.py and the tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.reshard_plan import EMBEDDING, OUTPUT, ReshardPlan, plan_reshard
+from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.weights.sharding import global_name
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class SwitchStats:
+    """Where a switch spent its time and what it moved (this rank's view)."""
+
+    plan_s: float = 0.0
+    collect_s: float = 0.0
+    rebuild_s: float = 0.0
+    """Fixed cost: free the old model, regroup, build the new model and optimizer, final gc."""
+    transfer_s: float = 0.0
+    load_state_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    rounds: int = 0
+    plan: Optional[ReshardPlan] = field(default=None, repr=False)
+
+    @property
+    def total_s(self) -> float:
+        return self.plan_s + self.collect_s + self.rebuild_s + self.transfer_s + self.load_state_s
+
+
+def megatron_optimizers(optimizer) -> list:
+    """The per-group Megatron optimizers inside a (possibly chained) Megatron optimizer."""
+    if optimizer is None:
+        return []
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def spec_of(optimizer) -> OptimizerSpec:
+    """The OptimizerSpec that rebuilds ``optimizer`` (read from Megatron's OptimizerConfig)."""
+    c = optimizer.config
+    return OptimizerSpec(lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+                         adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad,
+                         use_distributed_optimizer=c.use_distributed_optimizer)
+
+
+def _full_name_of(local: str, mol: ModelOnLayout) -> tuple[str, str]:
+    """(full tensor name in the plan, local name) of one local parameter."""
+    g = global_name(local, mol.coords.pp, mol.layers_per_stage)
+    if g == OUTPUT and mol.cfg.tie_word_embeddings:
+        g = EMBEDDING
+    return g, local
+
+
+def _is_distributed(opt) -> bool:
+    return hasattr(opt, "model_param_group_index_map")
+
+
+def _buffer_params(opt) -> set:
+    """Every param a distributed optimizer's grad buffers hold (identical on all dp peers)."""
+    return {p for buf in opt.buffers for p in buf.params}
+
+
+Moments = dict[str, dict[str, torch.Tensor]]
+"""{local parameter name: {"exp_avg": whole TP shard, "exp_avg_sq": whole TP shard}}"""
+
+
+def _adam_state_of(mol: ModelOnLayout) -> tuple[Moments, Optional[torch.Tensor]]:
+    """{local name: {exp_avg, exp_avg_sq}} as whole TP shards, and one step tensor (or None)."""
+    names = {p: n for n, p in mol.module().named_parameters()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    step = None
+    for opt in megatron_optimizers(mol.optimizer):
+        inner = opt.optimizer
+        if not _is_distributed(opt):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state.get(p)
+                    if st:
+                        out[names[p]] = {k: st[k] for k in MOMENTS}
+                        step = st["step"]
+            continue
+        # distributed optimizer: each dp x cp rank owns one flat range (possibly empty) of each
+        # param in the optimizer's buffers; every peer walks the same params in the same order
+        group, held = opt.data_parallel_group, _buffer_params(opt)
+        for p, name in names.items():
+            if p not in held:
+                continue
+            whole = torch.zeros((len(MOMENTS), p.numel()), dtype=torch.float32, device=p.device)
+            if p in opt.model_param_group_index_map:
+                rng = opt._get_model_param_range_map(p)["param"]
+                st = opt._get_main_param_and_optimizer_states(p)
+                if "exp_avg" in st:
+                    for i, k in enumerate(MOMENTS):
+                        whole[i, rng.start:rng.end].copy_(st[k].detach().view(-1))
+                    gi, go = opt.model_param_group_index_map[p]
+                    step = inner.state[inner.param_groups[gi]["params"][go]]["step"]
+            dist.all_reduce(whole, group=group)
+            out[name] = {k: whole[i].view(p.shape) for i, k in enumerate(MOMENTS)}
+    # ranks whose dp x cp peers stepped must agree on whether a state exists at all
+    have = torch.tensor([0 if step is None else 1], dtype=torch.int64)
+    dist.all_reduce(have, op=dist.ReduceOp.MAX)
+    if have.item() and step is None:
+        raise RuntimeError("this rank has no Adam state but others do; every rank must have "
+                           "stepped the optimizer the same number of times before a switch")
+    return (out if step is not None else {}), step
+
+
+def _init_adam_state(mol: ModelOnLayout, step: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """Zeroed Adam state of the new optimizer, returned as whole TP shards to receive into."""
+    names = {p: n for n, p in mol.module().named_parameters()}
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    for opt in megatron_optimizers(mol.optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if _is_distributed(opt):
+                    continue
+                st = {"step": step.clone()}
+                st.update({k: torch.zeros_like(p) for k in MOMENTS})
+                inner.state[p] = st
+                targets[names[p]] = {k: st[k] for k in MOMENTS}
+        if _is_distributed(opt):
+            held = _buffer_params(opt)
+            for p, name in names.items():
+                if p in held:
+                    targets[name] = {k: torch.zeros_like(p) for k in MOMENTS}
+    return targets
+
+
+def _finish_distributed_state(mol: ModelOnLayout, step: torch.Tensor,
+                              whole: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Hand each dp x cp rank of a distributed optimizer its flat range of the moments."""
+    names = {p: n for n, p in mol.module().named_parameters()}
+    for opt in megatron_optimizers(mol.optimizer):
+        if not _is_distributed(opt):
+            continue
+        inner = opt.optimizer
+        for p, name in names.items():
+            if p not in opt.model_param_group_index_map:
+                whole.pop(name, None)   # this rank steps no part of it
+                continue
+            rng = opt._get_model_param_range_map(p)["param"]
+            gi, go = opt.model_param_group_index_map[p]
+            main = inner.param_groups[gi]["params"][go]
+            inner.state[main] = {"step": step.clone(), **{
+                k: whole[name][k].reshape(-1)[rng.start:rng.end].clone().view_as(main)
+                for k in MOMENTS}}
+            del whole[name]
+
+
+def _tensors_by_kind(mol: ModelOnLayout, moments: dict) -> dict[str, dict[str, torch.Tensor]]:
+    params = {n: p.detach() for n, p in mol.module().named_parameters()}
+    kinds = {"param": params}
+    for k in MOMENTS if moments else ():
+        kinds[k] = {n: m[k] for n, m in moments.items()}
+    return kinds
+
+
+def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
+                  optimizer: Optional[OptimizerSpec] = None,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  stats: Optional[SwitchStats] = None) -> ModelOnLayout:
+    """Return the model (and optimizer) of ``mol`` in ``new_layout``; ``mol`` is consumed.
+
+    ``optimizer``: the spec for the new optimizer; default: the old optimizer's own config.
+    With no optimizer on ``mol`` only weights move (rollout / logprob stages)."""
+    stats = stats if stats is not None else SwitchStats()
+    cfg, old = mol.cfg, mol.layout
+    new_layout.check(dist.get_world_size(), cfg.shape)
+    t0 = time.perf_counter()
+    plan = plan_reshard(cfg, old, new_layout)
+    stats.plan = plan
+    t1 = time.perf_counter()
+    spec = optimizer or (spec_of(mol.optimizer) if mol.optimizer is not None else None)
+    if mol.optimizer is not None and cfg.params_dtype != "float32":
+        raise NotImplementedError(
+            f"switching optimizer state for params_dtype={cfg.params_dtype} needs the fp32 master "
+            "copies moved too; only float32 training is supported (set params_dtype='float32')")
+    moments, step = _adam_state_of(mol) if mol.optimizer is not None else ({}, None)
+    src = _tensors_by_kind(mol, moments)
+    old_names = {n: _full_name_of(n, mol)[0] for n in src["param"]}
+    ddp = hasattr(mol.model, "module")
+    t2 = time.perf_counter()
+
+    # free the old model: only its parameter storages (and moments) stay alive, through `src`;
+    # build_groups' teardown runs gc before the new model is allocated. The transformer config
+    # must go too: forward_backward stores the DDP's bound `no_sync` in it, which would keep
+    # the old model, its grad buffers and its process groups alive.
+    mol.model = mol.optimizer = mol.tcfg = None
+    del moments
+    # every destination slice is written by the plan: skip Megatron's random init
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec,
+                          init_weights=False)
+    targets = _init_adam_state(new, step) if step is not None else {}
+    dst = _tensors_by_kind(new, targets)
+    _check_names(plan, old_names, new)
+    # ranks finish building at different times; without this the first round's wait would be
+    # billed to transfer time instead of the (fixed) rebuild
+    dist.barrier()
+    t3 = time.perf_counter()
+
+    me = dist.get_rank()
+    with torch.no_grad():
+        for t in plan.local_copies:
+            if t.dst != me:
+                continue
+            for kind in dst:
+                d = dst[kind][t.dst_local].narrow(t.dim, t.dst_offset, t.rows)
+                d.copy_(src[kind][t.src_local].narrow(t.dim, t.src_offset, t.rows))
+                stats.bytes_local += d.numel() * d.element_size()
+        for rnd in plan.rounds(bucket_bytes, kinds=len(dst)):
+            _run_round(rnd, me, src, dst, stats)
+            stats.rounds += 1
+    del src
+    # The old DDP outlives the regroup: its gradient-hook closures (13 cells, seen with
+    # gc.get_referrers) keep it reachable until the switch's locals are gone. Without this
+    # collection up to four layouts' gloo groups (48 threads, ~100 fds each) pile up between
+    # Python's own collections; with it the count stays flat (tests/distributed/test_switcher.py).
+    t4 = time.perf_counter()
+    gc.collect()
+    t5 = time.perf_counter()
+    if step is not None:
+        _finish_distributed_state(new, step, targets)
+    t6 = time.perf_counter()
+    stats.plan_s += t1 - t0
+    stats.collect_s += t2 - t1
+    stats.rebuild_s += (t3 - t2) + (t5 - t4)   # fixed costs: teardown, regroup, build, gc
+    stats.transfer_s += t4 - t3
+    stats.load_state_s += t6 - t5
+    return new
+
+
+def _run_round(rnd, me: int, src: dict, dst: dict, stats: SwitchStats) -> None:
+    """One round of batched isend/irecv on the world group; both ends post in plan order."""
+    ops, landings = [], []
+    for t in rnd:
+        if me not in (t.src, t.dst):
+            continue
+        for kind in dst:  # same kind order on both ends
+            if t.src == me:
+                buf = src[kind][t.src_local].narrow(t.dim, t.src_offset, t.rows).contiguous()
+                ops.append(dist.P2POp(dist.isend, buf, t.dst))
+                stats.bytes_sent += buf.numel() * buf.element_size()
+            else:
+                view = dst[kind][t.dst_local].narrow(t.dim, t.dst_offset, t.rows)
+                buf = view if view.is_contiguous() else torch.empty(
+                    view.shape, dtype=view.dtype, device=view.device)
+                ops.append(dist.P2POp(dist.irecv, buf, t.src))
+                if buf is not view:
+                    landings.append((view, buf))
+                stats.bytes_received += buf.numel() * buf.element_size()
+    if not ops:
+        return
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    for view, buf in landings:
+        view.copy_(buf)
+
+
+def _check_names(plan: ReshardPlan, old_names: dict, new: ModelOnLayout) -> None:
+    """Every live parameter must be a tensor the plan knows (else the names drifted, e.g. TE)."""
+    new_names = {n: _full_name_of(n, new)[0] for n, _ in new.module().named_parameters()}
+    known = {t.name for t in plan.transfers + plan.local_copies}
+    unknown = sorted({g for g in list(old_names.values()) + list(new_names.values())
+                      if g not in known})
+    if unknown:
+        raise KeyError(f"parameters {unknown[:4]} are not in the reshard plan; the model's "
+                       "parameter names differ from weights/sharding.py's (TransformerEngine "
+                       "spec?): add their split rules to plan/reshard_plan.py")
+
+
+def switch_via_checkpoint(mol: ModelOnLayout, new_layout: ParallelLayout, ckpt_dir: str, *,
+                          stats: Optional[SwitchStats] = None) -> ModelOnLayout:
+    """Baseline: dist_checkpointing save under the old layout, load under the new (weights)."""
+    from megatron.core import dist_checkpointing
+
+    stats = stats if stats is not None else SwitchStats()
+    cfg, ddp = mol.cfg, hasattr(mol.model, "module")
+    t0 = time.perf_counter()
+    os.makedirs(ckpt_dir, exist_ok=True)  # a shared filesystem: every rank sees one directory
+    dist.barrier()
+    dist_checkpointing.save(mol.module().sharded_state_dict(), ckpt_dir)
+    t1 = time.perf_counter()
+    mol.model = mol.optimizer = mol.tcfg = None
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp)
+    t2 = time.perf_counter()
+    state = dist_checkpointing.load(new.module().sharded_state_dict(), ckpt_dir)
+    new.module().load_state_dict(state, strict=False)
+    t3 = time.perf_counter()
+    stats.collect_s += t1 - t0
+    stats.rebuild_s += t2 - t1
+    stats.transfer_s += t3 - t2
+    return new
