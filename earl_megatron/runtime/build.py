@@ -63,16 +63,16 @@ class OptimizerSpec:
 def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
                     weights: Optional[dict[str, torch.Tensor]] = None, ddp: bool = True,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
-                    recompute: Optional[str] = None, init_weights: bool = True) -> ModelOnLayout:
-    """``init_weights=False`` skips Megatron's random init (parameters hold garbage): only for
-    callers that overwrite every parameter, like the switcher, where init dominated a switch."""
+                    recompute: Optional[str] = None) -> ModelOnLayout:
     from earl_megatron.models.provider import build_gpt_model, transformer_config, wrap_ddp
     from earl_megatron.weights.sharding import load_full_weights
 
     groups.build_groups(layout, cfg.shape, seed=seed)
     coords = layout.coords(dist.get_rank())
     tcfg = transformer_config(cfg, layout, recompute=recompute)
-    tcfg.perform_initialization = init_weights and weights is None
+    # Megatron's init stays on even when every weight is overwritten afterwards: in 0.16 the
+    # tensor-parallel attributes (tensor_model_parallel, partition_dim) are set only inside its
+    # init functions, and without them gradient-norm clipping counts TP shards as duplicates
     # Megatron initialises weights from torch's default generator (use_cpu_initialization draws
     # each full matrix there, then splits it): seed it, in a fork, so the same seed gives the same
     # model in every run and layout without disturbing the caller's random stream

@@ -230,9 +230,7 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     # the old model, its grad buffers and its process groups alive.
     mol.model = mol.optimizer = mol.tcfg = None
     del moments
-    # every destination slice is written by the plan: skip Megatron's random init
-    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec,
-                          init_weights=False)
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec)
     targets = _init_adam_state(new, step) if step is not None else {}
     dst = _tensors_by_kind(new, targets)
     _check_names(plan, old_names, new)
