@@ -97,7 +97,14 @@ class Runner:
         evals = {"start": self.evaluate(mol)} if start == 0 else {}
         for it in range(start, cfg.run.iterations):
             t0 = time.perf_counter()
-            layouts = self.plan(mol.layout)
+            try:
+                layouts = self.plan(mol.layout)
+            except Exception:
+                # e.g. NoLayoutFitsError once contexts outgrow the budget: keep what was
+                # trained (the error says what would fit; rerun with it to resume from here)
+                if it > start:
+                    self._checkpoint(mol, it - 1)
+                raise
             mol = self._switch(mol, layouts["rollout"])
             t1 = time.perf_counter()
             seeds = loop.episode_seeds(cfg, it, cfg.rollout.episodes_per_iteration)
