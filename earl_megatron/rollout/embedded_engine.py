@@ -72,22 +72,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from earl_megatron.rollout.engine import EngineHealth, Generation, SamplingParams, check_prompts
+from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
+                                         split_evenly)
 from earl_megatron.rollout.hf_engine import sample_next
 from earl_megatron.runtime import groups
 
 _CACHE_ROUND = 256  # cache length granularity, so growing agent contexts rarely reallocate
 
 
-def split_over_dp(n: int, dp: int) -> list[range]:
-    """Contiguous blocks of ``n`` items over ``dp`` replicas; sizes differ by at most one."""
-    q, r = divmod(n, dp)
-    out, start = [], 0
-    for i in range(dp):
-        size = q + (1 if i < r else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+split_over_dp = split_evenly
+"""Contiguous blocks of prompts over dp replicas (engine.split_evenly)."""
 
 
 def _prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:

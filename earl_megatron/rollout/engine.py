@@ -80,3 +80,15 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; engines need at least one token "
                              "(render the observation or a BOS token first)")
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """Contiguous index ranges covering 0..n-1 over ``parts`` workers (dp replicas, servers);
+    sizes differ by at most one and the first ranges take the extra items."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams,
-                                          check_prompts)
+                                          check_prompts, split_evenly)
 
 # Flags that pick SGLang's code paths that run without a GPU (../shared/sglang-cpu/serve.sh).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
@@ -158,15 +158,6 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
     return cmd + list(config.extra_args)
 
 
-def split_evenly(n: int, parts: int) -> list[range]:
-    """Contiguous index ranges covering 0..n-1, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
 
 
 def sglang_sampling_params(params: SamplingParams, index: int) -> dict[str, Any]:

@@ -32,7 +32,8 @@ from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rl.advantages import grpo_advantages, reinforce_pp_returns
 from earl_megatron.rl.losses import PolicyLossConfig, policy_loss
-from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes, summarize
+from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes
+from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec
 from earl_megatron.trainer.data import (TRAIN_TENSORS, episode_tensors, microbatches,
                                         padded_length)
@@ -72,19 +73,13 @@ def episode_seeds(cfg: TrainConfig, iteration: int, count: int) -> list[int]:
     return [base + i // g for i in range(count)]
 
 
-def replica_block(n: int, dp: int, dp_rank: int) -> range:
-    per, extra = divmod(n, dp)
-    start = dp_rank * per + min(dp_rank, extra)
-    return range(start, start + per + (1 if dp_rank < extra else 0))
-
-
 def play(mol: ModelOnLayout, cfg: TrainConfig, tokenizer, seeds: list[int], *, temperature: float,
          sample_seed: int, opponent: Optional[str] = None):
     """This replica's block of episodes (all ranks of a replica return the same episodes)."""
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
     lay = mol.layout
-    block = replica_block(len(seeds), lay.dp, mol.coords.dp)
+    block = split_evenly(len(seeds), lay.dp)[mol.coords.dp]
     kwargs = dict(cfg.env.kwargs)
     if opponent is not None:
         kwargs["opponent"] = opponent
