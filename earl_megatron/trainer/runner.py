@@ -94,7 +94,9 @@ class Runner:
         if start == 0 and self.rank == 0:
             self._log_line("iter  rollout   train     reward  win   illegal unparsable ctx   "
                            "loss     s/iter")
-        evals = {"start": self.evaluate(mol)} if start == 0 else {}
+        evals = {}
+        if start == 0:
+            evals["start"], mol = self.evaluate(mol)
         for it in range(start, cfg.run.iterations):
             t0 = time.perf_counter()
             try:
@@ -137,11 +139,11 @@ class Runner:
                                       (it + 1) % cfg.run.checkpoint_every == 0):
                 self._checkpoint(mol, it)
             if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last:
-                evals[f"iter{it + 1}"] = self.evaluate(mol)
+                evals[f"iter{it + 1}"], mol = self.evaluate(mol)
             if self._stop:
                 break
         if not self._stop:
-            evals["end"] = self.evaluate(mol)
+            evals["end"], mol = self.evaluate(mol)
         if self.rank == 0:
             (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
             self._log_line(f"evaluation: {json.dumps(evals)}")
@@ -190,7 +192,7 @@ class Runner:
         by_id = dict(p for part in parts for p in part)
         return [by_id[s] for s in sorted(by_id)]
 
-    def evaluate(self, mol) -> dict:
+    def evaluate(self, mol):
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
 
         "sampled" plays the stochastic policy at the rollout temperature (what training
@@ -199,7 +201,9 @@ class Runner:
         cfg = self.cfg
         out = {}
         if mol.layout.cp != 1:
-            return out
+            # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
+            lay = mol.layout
+            mol = self._switch(mol, ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
         n = cfg.run.eval_episodes
         seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(n)]
         for opp in cfg.env.eval_opponents:
@@ -214,7 +218,7 @@ class Runner:
                 out[f"{opp}/{mode}"] = {
                     "win_rate": wins / len(by_id),
                     "mean_reward": sum(r for _, r in by_id.values()) / len(by_id)}
-        return out
+        return out, mol
 
     def _record(self, it, layouts, episodes, lengths, loss, moved, seconds) -> dict:
         from earl_megatron.rollout.agent_loop import summarize

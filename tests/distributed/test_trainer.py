@@ -58,6 +58,15 @@ def test_auto_layouts_change_under_a_memory_budget(tmp_path):
     assert len(hist) == 2 and "predicted_memory_gb" in hist[0]
 
 
+def test_evaluation_after_a_cp_train_layout(tmp_path):
+    # the engine decodes with cp=1: the end-of-run evaluation must still happen after CP2
+    cfg = _cfg(str(tmp_path / "cp"), 1, mode="static", rollout="dp2", logprob="dp2", train="cp2")
+    hist = run_distributed(_train, 2, cfg, timeout=400)[0]
+    assert hist[0]["layouts"]["train"] == "CP2"
+    evals = json.loads((tmp_path / "cp" / "eval.json").read_text())
+    assert "random/sampled" in evals["end"]
+
+
 def _bad(cfg):
     from earl_megatron.train import run
     try:
