@@ -37,17 +37,10 @@ DIGIT_LOGIT = 5.0
 
 def digit_policy_weights(cfg, tokenizer, seed: int = 3):
     """Reference weights whose samples are digits 0-6 (see the module docstring)."""
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.testing.weights import biased_weights
 
-    w = reference_weights(cfg, seed=seed)
-    w["embedding.word_embeddings.weight"][:, 0] = 50.0
-    for i in range(cfg.num_layers):
-        w[f"decoder.layers.{i}.self_attention.linear_proj.weight"][0, :] = 0.0
-        w[f"decoder.layers.{i}.mlp.linear_fc2.weight"][0, :] = 0.0
-    w["output_layer.weight"][:, 0] = 0.0
-    for tok in (tokenizer.convert_tokens_to_ids(str(c)) for c in range(7)):
-        w["output_layer.weight"][tok, 0] = DIGIT_LOGIT
-    return w
+    return biased_weights(cfg, {tokenizer.convert_tokens_to_ids(str(c)): DIGIT_LOGIT
+                                for c in range(7)}, seed=seed)
 
 
 def _decode_bench(layout_name, contexts, new, batch, reps):

@@ -18,28 +18,13 @@ import pytest
 import torch
 
 from earl_megatron.testing.multiproc import run_distributed
+from earl_megatron.testing.weights import biased_weights
 
 PROMPTS = [[5, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 20, 30, 40, 50, 60, 70], [1],
            [100, 2, 64, 99, 17, 8, 8]]
 NEW = 12
 LOGPROB_TOL = 1e-4
 LAYOUTS = [("llama", "dp2"), ("llama", "tp2"), ("llama", "pp2"), ("qwen2", "pp2")]
-
-
-def biased_weights(cfg, favour, seed=11):
-    """Reference weights edited so chosen tokens win whatever the context (see test_agent_loop):
-    residual dim 0 carries 50 through every layer and the output layer reads only that dim."""
-    from earl_megatron.weights.sharding import reference_weights
-
-    w = reference_weights(cfg, seed=seed)
-    w["embedding.word_embeddings.weight"][:, 0] = 50.0
-    for i in range(cfg.num_layers):
-        w[f"decoder.layers.{i}.self_attention.linear_proj.weight"][0, :] = 0.0
-        w[f"decoder.layers.{i}.mlp.linear_fc2.weight"][0, :] = 0.0
-    w["output_layer.weight"][:, 0] = 0.0
-    for tok, weight in favour.items():
-        w["output_layer.weight"][tok, 0] = weight
-    return w
 
 
 def _check_layout(family, name, weights_seed):
