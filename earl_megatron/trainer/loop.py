@@ -20,8 +20,6 @@ a run resumed from a checkpoint replays the same iterations as one that never st
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,34 +28,15 @@ import torch.distributed as dist
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.rl.advantages import grpo_advantages, reinforce_pp_returns
+from earl_megatron.rl.advantages import reinforce_pp_returns
 from earl_megatron.rl.losses import PolicyLossConfig, policy_loss
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec
-from earl_megatron.trainer.data import (TRAIN_TENSORS, episode_tensors, microbatches,
-                                        padded_length)
+from earl_megatron.trainer.data import TRAIN_TENSORS, microbatches
 
 CP_MULTIPLE = 8
 """Prediction lengths are padded to a multiple of this (2 * the largest cp used here)."""
-
-
-@dataclass
-class IterationRecord:
-    iteration: int
-    layouts: dict
-    reward: float
-    win_rate: float
-    illegal_rate: float
-    unparsable_rate: float
-    mean_context: float
-    max_context: int
-    loss: float
-    seconds: dict = field(default_factory=dict)
-    dispatch_bytes: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:

@@ -32,6 +32,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.build import build_on_layout
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from earl_megatron.trainer import loop
+from earl_megatron.trainer.data import episode_tensors, padded_length
 
 
 class Runner:
@@ -115,8 +116,8 @@ class Runner:
                                         sample_seed=cfg.run.seed * 7919 + it)
             t2 = time.perf_counter()
             lengths = self._all_lengths(block, episodes)
-            length = loop.padded_length(max(lengths), loop.CP_MULTIPLE)
-            samples = {s: loop.episode_tensors(e.token_ids, e.loss_mask, e.logprobs, e.reward,
+            length = padded_length(max(lengths), loop.CP_MULTIPLE)
+            samples = {s: episode_tensors(e.token_ids, e.loss_mask, e.logprobs, e.reward,
                                                length, self.tok.pad_token_id)
                        for s, e in zip(block, episodes)}
             adv = loop.compute_advantages(cfg, mol, list(block), samples, len(seeds))
@@ -221,8 +222,6 @@ class Runner:
         return out, mol
 
     def _record(self, it, layouts, episodes, lengths, loss, moved, seconds) -> dict:
-        from earl_megatron.rollout.agent_loop import summarize
-
         parts: list = [None] * self.world
         mine = [(e.reward, e.info.get("outcome"), bool(e.info.get("illegal")),
                  bool(e.info.get("unparsable"))) for e in episodes]
@@ -230,7 +229,7 @@ class Runner:
         # every rank of a replica reports the same episodes: count each replica once
         seen, rows = set(), []
         for rank, rs in parts:
-            c = self._coords_key(rank, layouts["rollout"])
+            c = layouts["rollout"].coords(rank).dp
             if c not in seen:
                 seen.add(c)
                 rows.extend(rs)
@@ -254,10 +253,6 @@ class Runner:
                            f"{rec['illegal_rate']:.2f}    {rec['unparsable_rate']:.2f}       "
                            f"{rec['mean_context']:5.0f} {loss:+.4f}  {seconds['total']:.1f}")
         return rec
-
-    @staticmethod
-    def _coords_key(rank: int, layout: ParallelLayout):
-        return layout.coords(rank).dp
 
     def _checkpoint(self, mol, it: int) -> None:
         state = {"iteration": it, "layout": str(mol.layout), "history": self.history,
