@@ -35,6 +35,8 @@ setup(
         "sglang": [],
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],
+        # TensorBoard event files next to metrics.jsonl (earl_megatron/trainer/live.py), opt-in.
+        "tensorboard": ["tensorboard"],
     },
     entry_points={
         "console_scripts": [

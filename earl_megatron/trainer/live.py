@@ -1,0 +1,258 @@
+"""What a person watching a training run sees while it runs (rank 0), and TensorBoard scalars.
+
+    view = LiveView(total=cfg.run.iterations, start=start, out_dir=out,
+                    enabled=rank == 0, tensorboard=cfg.run.tensorboard)
+    with view:                      # start() ... close()
+        view.message("resumed from ...")
+        for it in range(start, total):
+            ...
+            view.update(rec)        # once per iteration, the record written to metrics.jsonl
+
+On a terminal: a rich Live display, a progress line (iterations done/total, elapsed, ETA) over
+a table of the last 10 iterations. Off a terminal (piped to a file, Slurm, `make demo > log`):
+a header, then one fixed-width plain line per iteration with the same columns, never an ANSI
+escape code. Columns: iteration; per stage (rollout, logprob when present, train) its layout,
+its seconds and its predicted memory in GiB (auto layouts only); context mean/max; reward;
+win rate; illegal and unparsable rates; loss; seconds per iteration; ETA.
+
+Invariants:
+- metrics.jsonl stays the record; this module only displays it (and mirrors it to TensorBoard).
+- enabled=False makes every method a no-op (ranks other than 0 construct it that way).
+- The constructor has no side effects; start() picks the console, starts the display and opens
+  the TensorBoard writer; close() stops and flushes them and is safe to call twice.
+- TensorBoard is opt-in and optional: without the `tensorboard` package (`pip install
+  earl_megatron[tensorboard]`) one message says so and the run goes on.
+- Rendering is cheap: the table is rebuilt once per update(), the display refreshes once a
+  second, and ETA is wall-clock mean seconds per iteration since start() times what is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+STAGE_ORDER = ("rollout", "logprob", "train")
+ROWS = 10
+LAYOUT_W = 13                      # "TP2xPP2xDP16"; longer layouts push the line right
+STAGE_W = LAYOUT_W + 1 + 7 + 1 + 6
+
+
+# ---------------------------------------------------------------------------- pure formatting
+def stages_of(rec: dict) -> list[str]:
+    """The stages a record has layouts for, rollout -> logprob -> train, then any others."""
+    lay = rec.get("layouts", {})
+    return [s for s in STAGE_ORDER if s in lay] + sorted(s for s in lay if s not in STAGE_ORDER)
+
+
+def stage_cell(rec: dict, stage: str) -> str:
+    """'TP2xDP2      12.3s  5.1G': layout, stage seconds, predicted GiB (blank when unknown)."""
+    layout = rec.get("layouts", {}).get(stage, "-")
+    sec = rec.get("seconds", {}).get(stage)
+    mem = rec.get("predicted_memory_gb", {}).get(stage)
+    sec_s = f"{sec:6.1f}s" if isinstance(sec, (int, float)) else " " * 7
+    mem_s = f"{mem:5.1f}G" if isinstance(mem, (int, float)) else " " * 6
+    return f"{layout:<{LAYOUT_W}} {sec_s} {mem_s}"
+
+
+def _num(rec: dict, key: str, fmt: str, width: int) -> str:
+    v = rec.get(key)
+    return format(v, fmt).rjust(width) if isinstance(v, (int, float)) else "-".rjust(width)
+
+
+def fmt_duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "--:--"
+    s = int(round(seconds))
+    h, m, s = s // 3600, s // 60 % 60, s % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def row_cells(rec: dict, stages: list[str], eta: Optional[float] = None) -> list[str]:
+    """One iteration's columns (shared by the table and the plain line)."""
+    ctx = (f"{rec['mean_context']:.0f}/{rec['max_context']:.0f}"
+           if isinstance(rec.get("mean_context"), (int, float))
+           and isinstance(rec.get("max_context"), (int, float)) else "-")
+    return ([f"{rec.get('iteration', '-'):>5}"] + [stage_cell(rec, s) for s in stages]
+            + [f"{ctx:>12}", _num(rec, "reward", "+.3f", 7), _num(rec, "win_rate", ".2f", 5),
+               _num(rec, "illegal_rate", ".2f", 5), _num(rec, "unparsable_rate", ".2f", 5),
+               _num(rec, "loss", "+.4f", 8),
+               _num(rec.get("seconds", {}), "total", ".1f", 6), f"{fmt_duration(eta):>8}"])
+
+
+def header_cells(stages: list[str]) -> list[str]:
+    return ([f"{'iter':>5}"] + [f"{s:<{STAGE_W}}" for s in stages]
+            + [f"{'ctx mean/max':>12}", f"{'reward':>7}", f"{'win':>5}", f"{'ill':>5}",
+               f"{'unp':>5}", f"{'loss':>8}", f"{'s/it':>6}", f"{'eta':>8}"])
+
+
+def scalars(rec: dict) -> dict[str, float]:
+    """The TensorBoard scalars of one record: tag -> value (numbers only, missing keys skipped)."""
+    out: dict[str, float] = {}
+    for key, tag in (("reward", "reward"), ("win_rate", "win_rate"),
+                     ("illegal_rate", "illegal_rate"), ("unparsable_rate", "unparsable_rate"),
+                     ("mean_context", "context/mean"), ("max_context", "context/max"),
+                     ("loss", "loss"), ("dispatch_bytes", "dispatch_bytes")):
+        v = rec.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[tag] = float(v)
+    for group in ("seconds", "predicted_memory_gb"):
+        for k, v in (rec.get(group) or {}).items():
+            if isinstance(v, (int, float)):
+                out[f"{group}/{k}"] = float(v)
+    return out
+
+
+# ---------------------------------------------------------------------------- the view
+class LiveView:
+    """Progress display for rank 0 (rich Live on a terminal, plain lines otherwise) + TensorBoard.
+
+    total: iterations of the whole run (cfg.run.iterations); start: first iteration of this
+    process (> 0 after a resume); out_dir: run output directory (TensorBoard under
+    out_dir/tensorboard); enabled: False -> silent no-op; tensorboard: opt in to event files;
+    live: False -> plain lines even on a terminal; console: a rich Console to draw on (default:
+    stdout, chosen in start()).
+    """
+
+    def __init__(self, total: int, start: int = 0, out_dir: Optional[Path] = None, *,
+                 enabled: bool = True, tensorboard: bool = False, live: bool = True,
+                 console=None) -> None:
+        self.total, self.start_iteration = total, start
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.enabled, self.want_tensorboard, self.want_live = enabled, tensorboard, live
+        self._console = console
+        self._live = None           # rich.live.Live while the display runs
+        self._writer = None         # torch.utils.tensorboard.SummaryWriter when opted in
+        self._rows: deque = deque(maxlen=ROWS)
+        self._table = None
+        self._stages: Optional[list[str]] = None   # columns of the last plain header
+        self._done = start
+        self._t0: Optional[float] = None
+        self._started = False
+
+    # -- lifecycle
+    def start(self) -> "LiveView":
+        if not self.enabled or self._started:
+            return self
+        self._started = True
+        self._t0 = time.perf_counter()
+        if self._console is None:
+            from rich.console import Console
+            self._console = Console()
+        if self.want_live and self._console.is_terminal and not self._console.is_dumb_terminal:
+            from rich.live import Live
+            self._live = Live(console=self._console, get_renderable=self._render,
+                              refresh_per_second=1, transient=False)
+            self._live.start()
+        if self.want_tensorboard:
+            self._open_writer()
+        return self
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.refresh()
+            self._live.stop()
+            self._live = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "LiveView":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- events
+    def update(self, rec: dict) -> None:
+        """Show one iteration's record (the dict written to metrics.jsonl)."""
+        if not self.enabled:
+            return
+        if not self._started:
+            self.start()
+        self._done = rec.get("iteration", self._done) + 1
+        eta = self.eta()
+        stages = stages_of(rec)
+        if self._live is not None:
+            self._rows.append(rec)
+            self._table = self._build_table()
+            self._live.refresh()
+        else:
+            if stages != self._stages:
+                self._stages = stages
+                self._write("  ".join(header_cells(stages)))
+            self._write("  ".join(row_cells(rec, stages, eta)))
+        if self._writer is not None:
+            self._log_tensorboard(rec)
+
+    def message(self, text: str) -> None:
+        """A free text line (resume, evaluation results), printed above the live display."""
+        if not self.enabled:
+            return
+        if not self._started:
+            self.start()
+        if self._live is not None:
+            from rich.text import Text
+            self._live.console.print(Text(text))
+        else:
+            self._write(text)
+
+    def eta(self) -> Optional[float]:
+        """Seconds left: wall-clock mean per iteration since start() times iterations left."""
+        ran = self._done - self.start_iteration
+        if self._t0 is None or ran <= 0:
+            return None
+        return (time.perf_counter() - self._t0) / ran * max(self.total - self._done, 0)
+
+    # -- internals
+    def _write(self, line: str) -> None:
+        f = self._console.file
+        f.write(line + "\n")
+        f.flush()
+
+    def _build_table(self):
+        from rich.table import Table
+        stages: list[str] = []
+        for rec in self._rows:
+            stages += [s for s in stages_of(rec) if s not in stages]
+        stages = [s for s in STAGE_ORDER if s in stages] + [s for s in stages
+                                                            if s not in STAGE_ORDER]
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        # the progress line above carries the ETA: drop the per-row column
+        for name in header_cells(stages)[:-1]:
+            table.add_column(name.strip(), justify="left" if name.strip() in stages else "right",
+                             no_wrap=True)
+        for rec in self._rows:
+            table.add_row(*(c.strip() for c in row_cells(rec, stages)[:-1]))
+        return table
+
+    def _render(self):
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        elapsed = None if self._t0 is None else time.perf_counter() - self._t0
+        head = Table.grid(padding=(0, 1))
+        head.add_row(f"iteration {self._done}/{self.total}",
+                     ProgressBar(total=max(self.total, 1), completed=self._done, width=40),
+                     f"elapsed {fmt_duration(elapsed)}", f"eta {fmt_duration(self.eta())}")
+        return head if self._table is None else Group(head, self._table)
+
+    def _open_writer(self) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.message("tensorboard: package not installed (pip install tensorboard); "
+                         "metrics.jsonl only")
+            return
+        if self.out_dir is None:
+            self.message("tensorboard: no output directory; metrics.jsonl only")
+            return
+        self._writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), flush_secs=30)
+
+    def _log_tensorboard(self, rec: dict) -> None:
+        step = rec.get("iteration", self._done - 1)
+        for tag, value in scalars(rec).items():
+            self._writer.add_scalar(tag, value, step)
+        for stage, layout in rec.get("layouts", {}).items():
+            self._writer.add_text(f"layout/{stage}", str(layout), step)

@@ -1,0 +1,140 @@
+"""LiveView (plain lines off a terminal, rich Live on one, TensorBoard) and the report PNG."""
+
+import importlib.util
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+from earl_megatron.trainer.live import LiveView, row_cells, scalars
+from earl_megatron.trainer.report import eval_x, write_report
+
+ANSI = re.compile(r"\x1b[\[\]()]")
+
+
+def record(it, train="TP2xDP2", logprob=None, memory=True):
+    rec = {"iteration": it, "layouts": {"rollout": "DP4", "train": train},
+           "reward": -0.5 + 0.25 * it, "win_rate": 0.1 * it, "illegal_rate": 0.05,
+           "unparsable_rate": 0.3, "mean_context": 110.4 + it, "max_context": 300 + it,
+           "loss": 0.0123, "dispatch_bytes": 2**20 * (it + 1),
+           "seconds": {"plan+switch": 0.2, "rollout": 12.3, "switch": 0.4, "train": 4.5,
+                       "total": 17.4}}
+    if logprob:
+        rec["layouts"]["logprob"] = logprob
+        rec["seconds"]["logprob"] = 1.5
+    if memory:
+        rec["predicted_memory_gb"] = {"rollout": 5.1, "train": 3.25}
+    return rec
+
+
+def test_plain_lines_off_a_terminal():
+    buf = io.StringIO()
+    with LiveView(total=3, start=0, console=Console(file=buf)) as view:
+        view.message("resumed from ckpt [bold]x[/bold]")
+        for it in range(3):
+            view.update(record(it))
+    out = buf.getvalue()
+    assert not ANSI.search(out)
+    lines = out.splitlines()
+    assert lines[0] == "resumed from ckpt [bold]x[/bold]"   # free text, not markup
+    assert lines[1].split()[:3] == ["iter", "rollout", "train"]
+    assert len(lines) == 2 + 3                            # one header, one line per update
+    assert len({len(l) for l in lines[1:]}) == 1          # fixed width
+    first = lines[2].split()
+    assert first[:9] == ["0", "DP4", "12.3s", "5.1G", "TP2xDP2", "4.5s", "3.2G", "110/300",
+                         "-0.500"]
+    assert first[-3:-1] == ["+0.0123", "17.4"]
+
+
+def test_plain_header_repeats_when_a_stage_appears():
+    buf = io.StringIO()
+    with LiveView(total=2, console=Console(file=buf)) as view:
+        view.update(record(0))
+        view.update(record(1, logprob="TP2xCP2"))
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 4
+    assert lines[2].split()[:4] == ["iter", "rollout", "logprob", "train"]
+    assert "TP2xCP2" in lines[3] and "1.5s" in lines[3]
+
+
+def test_missing_keys_and_memory_render_blank():
+    cells = row_cells({"iteration": 4, "layouts": {"rollout": "DP4"}}, ["rollout", "train"])
+    assert cells[0].strip() == "4"
+    assert cells[1].split() == ["DP4"] and cells[2].split() == ["-"]
+    assert len(cells[1]) == len(row_cells(record(0), ["rollout"])[1])
+
+
+def test_disabled_is_silent():
+    buf = io.StringIO()
+    with LiveView(total=3, console=Console(file=buf), enabled=False) as view:
+        view.message("x")
+        view.update(record(0))
+    assert buf.getvalue() == ""
+
+
+def test_rich_live_renders_on_a_terminal():
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=200)
+    with LiveView(total=5, start=1, console=console) as view:
+        view.message("evaluation: {}")
+        view.update(record(1))
+        view.update(record(2, train="TP4", logprob="TP2xCP2"))
+        assert view.eta() is not None
+    out = buf.getvalue()
+    assert ANSI.search(out)                      # a live display, not plain lines
+    text = ANSI.sub("", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out))
+    assert "iteration 3/5" in text and "evaluation: {}" in text
+    assert "TP2xCP2" in text and "TP4" in text and "111/301" in text
+
+
+def test_tensorboard_scalars():
+    got = scalars(record(2, logprob="TP2xCP2"))
+    assert got["reward"] == 0.0 and got["win_rate"] == pytest.approx(0.2)
+    assert got["context/mean"] == pytest.approx(112.4) and got["context/max"] == 302
+    assert got["seconds/logprob"] == 1.5 and got["seconds/total"] == 17.4
+    assert got["predicted_memory_gb/train"] == 3.25 and got["dispatch_bytes"] == 3 * 2**20
+    assert "iteration" not in got and not any(k.startswith("layouts") for k in got)
+
+
+def test_tensorboard_missing_says_so_once(tmp_path):
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed")
+    buf = io.StringIO()
+    with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
+                  console=Console(file=buf)) as view:
+        view.update(record(0))
+        view.update(record(1))
+    lines = buf.getvalue().splitlines()
+    assert sum("tensorboard" in l for l in lines) == 1 and len(lines) == 4
+
+
+def test_tensorboard_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
+                  console=Console(file=io.StringIO())) as view:
+        view.update(record(0))
+        view.update(record(1))
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_eval_positions():
+    hist = [record(i) for i in range(3)]
+    assert [eval_x(w, hist) for w in ("start", "iter2", "end", "odd")] == [-1, 1, 2, None]
+
+
+@pytest.mark.parametrize("history", [
+    [record(0), record(1, train="TP4", logprob="TP2xCP2"), record(2, train="DP4", memory=False)],
+    [record(0)],
+    [{"iteration": 0, "layouts": {"rollout": "DP4", "train": "DP4"}, "reward": 0.1,
+      "win_rate": 0.0, "seconds": {"total": 1.0}}],     # an older history: keys missing
+    [],
+])
+def test_write_report_png(tmp_path, history):
+    evals = {"start": {"random/greedy": {"win_rate": 0.0}, "random/sampled": {"win_rate": 0.1}},
+             "iter2": {"random/greedy": {"win_rate": 0.4}},
+             "end": {"random/greedy": {"win_rate": 0.6}, "random/sampled": {"win_rate": 0.5}}}
+    path = write_report(tmp_path, history, evals)
+    assert path == tmp_path / "report.png"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
