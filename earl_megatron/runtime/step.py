@@ -12,6 +12,17 @@ Megatron's ``calculate_per_token_loss`` path keeps the per-micro-batch sums and
 ``finalize_model_grads`` divides gradients by the global token count, so loss and gradients are
 identical (to rounding) for every layout of the same global batch. ``loss_fn`` can replace the
 cross-entropy term (the RL losses do) as long as it returns a per-token loss.
+
+Two outputs of the model, two paths:
+
+    forward_backward / train_step            model(..., labels=)  -> ce [b, s]   (cheapest: the
+                                                                     default; logp = -ce)
+    forward_backward_logprobs /              model(...)           -> logits [b, s, V/tp]
+      train_step_logprobs / forward_logprobs   -> rl.vocab_parallel -> TokenLogprobs(logp, entropy)
+
+The logits path serves losses that need the entropy (``entropy_coef > 0``) or a sampling
+temperature, and the LOGPROB stage (``forward_logprobs``: old and reference logprobs, no grad).
+On the same weights and data the two paths give the same logp (to rounding) in every layout.
 """
 
 from __future__ import annotations
@@ -100,32 +111,43 @@ def forward_backward(model, tcfg, microbatches: list[dict], layout: ParallelLayo
                      seq_len: int, micro_batch_size: int, forward_only: bool = False,
                      loss_fn: PerTokenLoss = _ce_loss) -> StepResult:
     """One forward(/backward) pass over ``microbatches`` with Megatron's schedule for ``layout``."""
+
+    def forward_step(data_iterator, m):
+        mb = next(data_iterator)
+        output = m(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"])
+        return output, _masked_loss_func(lambda out: loss_fn(out, mb), mb)
+
+    return _run_schedule(model, tcfg, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size, forward_only=forward_only,
+                         forward_step=forward_step)
+
+
+def _masked_loss_func(per_token_fn, mb: dict):
+    """Megatron's per-token loss contract: (sum of masked losses, token count, reported values)."""
+
+    def loss_func(out):
+        per_token = per_token_fn(out)
+        mask = mb["loss_mask"].float()
+        loss_sum = (per_token * mask).sum()
+        ntok = mask.sum().to(torch.int)
+        return loss_sum, ntok, {"loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+    return loss_func
+
+
+def _run_schedule(model, tcfg, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+                  forward_only: bool, forward_step) -> StepResult:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tcfg.finalize_model_grads_func = finalize_model_grads
     if hasattr(model, "no_sync"):
         tcfg.no_sync_func = model.no_sync
-    it = iter(microbatches)
-
-    def forward_step(data_iterator, m):
-        mb = next(data_iterator)
-        output = m(mb["input_ids"], mb["position_ids"], None, labels=mb["labels"])
-
-        def loss_func(out):
-            per_token = loss_fn(out, mb)
-            mask = mb["loss_mask"].float()
-            loss_sum = (per_token * mask).sum()
-            ntok = mask.sum().to(torch.int)
-            return loss_sum, ntok, {"loss": torch.stack([loss_sum.detach(), mask.sum()])}
-
-        return output, loss_func
-
     t0 = time.perf_counter()
     if not forward_only and hasattr(model, "zero_grad_buffer"):
         model.zero_grad_buffer()
     fb = get_forward_backward_func()
-    reduced = fb(forward_step_func=forward_step, data_iterator=it, model=[model],
+    reduced = fb(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
                  num_microbatches=len(microbatches), seq_length=seq_len,
                  micro_batch_size=micro_batch_size, forward_only=forward_only)
     seconds = time.perf_counter() - t0
@@ -149,14 +171,114 @@ def train_step(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size:
     points ``param.grad`` at the DDP buffer during ``step``; left in place, the next backward
     accumulates through that alias and the gradients are wrong from the second step on.
     """
+    return _train_step(mol, lambda: forward_backward(
+        mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
+        micro_batch_size=micro_batch_size, loss_fn=loss_fn))
+
+
+def _train_step(mol, run_forward_backward: Callable[[], StepResult]) -> TrainStepResult:
     t0 = time.perf_counter()
     mol.optimizer.zero_grad()
-    res = forward_backward(mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
-                           micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+    res = run_forward_backward()
     ok, grad_norm, _ = mol.optimizer.step()
     return TrainStepResult(loss=res.loss, num_tokens=res.num_tokens,
                            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                            update_successful=bool(ok), seconds=time.perf_counter() - t0)
+
+
+# --- the logits path: logp and entropy from vocab-parallel logits ---------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token values of one micro-batch on this rank: [b, s_local] (cp: the local zigzag chunk).
+
+    Both are fp32, identical on every tp rank, and differentiable w.r.t. the model's parameters.
+    """
+
+    logp: torch.Tensor
+    """log pi(label) under softmax(logits / temperature), normalised over the full vocabulary."""
+    entropy: torch.Tensor
+    """Entropy of that distribution (nats)."""
+
+
+LogprobLoss = Callable[[TokenLogprobs, dict], torch.Tensor]
+"""(TokenLogprobs of a micro-batch, micro-batch) -> per-token loss [b, s_local]."""
+
+
+def token_logprobs(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> TokenLogprobs:
+    """TokenLogprobs from Megatron's logits shard [b, s, V/tp] and ``mb["labels"]`` [b, s]."""
+    from earl_megatron.rl.vocab_parallel import vocab_parallel_logprobs_and_entropy
+    from earl_megatron.runtime import groups
+
+    logp, entropy = vocab_parallel_logprobs_and_entropy(logits, mb["labels"], groups.tp_group(),
+                                                        temperature=temperature)
+    return TokenLogprobs(logp=logp, entropy=entropy)
+
+
+def forward_backward_logprobs(model, tcfg, microbatches: list[dict], layout: ParallelLayout, *,
+                              seq_len: int, micro_batch_size: int, loss_fn: LogprobLoss,
+                              forward_only: bool = False,
+                              temperature: float = 1.0) -> StepResult:
+    """``forward_backward`` through the logits path: ``loss_fn`` sees logp AND entropy.
+
+    Same loss normalisation and reporting as ``forward_backward`` (masked per-token sum over the
+    global token count). Costs one more V/tp-wide fp32 buffer per micro-batch than the labels
+    path; use it only when the loss needs the entropy or a temperature.
+    """
+
+    def forward_step(data_iterator, m):
+        mb = next(data_iterator)
+        logits = m(mb["input_ids"], mb["position_ids"], None)
+        return logits, _masked_loss_func(
+            lambda out: loss_fn(token_logprobs(out, mb, temperature), mb), mb)
+
+    return _run_schedule(model, tcfg, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size, forward_only=forward_only,
+                         forward_step=forward_step)
+
+
+def train_step_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+                        loss_fn: LogprobLoss, temperature: float = 1.0) -> TrainStepResult:
+    """``train_step`` through the logits path (see ``forward_backward_logprobs``)."""
+    return _train_step(mol, lambda: forward_backward_logprobs(
+        mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
+        micro_batch_size=micro_batch_size, loss_fn=loss_fn, temperature=temperature))
+
+
+def forward_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+                     temperature: float = 1.0) -> list[torch.Tensor]:
+    """Per-token logprobs of ``mb["labels"]`` for each micro-batch: the LOGPROB stage.
+
+    Forward only (Megatron's schedule for ``mol.layout``, no grad, the model in eval mode for
+    the call and restored after). Returns, in micro-batch order, fp32 [b, s_local] tensors
+    (cp: this rank's zigzag chunk, positions ``mb["position_ids"]``) on every rank of the LAST
+    pp_stage (identical across its tp ranks; each dp rank has its own samples); every other
+    pp_stage gets ``[]``. Moving them to the consumer is the dispatcher's job.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, m):
+        mb = next(data_iterator)
+        logits = m(mb["input_ids"], mb["position_ids"], None)
+
+        def collect(out, non_loss_data=False):
+            return token_logprobs(out, mb, temperature).logp
+
+        return logits, collect
+
+    model = mol.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                num_microbatches=len(microbatches), seq_length=seq_len,
+                micro_batch_size=micro_batch_size, forward_only=True, collect_non_loss_data=True)
+    finally:
+        model.train(was_training)
+    return list(out) if mol.post_process else []
 
 
 def _global_loss(reduced: list[dict]) -> tuple[float, int]:
