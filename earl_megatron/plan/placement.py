@@ -321,12 +321,18 @@ def placement_from_assignment(layout: ParallelLayout, assignment: Sequence[Seque
 
 def consumer_placement(layout: ParallelLayout, lengths: Mapping[int, int],
                        tensors: Sequence[TensorSpec] = RL_TENSORS, num_micro_batches: int = 1,
-                       producer: Optional[Placement] = None) -> Placement:
+                       producer: Optional[Placement] = None,
+                       assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+                       ) -> Placement:
     """Where a consumer in ``layout`` needs each tensor: token-balanced over DP and micro-batches.
 
     With ``producer``, each sample prefers the consumer DP rank whose ranks already hold the
     most of its bytes (ties: lower DP rank), within the balance bound of ``assign_samples``.
+    ``assignment`` (``[dp_rank][mb] -> ids``, e.g. plan/batching.py's length-grouped
+    micro-batches) replaces that choice.
     """
+    if assignment is not None:
+        return placement_from_assignment(layout, assignment, lengths, tensors)
     prefer = None
     if producer is not None:
         names = {t.name for t in tensors}

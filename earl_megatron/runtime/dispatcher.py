@@ -75,12 +75,16 @@ def plan_dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayo
                   tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
                   topology: Optional[Topology] = None,
                   producer_pp_stages: Optional[Mapping[str, str]] = None,
+                  assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                   ) -> tuple[Placement, Placement, ShardMap]:
-    """Pure: the producer and consumer placements and the shard map from gathered metadata."""
+    """Pure: the producer and consumer placements and the shard map from gathered metadata.
+
+    ``assignment`` (``[dp_rank][mb] -> sample ids``) fixes the consumer's micro-batches (the
+    trainer's length-grouped ones); without it they are token-balanced with locality."""
     reports = [[(m.sample_id, m.length) for m in r] for r in metadata]
     producer = producer_placement(producer_layout, reports, tensors, pp_stages=producer_pp_stages)
     consumer = consumer_placement(consumer_layout, producer.length_of, tensors, num_micro_batches,
-                                  producer=producer)
+                                  producer=producer, assignment=assignment)
     return producer, consumer, build_shard_map(producer, consumer, topology)
 
 
@@ -192,13 +196,14 @@ def dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
              tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
              topology: Optional[Topology] = None,
              producer_pp_stages: Optional[Mapping[str, str]] = None,
+             assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
              ) -> tuple[DispatchResult, Placement, list[list[SampleMeta]]]:
     """One call for the trainer: exchange metadata, plan, execute. Returns the result, the
     consumer placement (micro-batches, ownership for reductions) and the gathered metadata."""
     meta = exchange_metadata(local_meta)
     producer, consumer, smap = plan_dispatch(
         producer_layout, consumer_layout, meta, tensors, num_micro_batches=num_micro_batches,
-        topology=topology, producer_pp_stages=producer_pp_stages)
+        topology=topology, producer_pp_stages=producer_pp_stages, assignment=assignment)
     return execute_shard_map(smap, producer, consumer, local), consumer, meta
 
 
