@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``<root>/iter_000012/`` holding Megatron's sharded checkpoint of
 ``{"model": GPTModel.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)}`` and
-``loop.json`` (iteration, selector state, metrics so far: whatever the trainer passes). It loads
+``loop.json`` (iteration, selector state, metrics so far: whatever the trainer passes) and
+``earl_model_config.json`` (so tools/convert_mcore_to_hf.py exports it to HF). It loads
 under ANY layout: dist_checkpointing reshards on load, and the distributed optimizer is saved in
 its ``fully_reshardable`` form (the default ``fully_sharded_model_space`` form relies on
 flattened ShardedTensors that 0.16's torch_dist writer refuses).
@@ -16,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -65,6 +67,10 @@ def save_checkpoint(mol, root: str | Path, iteration: int, loop_state: dict[str,
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "loop.json").write_text(json.dumps(loop_state, indent=1, sort_keys=True))
+        # the model config beside the weights: tools/convert_mcore_to_hf.py exports the policy
+        # and run.init= starts a new run from it (the same keys as a converted checkpoint)
+        from earl_megatron.weights.convert import CONFIG_JSON
+        (tmp / CONFIG_JSON).write_text(json.dumps(dataclasses.asdict(mol.cfg), indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         marker_tmp = Path(root) / "latest.tmp"
