@@ -70,6 +70,16 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"< world size {world}: some dp rank would train on nothing")
 
 
+def _quiet_known_warnings() -> None:
+    """Warnings every rank repeats on every build and say nothing actionable about this run."""
+    import warnings
+
+    for text in ("Apex is not installed",                # optional accelerator, documented
+                 "CUDA_DEVICE_MAX_CONNECTIONS",          # a CUDA tuning hint, also shown on CPU
+                 "`torch.distributed.all_gather_into_tensor` is deprecated"):  # Megatron's call
+        warnings.filterwarnings("ignore", message=f".*{text}")
+
+
 def run(cfg: TrainConfig) -> list[dict]:
     from earl_megatron.runtime.dist import init_distributed
     from earl_megatron.trainer.runner import Runner
@@ -79,6 +89,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     # Hydra configures the root logger at INFO; Megatron logs every optimizer and DDP setup
     import logging
     logging.disable(logging.INFO)
+    _quiet_known_warnings()
     torch.set_num_threads(1)
     out = Path(cfg.run.output_dir)
     if rank == 0:

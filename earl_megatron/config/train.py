@@ -94,11 +94,21 @@ class AlgorithmConfig:
     epochs: int = 1
     """Optimizer passes over each batch (PPO uses > 1)."""
     clip_eps: float = 0.2
+    gamma: float = 1.0
+    """Per-turn discount of the REINFORCE++/PPO returns (1: every turn gets all later rewards)."""
     kl_mode: str = "off"
-    """"off", "loss" (k3 KL term) or "reward" (KL-in-reward, REINFORCE++ style)."""
+    """KL to the reference policy (the initial one, frozen): "off"; "loss" (k3 estimator in the
+    per-token loss); or "reward" (k1 = logp - ref_logp subtracted from the rewards, REINFORCE++
+    style; GRPO: the episode's summed k1 off its reward). Not "off": a LOGPROB stage runs."""
     kl_coef: float = 0.0
+    """Weight of the KL (> 0 when kl_mode is not "off")."""
     entropy_coef: float = 0.0
+    """Entropy bonus per policy token (0: off; > 0 trains through the logits path)."""
     micro_batch_size: int = 4
+    """Samples per micro-batch at most (length-grouped: neighbours in length train together)."""
+    micro_batch_tokens: Optional[int] = None
+    """Padded tokens per micro-batch at most (None: no limit); a longer sample trains alone, so
+    activation memory follows the longest episode, not micro_batch_size times it."""
     use_distributed_optimizer: bool = False
 
     def __post_init__(self):
@@ -108,11 +118,19 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
         if self.kl_mode != "off" and self.kl_coef <= 0:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
         if self.name == "grpo" and self.group_size < 2:
             raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
-        if self.entropy_coef:
-            raise ConfigError("algorithm.entropy_coef is not supported yet (entropy of the "
-                              "vocab-parallel logits is not computed); set it to 0")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
+        if self.kl_mode != "off" and self.use_distributed_optimizer:
+            # the reference model regroups the world (one layout's groups live at a time), so
+            # the policy is rebuilt after every LOGPROB stage; the switcher collects distributed
+            # Adam moments over the old dp group, which that regroup has destroyed
+            raise ConfigError("algorithm.kl_mode needs use_distributed_optimizer=false (the "
+                              "reference model and the distributed optimizer's layout switch "
+                              "do not combine yet)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +156,9 @@ class RunConfig:
     """Iterations between evaluations (0: at start and end only)."""
     eval_episodes: int = 64
     live_view: bool = True
+    """rich live display on rank 0 when stdout is a terminal (plain lines otherwise or when off)."""
+    tensorboard: bool = False
+    """Mirror the metrics to <output_dir>/tensorboard (needs the tensorboard package)."""
     init: Optional[str] = None
     """HF directory or converted checkpoint to start from; None: random init from the seed."""
 

@@ -127,6 +127,19 @@ class NoLayoutFitsError(RuntimeError):
                          f"rank; the smallest is {need}. Would fit: {fixes}")
 
 
+class LayoutOverBudgetError(RuntimeError):
+    """A fixed (static) layout does not fit the budget: what a GPU run would hit as an OOM."""
+
+    def __init__(self, estimate: MemoryEstimate, budget_bytes: int, longest: int):
+        self.estimate, self.budget_bytes, self.longest = estimate, budget_bytes, longest
+        st, lay = estimate.stage.value, estimate.layout
+        super().__init__(
+            f"static layout {lay} for stage {st} needs {estimate.describe()} per rank for "
+            f"contexts up to {longest} tokens, over the {human_bytes(budget_bytes)} budget: "
+            f"use layout=auto (the selector moves to a layout that fits as contexts grow), a "
+            f"static layout.{st}= with more tp, cp or pp, or a larger layout.memory_budget_gb")
+
+
 # ------------------------------------------------------------------------------ switch cost
 def reshard_bytes_per_rank(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout,
                            param_bytes: int) -> tuple[int, ...]:

@@ -8,6 +8,10 @@ scalar per episode, credited at the episode's last policy token.
   ``G_t = r * [t is last policy token] - beta * sum_{t' >= t} kl_t'`` (the KL-in-reward form;
   beta = 0 gives the plain episode reward on every policy token), then advantages normalised by
   the mean and std over ALL policy tokens of the global batch. No critic, no group structure.
+- Per-turn credit (multi-turn episodes): ``turn_returns`` takes the environment's reward of each
+  turn at that turn's last policy token and discounts by ``gamma`` per turn,
+  ``G_k = r_k + gamma * G_{k+1}`` over the turns k (runs of policy tokens), each turn's tokens
+  sharing its ``G_k``. ``gamma = 1`` with only a final reward is the plain REINFORCE++ return.
 - GRPO (Shao et al. 2024): ``A_i = (r_i - mean_group(r)) / (std_group(r) + eps)`` per prompt
   group, broadcast over the episode's policy tokens ("Dr. GRPO"-style ``scale=False`` skips the
   std division).
@@ -70,6 +74,42 @@ def reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor,
     # reverse cumulative sum: G_t = sum_{t' >= t} r_t'
     returns = token_rewards.flip(1).cumsum(1).flip(1)
     return returns * mask
+
+
+def turn_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] index of the turn (run of policy tokens) each position belongs to; -1 off-policy."""
+    m = mask > 0
+    prev = torch.zeros_like(m)
+    prev[:, 1:] = m[:, :-1]
+    starts = (m & ~prev).long()
+    return torch.where(m, starts.cumsum(1) - 1, torch.full_like(starts, -1))
+
+
+def turn_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+                 ) -> torch.Tensor:
+    """Per-token returns with the reward of each turn and a per-turn discount ``gamma``.
+
+    ``token_rewards`` [B, T] holds each turn's reward (anywhere inside the turn; conventionally
+    its last policy token; rewards off the policy tokens are ignored). Every token of turn k gets
+    ``G_k = sum_{j >= k} gamma^(j - k) r_j``: the turn is the action, its tokens share the credit.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma={gamma} must be in [0, 1]")
+    ids = turn_ids(mask)
+    k = int(ids.max().item()) + 1 if ids.numel() else 0
+    if k == 0:
+        return torch.zeros_like(token_rewards, dtype=torch.float32)
+    on = ids >= 0
+    per_turn = torch.zeros(mask.shape[0], k, dtype=torch.float64)
+    per_turn.scatter_add_(1, ids.clamp(min=0), torch.where(on, token_rewards.double(),
+                                                             torch.zeros_like(per_turn[:, :1])
+                                                             .expand_as(ids)))
+    g = torch.zeros(mask.shape[0], dtype=torch.float64)
+    for j in range(k - 1, -1, -1):
+        g = per_turn[:, j] + gamma * g
+        per_turn[:, j] = g
+    out = torch.gather(per_turn, 1, ids.clamp(min=0))
+    return (out * on).float()
 
 
 def batch_statistics(values: torch.Tensor, mask: torch.Tensor) -> TokenStats:

@@ -66,6 +66,7 @@ class Episode:
     logprobs: tuple[float, ...]
     """Rollout logprob of each token under the engine; 0.0 where loss_mask is 0."""
     reward: float
+    """Total reward of the episode (the sum of ``turn_rewards``)."""
     turns: int
     """Sampled assistant turns."""
     finish_reason: str
@@ -77,6 +78,9 @@ class Episode:
     """The reset observation, then the environment's answer to each action."""
     info: Mapping[str, Any] = field(default_factory=dict)
     """The environment's step infos merged (flags: illegal, unparsable, tool_error; outcome)."""
+    turn_rewards: tuple[float, ...] = ()
+    """The environment's reward for each sampled turn (per-turn credit: format rewards, the
+    outcome on the last turn); ``len(turn_rewards) == turns``."""
 
     @property
     def num_policy_tokens(self) -> int:
@@ -97,6 +101,7 @@ class _Live:
     info: dict = field(default_factory=dict)
     reward: float = 0.0
     turns: int = 0
+    turn_rewards: list = field(default_factory=list)
 
     def append(self, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None):
         self.tokens.extend(tokens)
@@ -108,7 +113,8 @@ class _Live:
                        loss_mask=tuple(self.mask), logprobs=tuple(self.logprobs),
                        reward=self.reward, turns=self.turns, finish_reason=finish_reason,
                        prompt_length=self.prompt_length, actions=tuple(self.actions),
-                       observations=tuple(self.observations), info=dict(self.info))
+                       observations=tuple(self.observations), info=dict(self.info),
+                       turn_rewards=tuple(self.turn_rewards))
 
 
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
@@ -158,6 +164,7 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
             live.actions.append(action)
             live.observations.append(result.observation)
             live.reward += result.reward
+            live.turn_rewards.append(float(result.reward))
             live.info.update(result.info)
             if result.done:
                 results[i] = live.freeze("done")

@@ -93,7 +93,9 @@ def scalars(rec: dict) -> dict[str, float]:
     for key, tag in (("reward", "reward"), ("win_rate", "win_rate"),
                      ("illegal_rate", "illegal_rate"), ("unparsable_rate", "unparsable_rate"),
                      ("mean_context", "context/mean"), ("max_context", "context/max"),
-                     ("loss", "loss"), ("dispatch_bytes", "dispatch_bytes")):
+                     ("loss", "loss"), ("dispatch_bytes", "dispatch_bytes"), ("kl", "kl"),
+                     ("ref_log_ratio_max", "ref_log_ratio_max"), ("entropy", "entropy"),
+                     ("grad_norm", "grad_norm")):
         v = rec.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[tag] = float(v)

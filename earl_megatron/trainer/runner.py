@@ -6,10 +6,29 @@ Reads as the loop it runs::
         layouts = plan(it)                       # selector or static, per stage
         mol = switch(mol, layouts.rollout)       # weights + optimizer state, in memory
         episodes = play(...)                     # per dp replica, KV-cached Megatron engine
-        advantages = compute_advantages(...)     # all-reduce over owners
+        plan layouts.logprob, layouts.train      # at the boundary, on the episodes just played
+        ref = switch(ref, layouts.logprob)       # kl on: the frozen reference model, weights only
+        ref_logprobs = reference_logprobs(...)   # dispatched there and back, point to point
+        advantages = compute_advantages(...)     # all-reduce over owners (kl_mode=reward: - k1)
         mol = switch(mol, layouts.train)
         loss = train_on(...)                     # dispatch point to point, Megatron schedule
         record, checkpoint (periodic, on SIGTERM)
+
+Two models, one set of process groups: runtime/groups keeps one layout's groups alive at a time
+and a Megatron model keeps the groups it was built under, so the model whose groups are live
+(``_live``) is the only usable one. Switching the reference in for LOGPROB leaves the policy's
+groups destroyed; the policy is then switched for TRAIN even when its layout does not change
+(a same-layout switch: local copies, a regroup and a rebuild), and the reference likewise is
+switched in every iteration. With kl off there is only the policy and nothing changes.
+
+Memory: the reference shard stays resident while the policy rolls out and trains, and the
+policy's weights, grads and Adam state stay resident while the reference scores: each stage is
+planned (auto) or checked (static) with the other model's bytes as ``resident_bytes``.
+
+The reference policy is the initial one (the seed's init, or run.init), frozen. It is NOT
+checkpointed: it is rebuilt on resume from (run.seed | run.init), which gives the same weights
+in any layout (build_on_layout seeds Megatron's init in a forked RNG from run.seed; run.init is
+read again, so it must still exist), in the layout the checkpoint recorded for it.
 
 Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
 and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
@@ -32,7 +51,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.build import build_on_layout
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from earl_megatron.trainer import loop
-from earl_megatron.trainer.data import episode_tensors, padded_length
+from earl_megatron.trainer.data import episode_tensors
 
 
 class Runner:
@@ -46,7 +65,17 @@ class Runner:
         self.selector_state = None
         self.last_lengths: list[int] = []
         self._stop = False
-        self._selector = self._make_selector() if cfg.layout.mode == "auto" else None
+        self.view = None
+        self._pending: list[str] = []
+        self.auto = cfg.layout.mode == "auto"
+        # the memory model serves both modes: choosing (auto), checking a static layout (static)
+        self._selector = self._make_selector()
+        self.predicted_memory: dict[str, int] = {}
+        self.reasons: dict[str, str] = {}
+        self.ref = None
+        """The reference policy (ModelOnLayout without optimizer) when kl_mode is not off."""
+        self._live = "policy"
+        """Whose process groups are live: "policy" or "ref" (see the module docstring)."""
 
     # ------------------------------------------------------------------ planning
     def _make_selector(self):
@@ -64,50 +93,98 @@ class Runner:
         else:
             raise ConfigError(f"cluster.preset={c.preset!r}: use cpu or h100")
         opts = TrainOptions(distributed_optimizer=self.cfg.algorithm.use_distributed_optimizer)
+        self._train_opts = opts
         return Selector(self.cfg.model, cluster, opts,
                         SelectorConfig(memory_margin=lc.memory_margin, hysteresis=lc.hysteresis,
                                        max_tp=lc.max_tp, max_cp=lc.max_cp, max_pp=lc.max_pp))
 
-    def plan(self, current: Optional[ParallelLayout]) -> dict[str, ParallelLayout]:
-        if self._selector is None:
-            return {s: ParallelLayout.parse(self.cfg.layout.static(s), world_size=self.world,
-                                            model=self.cfg.model.shape)
-                    for s in ("rollout", "train")}
-        from earl_megatron.plan.selector import SelectorState
+    def plan_stage(self, stage: str, lengths: list[int], current: Optional[ParallelLayout],
+                   resident_bytes: int = 0) -> ParallelLayout:
+        """The layout of ``stage`` at its boundary, for episodes of ``lengths`` tokens.
+
+        auto: the selector's choice (switching from ``current`` is costed; NoLayoutFitsError
+        when nothing fits). static: the config's layout, checked against the same memory model
+        and budget first (LayoutOverBudgetError instead of an out-of-memory crash mid-stage).
+        ``resident_bytes``: what the other model (reference or policy) keeps on each rank
+        meanwhile.
+        """
+        from earl_megatron.plan.selector import LayoutOverBudgetError, SelectorState
+
+        wl = self._workload(stage, lengths)
+        if not self.auto:
+            lay = ParallelLayout.parse(self.cfg.layout.static(stage), world_size=self.world,
+                                       model=self.cfg.model.shape)
+            mem = self._selector.memory(lay, wl, resident_bytes)
+            if mem.total > self._selector.budget_bytes:
+                raise LayoutOverBudgetError(mem, self._selector.budget_bytes, max(lengths))
+            self.predicted_memory[stage] = mem.total
+            return lay
+        plan, self.selector_state = self._selector.plan(
+            wl, current=current, state=self.selector_state or SelectorState(),
+            resident_bytes=resident_bytes)
+        self.predicted_memory[stage] = plan.predicted_memory_bytes
+        self.reasons[stage] = plan.reason
+        return plan.layout
+
+    def _workload(self, stage: str, lengths: list[int]):
         from earl_megatron.plan.specs import Stage, StageWorkload
 
-        n = self.cfg.rollout.episodes_per_iteration
-        lengths = self.last_lengths or [128] * n
+        a = self.cfg.algorithm
+        if stage == "rollout":
+            return StageWorkload.of(Stage.ROLLOUT, lengths,
+                                    responses_in_flight=self.cfg.rollout.episodes_per_iteration)
         longest = max(lengths)
-        mbs = self.cfg.algorithm.micro_batch_size
-        wls = [StageWorkload.of(Stage.ROLLOUT, lengths, responses_in_flight=n),
-               StageWorkload.of(Stage.TRAIN, lengths, micro_batch_tokens=mbs * longest)]
-        plans, self.selector_state = self._selector.plan_iteration(
-            wls, current=current, state=self.selector_state or SelectorState())
-        self.last_plans = plans
-        return {"rollout": plans[0].layout, "train": plans[1].layout}
+        tokens = a.micro_batch_size * longest
+        if a.micro_batch_tokens:  # length-grouped micro-batches: a long sample trains alone
+            tokens = max(longest, min(a.micro_batch_tokens, tokens))
+        return StageWorkload.of(Stage(stage), lengths, micro_batch_tokens=tokens)
+
+    def _ref_bytes(self, layout: Optional[ParallelLayout]) -> int:
+        """Per rank (most loaded pp_stage): the reference's weights in ``layout`` (0: no ref)."""
+        from earl_megatron.plan.memory_model import param_count_per_rank
+
+        if self.ref is None or layout is None:
+            return 0
+        return max(param_count_per_rank(self.cfg.model, layout, r) for r in range(layout.pp)) \
+            * self._train_opts.param_bytes(self.cfg.model)
+
+    def _policy_bytes(self, layout: ParallelLayout) -> int:
+        """Per rank: the policy's weights, grads and Adam state in ``layout`` (resident during
+        LOGPROB)."""
+        from earl_megatron.plan.memory_model import param_count_per_rank, train_state_bytes
+
+        weights = max(param_count_per_rank(self.cfg.model, layout, r) for r in range(layout.pp)) \
+            * self._train_opts.param_bytes(self.cfg.model)
+        return weights + train_state_bytes(self.cfg.model, layout, self._train_opts)
+
+    def _predicted_lengths(self) -> list[int]:
+        """Rollout plans on the last iteration's episode lengths (the first: the prompt budget)."""
+        return self.last_lengths or [128] * self.cfg.rollout.episodes_per_iteration
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
         cfg = self.cfg
         start, mol = self._start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        if start == 0 and self.rank == 0:
-            self._log_line("iter  rollout   train     reward  win   illegal unparsable ctx   "
-                           "loss     s/iter")
+        from earl_megatron.trainer.live import LiveView
+        self.view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
+                             tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
+        with self.view:
+            for line in self._pending:
+                self.view.message(line)
+            return self._train(start, mol)
+
+    def _train(self, start: int, mol) -> list[dict]:
+        cfg = self.cfg
         evals = {}
         if start == 0:
             evals["start"], mol = self.evaluate(mol)
         for it in range(start, cfg.run.iterations):
             t0 = time.perf_counter()
-            try:
-                layouts = self.plan(mol.layout)
-            except Exception:
-                # e.g. NoLayoutFitsError once contexts outgrow the budget: keep what was
-                # trained (the error says what would fit; rerun with it to resume from here)
-                if it > start:
-                    self._checkpoint(mol, it - 1)
-                raise
+            ref_now = self.ref.layout if self.ref is not None else None
+            layouts = {"rollout": self._plan_or_save(it, start, mol, "rollout",
+                                                     self._predicted_lengths(),
+                                                     resident=self._ref_bytes(ref_now))}
             mol = self._switch(mol, layouts["rollout"])
             t1 = time.perf_counter()
             seeds = loop.episode_seeds(cfg, it, cfg.rollout.episodes_per_iteration)
@@ -115,21 +192,51 @@ class Runner:
                                         temperature=cfg.rollout.temperature,
                                         sample_seed=cfg.run.seed * 7919 + it)
             t2 = time.perf_counter()
-            lengths = self._all_lengths(block, episodes)
-            length = padded_length(max(lengths), loop.CP_MULTIPLE)
+            tokens = self._all_lengths(block, episodes)
+            lengths = [tokens[s] for s in sorted(tokens)]
+            # LOGPROB and TRAIN are planned at this boundary, on the episodes just played (the
+            # selector reads nothing that LOGPROB changes), while the policy's groups are live
+            if self.ref is not None:
+                layouts["logprob"] = self._plan_or_save(
+                    it, start, mol, "logprob", lengths, current=self.ref.layout,
+                    resident=self._policy_bytes(mol.layout))
+            layouts["train"] = self._plan_or_save(
+                it, start, mol, "train", lengths,
+                resident=self._ref_bytes(layouts.get("logprob")))
+            mplan = loop.micro_batch_plan(cfg, layouts["train"], tokens)
+            length_of = mplan.length_of
+            ref_lp, moved_lp, extra, kl = {}, 0, {}, None
+            if self.ref is not None:
+                self._switch_ref(layouts["logprob"])
+                ref_lp, moved_lp = loop.reference_logprobs(
+                    self.ref, cfg, mol.layout, list(block),
+                    {s: e.token_ids for s, e in zip(block, episodes)}, tokens,
+                    self.tok.pad_token_id)
+            t3 = time.perf_counter()
             samples = {s: episode_tensors(e.token_ids, e.loss_mask, e.logprobs, e.reward,
-                                               length, self.tok.pad_token_id)
+                                          length_of[s], self.tok.pad_token_id, e.turn_rewards,
+                                          ref_logprobs=ref_lp.get(s))
                        for s, e in zip(block, episodes)}
-            adv = loop.compute_advantages(cfg, mol, list(block), samples, len(seeds))
+            if self.ref is not None:
+                kl, extra = loop.kl_to_reference(cfg, mol, list(block), samples)
+            adv = loop.compute_advantages(cfg, mol, list(block), samples, len(seeds),
+                                          kl=kl if cfg.algorithm.kl_mode == "reward" else None)
             producer = mol.layout
             mol = self._switch(mol, layouts["train"])
-            t3 = time.perf_counter()
-            loss, moved = loop.train_on(mol, cfg, producer, list(block), samples, adv, length)
             t4 = time.perf_counter()
+            loss, moved, entropy = loop.train_on(mol, cfg, producer, list(block), samples, adv,
+                                                 mplan)
+            t5 = time.perf_counter()
+            if entropy is not None:
+                extra["entropy"] = entropy
             self.last_lengths = lengths
-            rec = self._record(it, layouts, episodes, lengths, loss, moved,
-                               {"plan+switch": t1 - t0, "rollout": t2 - t1,
-                                "switch": t3 - t2, "train": t4 - t3, "total": t4 - t0})
+            seconds = {"plan+switch": t1 - t0, "rollout": t2 - t1}
+            if self.ref is not None:
+                seconds["logprob"] = t3 - t2
+            seconds.update({"switch": t4 - (t3 if self.ref is not None else t2),
+                            "train": t5 - t4, "total": t5 - t0})
+            rec = self._record(it, layouts, episodes, lengths, loss, moved + moved_lp, seconds,
+                               extra)
             self.history.append(rec)
             # ranks may see SIGTERM at different moments: agree before any collective save
             flag = torch.tensor([int(self._stop)])
@@ -147,7 +254,9 @@ class Runner:
             evals["end"], mol = self.evaluate(mol)
         if self.rank == 0:
             (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
-            self._log_line(f"evaluation: {json.dumps(evals)}")
+            for when, res in evals.items():
+                self._log_line(f"evaluation {when}: " + ", ".join(
+                    f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
             from earl_megatron.trainer.report import write_report
             write_report(self.out, self.history, evals)
         return self.history
@@ -160,6 +269,10 @@ class Runner:
             state = json.loads((ckpt / "loop.json").read_text())
             lay = ParallelLayout.parse(state["layout"], world_size=self.world,
                                        model=cfg.model.shape)
+            ref_lay = state.get("ref_layout")
+            # the reference first: the model built last owns the live process groups
+            self.ref = self._build_reference(lay if ref_lay is None else ParallelLayout.parse(
+                ref_lay, world_size=self.world, model=cfg.model.shape))
             mol = build_on_layout(cfg.model, lay, optimizer=loop.optimizer_spec(cfg),
                                   seed=cfg.run.seed)
             load_checkpoint(mol, ckpt)
@@ -169,7 +282,8 @@ class Runner:
             if self.rank == 0:
                 self._log_line(f"resumed from {ckpt} at iteration {state['iteration'] + 1}")
             return state["iteration"] + 1, mol
-        first = self.plan(None)["train"]
+        first = self.plan_stage("rollout", self._predicted_lengths(), None)
+        self.ref = self._build_reference(first)
         if cfg.run.init:
             from earl_megatron.weights.convert import load_policy, read_model_config
             found = read_model_config(cfg.run.init)
@@ -183,15 +297,50 @@ class Runner:
                               seed=cfg.run.seed)
         return 0, mol
 
-    def _switch(self, mol, layout: ParallelLayout):
-        from earl_megatron.runtime.switcher import switch_layout
-        return mol if layout == mol.layout else switch_layout(mol, layout)
+    def _build_reference(self, layout: ParallelLayout):
+        """The reference policy in ``layout``: the initial policy, frozen, no optimizer (None
+        when kl_mode=off). Rebuilt the same from (run.seed | run.init), hence not checkpointed."""
+        cfg = self.cfg
+        if cfg.algorithm.kl_mode == "off":
+            return None
+        if cfg.run.init:
+            from earl_megatron.weights.convert import load_policy
+            return load_policy(cfg.run.init, layout, ddp=False, optimizer=None,
+                               seed=cfg.run.seed)
+        return build_on_layout(cfg.model, layout, ddp=False, optimizer=None, seed=cfg.run.seed)
 
-    def _all_lengths(self, block, episodes) -> list[int]:
+    def _plan_or_save(self, it: int, start: int, mol, stage: str, lengths: list[int], *,
+                      current: Optional[ParallelLayout] = None, resident: int = 0):
+        try:
+            return self.plan_stage(stage, lengths, current or mol.layout, resident)
+        except Exception:
+            # NoLayoutFitsError / LayoutOverBudgetError once contexts outgrow the budget: keep
+            # what was trained (the error says what would fit; rerun with it to resume here)
+            if it > start:
+                self._checkpoint(mol, it - 1)
+            raise
+
+    def _switch(self, mol, layout: ParallelLayout):
+        """The policy in ``layout`` with its groups live (a same-layout switch rebuilds it under
+        fresh groups after the reference had them)."""
+        from earl_megatron.runtime.switcher import switch_layout
+        if layout == mol.layout and self._live == "policy":
+            return mol
+        mol = switch_layout(mol, layout)
+        self._live = "policy"
+        return mol
+
+    def _switch_ref(self, layout: ParallelLayout) -> None:
+        from earl_megatron.runtime.switcher import switch_layout
+        if layout != self.ref.layout or self._live != "ref":
+            self.ref = switch_layout(self.ref, layout)
+        self._live = "ref"
+
+    def _all_lengths(self, block, episodes) -> dict[int, int]:
+        """Tokens of every episode of the iteration, by sample id (identical on every rank)."""
         parts: list = [None] * self.world
         dist.all_gather_object(parts, [(s, len(e.token_ids)) for s, e in zip(block, episodes)])
-        by_id = dict(p for part in parts for p in part)
-        return [by_id[s] for s in sorted(by_id)]
+        return dict(p for part in parts for p in part)
 
     def evaluate(self, mol):
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
@@ -201,6 +350,7 @@ class Runner:
         """
         cfg = self.cfg
         out = {}
+        mol = self._switch(mol, mol.layout)  # no-op unless the reference holds the groups
         if mol.layout.cp != 1:
             # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
             lay = mol.layout
@@ -221,7 +371,7 @@ class Runner:
                     "mean_reward": sum(r for _, r in by_id.values()) / len(by_id)}
         return out, mol
 
-    def _record(self, it, layouts, episodes, lengths, loss, moved, seconds) -> dict:
+    def _record(self, it, layouts, episodes, lengths, loss, moved, seconds, extra) -> dict:
         parts: list = [None] * self.world
         mine = [(e.reward, e.info.get("outcome"), bool(e.info.get("illegal")),
                  bool(e.info.get("unparsable"))) for e in episodes]
@@ -242,27 +392,26 @@ class Runner:
                "unparsable_rate": sum(r[3] for r in rows) / n,
                "mean_context": sum(lengths) / len(lengths), "max_context": max(lengths),
                "loss": loss, "seconds": seconds, "dispatch_bytes": moved}
-        if self._selector is not None:
-            rec["predicted_memory_gb"] = {p.stage.value: p.predicted_memory_bytes / 2**30
-                                          for p in self.last_plans}
+        rec.update(extra)  # kl, ref_log_ratio_max (kl on), entropy (entropy_coef > 0)
+        rec["predicted_memory_gb"] = {k: v / 2**30 for k, v in self.predicted_memory.items()}
+        if self.reasons:
+            rec["layout_reasons"] = dict(self.reasons)
         if self.rank == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            self._log_line(f"{it:4d}  {rec['layouts']['rollout']:9s} {rec['layouts']['train']:9s} "
-                           f"{rec['reward']:+.3f}  {rec['win_rate']:.2f}  "
-                           f"{rec['illegal_rate']:.2f}    {rec['unparsable_rate']:.2f}       "
-                           f"{rec['mean_context']:5.0f} {loss:+.4f}  {seconds['total']:.1f}")
+        self.view.update(rec)
         return rec
 
     def _checkpoint(self, mol, it: int) -> None:
         state = {"iteration": it, "layout": str(mol.layout), "history": self.history,
                  "last_lengths": self.last_lengths,
+                 "ref_layout": str(self.ref.layout) if self.ref is not None else None,
                  "selector": [[s, str(l)] for s, l in (self.selector_state.chosen
                                                        if self.selector_state else ())]}
         save_checkpoint(mol, self.out / "checkpoints", it, state)
 
     def _restore_selector(self, chosen) -> None:
-        if not chosen or self._selector is None:
+        if not chosen or not self.auto:
             return
         from earl_megatron.plan.selector import SelectorState
         self.selector_state = SelectorState(tuple(
@@ -272,4 +421,8 @@ class Runner:
         self._stop = True  # finish the iteration, checkpoint, exit (Slurm preemption)
 
     def _log_line(self, text: str) -> None:
-        print(text, flush=True)
+        # rank 0 only; before the view exists (resume), lines wait for it
+        if self.view is None:
+            self._pending.append(text)
+        else:
+            self.view.message(text)

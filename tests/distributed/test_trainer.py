@@ -1,5 +1,7 @@
 """The trainer end to end on 2 ranks: a short run records metrics, checkpoints, and a run resumed
-from a checkpoint reproduces the uninterrupted run's metrics; bad config stops before training."""
+from a checkpoint reproduces the uninterrupted run's metrics (with the reference model, KL and
+entropy bonus on); KL to the reference in the loss and in the reward; bad config stops before
+training."""
 
 import json
 
@@ -9,7 +11,7 @@ from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _cfg(out, iterations, **layout):
+def _cfg(out, iterations, algorithm=None, **layout):
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": layout or {"mode": "static", "rollout": "dp2", "logprob": "dp2",
@@ -18,7 +20,7 @@ def _cfg(out, iterations, **layout):
                 "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
                 "eval_opponents": ["random"]},
         "rollout": {"episodes_per_iteration": 4, "max_turns": 4},
-        "algorithm": {"micro_batch_size": 2},
+        "algorithm": {"micro_batch_size": 2, **(algorithm or {})},
         "run": {"iterations": iterations, "output_dir": out, "checkpoint_every": 1,
                 "eval_episodes": 2, "live_view": False},
     })
@@ -33,10 +35,26 @@ def _strip(history):
     return [{k: v for k, v in h.items() if k not in ("seconds",)} for h in history]
 
 
+KL_LOSS = {"kl_mode": "loss", "kl_coef": 0.1, "entropy_coef": 0.01}
+
+
+def _check_kl(hist):
+    # iteration 0: the policy that sampled IS the reference (same seed init): the reference
+    # logprobs, computed in another layout, equal the engine's on every policy token
+    assert abs(hist[0]["kl"]) < 1e-6 and hist[0]["ref_log_ratio_max"] < 1e-4
+    # after an optimizer step the policy has moved away from the reference
+    assert hist[1]["ref_log_ratio_max"] > 1e-4
+
+
 def test_short_run_and_resume(tmp_path):
-    full = run_distributed(_train, 2, _cfg(str(tmp_path / "full"), 3), timeout=400)[0]
+    # kl_mode=loss and the entropy bonus on: the reference model is rebuilt on resume, not loaded
+    full = run_distributed(_train, 2, _cfg(str(tmp_path / "full"), 3, KL_LOSS), timeout=400)[0]
     assert [h["iteration"] for h in full] == [0, 1, 2]
-    assert all(h["layouts"] == {"rollout": "DP2", "train": "TP2"} for h in full)
+    assert all(h["layouts"] == {"rollout": "DP2", "logprob": "DP2", "train": "TP2"}
+               for h in full)
+    _check_kl(full)
+    assert full[1]["kl"] > 0 and all(h["entropy"] > 0 for h in full)
+    assert all(h["seconds"]["logprob"] > 0 for h in full)
     lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["iteration"] == 0
     assert (tmp_path / "full" / "report.png").stat().st_size > 10_000
@@ -46,10 +64,29 @@ def test_short_run_and_resume(tmp_path):
     # "killed" after iteration 1: a run of 2 iterations leaves checkpoint iter_000001; the
     # resumed run must replay iteration 2 exactly as the uninterrupted run did
     part = str(tmp_path / "part")
-    run_distributed(_train, 2, _cfg(part, 2), timeout=400)
-    resumed = run_distributed(_train, 2, _cfg(part, 3), timeout=400)[0]
+    run_distributed(_train, 2, _cfg(part, 2, KL_LOSS), timeout=400)
+    resumed = run_distributed(_train, 2, _cfg(part, 3, KL_LOSS), timeout=400)[0]
     assert [h["iteration"] for h in resumed] == [0, 1, 2]
     assert _strip(resumed) == _strip(full)
+
+
+def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
+    # three layouts: the reference scores in TP2, between a DP2 rollout and a CP2 train
+    cfg = _cfg(str(tmp_path / "kl"), 2, KL_LOSS, mode="static", rollout="dp2",
+               logprob="tp2", train="cp2")
+    hist = run_distributed(_train, 2, cfg, timeout=400)[0]
+    assert hist[0]["layouts"] == {"rollout": "DP2", "logprob": "TP2", "train": "CP2"}
+    _check_kl(hist)
+    assert hist[1]["kl"] > 0 and hist[0]["entropy"] > 0
+
+
+def test_kl_in_the_reward_with_auto_layouts(tmp_path):
+    cfg = _cfg(str(tmp_path / "klr"), 2, {"kl_mode": "reward", "kl_coef": 0.1}, mode="auto")
+    hist = run_distributed(_train, 2, cfg, timeout=400)[0]
+    assert set(hist[0]["layouts"]) == {"rollout", "logprob", "train"}
+    assert "logprob" in hist[0]["predicted_memory_gb"]
+    _check_kl(hist)
+    assert "entropy" not in hist[0]
 
 
 def test_auto_layouts_change_under_a_memory_budget(tmp_path):
@@ -67,13 +104,33 @@ def test_evaluation_after_a_cp_train_layout(tmp_path):
     assert "random/sampled" in evals["end"]
 
 
+def test_pipeline_train_layout_with_length_grouped_micro_batches(tmp_path):
+    # micro-batches of different lengths and rows cross the pipeline (variable_seq_lengths)
+    cfg = _cfg(str(tmp_path / "pp"), 1, mode="static", rollout="dp2", logprob="dp2", train="pp2")
+    hist = run_distributed(_train, 2, cfg, timeout=400)[0]
+    assert hist[0]["layouts"]["train"] == "PP2" and hist[0]["loss"] == hist[0]["loss"]
+
+
 def _bad(cfg):
+    from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
     from earl_megatron.train import run
     try:
         run(cfg)
-    except ConfigError as e:
-        return str(e)
+    except (ConfigError, LayoutOverBudgetError, NoLayoutFitsError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def test_layouts_over_the_memory_budget_stop_before_training(tmp_path):
+    static = _cfg(str(tmp_path / "s"), 2, mode="static", rollout="dp2", logprob="dp2",
+                  train="dp2", memory_budget_gb=0.0005)
+    msg = run_distributed(_bad, 2, static, timeout=200)[0]
+    assert msg.startswith("LayoutOverBudgetError: static layout DP2 for stage rollout")
+    assert "use layout=auto" in msg
+    auto = _cfg(str(tmp_path / "a"), 2, mode="auto", memory_budget_gb=0.0005)
+    msg = run_distributed(_bad, 2, auto, timeout=200)[0]
+    assert msg.startswith("NoLayoutFitsError: no layout fits stage rollout")
+    assert not (tmp_path / "s" / "metrics.jsonl").exists()
 
 
 def test_bad_config_stops_before_training(tmp_path):

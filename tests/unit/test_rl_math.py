@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from earl_megatron.rl.advantages import (TokenStats, batch_statistics, group_statistics,
                                          grpo_advantages, last_policy_token, normalize,
-                                         reinforce_pp_advantages, reinforce_pp_returns)
+                                         reinforce_pp_advantages, reinforce_pp_returns,
+                                         turn_ids, turn_returns)
 from earl_megatron.rl.losses import PolicyLossConfig, clipped_surrogate, k3_kl, policy_loss
 
 MASK = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.float32)
@@ -28,6 +29,38 @@ def test_reinforce_returns_and_kl_in_reward():
     assert g[0, 1].item() == pytest.approx(1 - 0.15)
     assert g[0, 4].item() == pytest.approx(1 - 0.05)
     assert g[0, 0].item() == 0.0  # prompt token
+
+
+def test_turn_returns_credit_each_turn_and_discount_per_turn():
+    # two turns (tokens 1-2 and 4-5), env tokens between; rewards on each turn's last token
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0]], dtype=torch.float32)
+    rew = torch.tensor([[0, 0, 0.1, 0, 0, -1.0, 0]])
+    assert turn_ids(mask).tolist() == [[-1, 0, 0, -1, 1, 1, -1]]
+    g1 = turn_returns(rew, mask, 1.0)[0].tolist()
+    assert g1 == pytest.approx([0, -0.9, -0.9, 0, -1, -1, 0])
+    g = turn_returns(rew, mask, 0.5)[0].tolist()
+    assert g == pytest.approx([0, 0.1 - 0.5, 0.1 - 0.5, 0, -1, -1, 0])
+    # one final reward and gamma = 1 is the plain REINFORCE++ return
+    r = torch.tensor([1.0, -1.0])
+    assert torch.equal(turn_returns(r[:, None] * last_policy_token(MASK), MASK, 1.0),
+                       reinforce_pp_returns(r, MASK))
+    with pytest.raises(ValueError, match="gamma"):
+        turn_returns(rew, mask, 1.5)
+
+
+def test_episode_tensors_put_turn_rewards_on_turn_ends():
+    from earl_megatron.trainer.data import episode_tensors
+
+    ids, mask = [5, 6, 7, 8, 9, 10], [0, 1, 0, 1, 1, 0]
+    t = episode_tensors(ids, mask, [0.0] * 6, reward=0.6, length=8, turn_rewards=(0.1, 0.5))
+    # label-aligned: token j's reward sits at j - 1
+    assert t.token_rewards.tolist() == pytest.approx([0.1, 0, 0, 0.5, 0, 0, 0, 0])
+    whole = episode_tensors(ids, mask, [0.0] * 6, reward=0.6, length=8)
+    assert whole.token_rewards.tolist() == pytest.approx([0, 0, 0, 0.6, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="one reward per turn"):
+        episode_tensors(ids, mask, [0.0] * 6, reward=0.6, length=8, turn_rewards=(0.6,))
+    with pytest.raises(ValueError, match="add up"):
+        episode_tensors(ids, mask, [0.0] * 6, reward=0.6, length=8, turn_rewards=(0.1, 0.1))
 
 
 def test_reinforce_advantages_normalised_over_policy_tokens():
