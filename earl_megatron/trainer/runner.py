@@ -165,6 +165,13 @@ class Runner:
     def train(self) -> list[dict]:
         cfg = self.cfg
         start, mol = self._start()
+        if self.rank == 0:
+            # metrics.jsonl restarts from what the checkpoint knows: lines of iterations after it
+            # (a run killed between its metrics line and its checkpoint) or of an earlier run
+            # (run.resume=false) are dropped, so the file never repeats an iteration
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "metrics.jsonl").write_text(
+                "".join(json.dumps(h) + "\n" for h in self.history))
         signal.signal(signal.SIGTERM, self._on_sigterm)
         from earl_megatron.trainer.live import LiveView
         self.view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,

@@ -46,28 +46,66 @@ def _check_kl(hist):
     assert hist[1]["ref_log_ratio_max"] > 1e-4
 
 
-def test_short_run_and_resume(tmp_path):
-    # kl_mode=loss and the entropy bonus on: the reference model is rebuilt on resume, not loaded
-    full = run_distributed(_train, 2, _cfg(str(tmp_path / "full"), 3, KL_LOSS), timeout=400)[0]
-    assert [h["iteration"] for h in full] == [0, 1, 2]
+KILL_RUN = ["model.vocab_size=32", "layout=static", "layout.rollout=dp2", "layout.logprob=dp2",
+            "layout.train=tp2", "env.eval_opponents=[random]", "rollout.episodes_per_iteration=4",
+            "rollout.max_turns=4", "algorithm.micro_batch_size=2", "algorithm.kl_mode=loss",
+            "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01", "run.iterations=3",
+            "run.checkpoint_every=1", "run.eval_episodes=2", "run.live_view=false"]
+
+
+def _launch(out):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", "-m", "earl_megatron.train",
+                             f"run.output_dir={out}", *KILL_RUN], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def test_sigkill_mid_run_and_resume(tmp_path):
+    """torchrun killed with SIGKILL during iteration 2 (after iteration 1's metrics line), then
+    relaunched: the run resumes and its metrics equal an uninterrupted run's, line for line.
+    kl_mode=loss and the entropy bonus are on: the reference model is rebuilt, not loaded."""
+    import os
+    import signal
+    import time
+
+    part = tmp_path / "part"
+    proc = _launch(part)
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        metrics = part / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            time.sleep(0.5)  # into checkpoint 1 or iteration 2
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len((part / "metrics.jsonl").read_text().splitlines()) < 3
+    proc = _launch(part)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+
+    # the same config, uninterrupted, through the in-process launcher
+    resolved = json.loads((part / "resolved.json").read_text())
+    resolved["run"]["output_dir"] = str(tmp_path / "full")
+    full = run_distributed(_train, 2, TrainConfig.from_dict(resolved), timeout=400)[0]
+    assert [h["iteration"] for h in resumed] == [0, 1, 2]
+    assert _strip(resumed) == _strip(full)
     assert all(h["layouts"] == {"rollout": "DP2", "logprob": "DP2", "train": "TP2"}
                for h in full)
     _check_kl(full)
     assert full[1]["kl"] > 0 and all(h["entropy"] > 0 for h in full)
     assert all(h["seconds"]["logprob"] > 0 for h in full)
-    lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and json.loads(lines[0])["iteration"] == 0
     assert (tmp_path / "full" / "report.png").stat().st_size > 10_000
     evals = json.loads((tmp_path / "full" / "eval.json").read_text())
     assert set(evals) == {"start", "end"} and "random/greedy" in evals["end"]
-
-    # "killed" after iteration 1: a run of 2 iterations leaves checkpoint iter_000001; the
-    # resumed run must replay iteration 2 exactly as the uninterrupted run did
-    part = str(tmp_path / "part")
-    run_distributed(_train, 2, _cfg(part, 2, KL_LOSS), timeout=400)
-    resumed = run_distributed(_train, 2, _cfg(part, 3, KL_LOSS), timeout=400)[0]
-    assert [h["iteration"] for h in resumed] == [0, 1, 2]
-    assert _strip(resumed) == _strip(full)
 
 
 def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
