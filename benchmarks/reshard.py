@@ -4,8 +4,10 @@ For each layout pair (on 4 and 8 gloo ranks, one launch per world size) on a mod
 >= 100 MB of fp32 weights, measures:
 
 - in-memory   runtime/switcher.switch_layout: plan + collect, fixed cost (free the old model,
-              regroup, build the new one) and transfer time, bytes sent, rounds;
-- disk        dist_checkpointing save under A, rebuild, load under B (weights only), bytes written;
+              regroup, build the new one without random init) and transfer time, bytes sent,
+              rounds;
+- disk        dist_checkpointing save under A, the same rebuild, load under B (weights only),
+              bytes written;
 - megatron    megatron.core.resharding.swap_model_weights (gloo copy service) between a live
               model in A and a second live model in B built on its own HyperCommGrid groups
               (both resident); first swap (plans) and a second, steady one; weights only;
@@ -19,6 +21,7 @@ Fixed costs (regroup + model construction) are printed apart from data movement.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -104,8 +107,10 @@ def _megatron_swap(mol, dst_layout, cfg):
     pgc = ProcessGroupCollection(tp=pgs["tp"], cp=pgs["cp"], pp=pgs["pp"], dp=pgs["dp"],
                                  embd=None)
     c = b.coords(dist.get_rank())
+    # no random init, as for the other two paths (the swap overwrites every weight)
     target = build_gpt_model(cfg, b, pre_process=c.pp == 0, post_process=c.pp == b.pp - 1,
-                             config=transformer_config(cfg, b), pg_collection=pgc)
+                             config=transformer_config(cfg, b, perform_initialization=False),
+                             pg_collection=pgc)
     service = GlooCopyService()
     t1 = time.perf_counter()
     times = []
@@ -119,7 +124,19 @@ def _megatron_swap(mol, dst_layout, cfg):
     del target
     for pg in list(pgs.values()) + [service.gloo_pg]:
         dist.destroy_process_group(pg)
+    # the second model is a reference cycle holding the grid's gloo groups: collect it here, or
+    # the next automatic collection (inside a timed switch) pays for it (~0.25 s, measured)
+    del pg, pgs, pgc, service, grid
+    gc.collect()
     return dict(fixed_s=t1 - t0, first_s=times[0], steady_s=times[1], sumsq=sumsq)
+
+
+def _cpu() -> float:
+    """CPU seconds of this rank: all its threads (gloo's included) and its reaped children."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _dir_bytes(path: str) -> int:
@@ -162,16 +179,17 @@ def _job(pairs, args_dict, tmp_root):
             for key, dst in (("mem", b), ("mem_back", a)):
                 st = SwitchStats()
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), _cpu()
                 mol = switch_layout(mol, dst, bucket_bytes=args.bucket_mb << 20, stats=st)
+                cpu = _cpu() - c
                 dist.barrier()
                 wall = time.perf_counter() - t
                 ok = abs(_sumsq(mol.module(), dst, mol.coords, cfg.tie_word_embeddings) - ref) \
                     <= 1e-9 * ref
                 wall, plan_s, collect_s, rebuild_s, transfer_s = _maxed(
                     [wall, st.plan_s, st.collect_s, st.rebuild_s, st.transfer_s])
-                sent, = _summed([st.bytes_sent])
-                row[key] = dict(wall_s=wall, plan_s=plan_s, collect_s=collect_s,
+                sent, cpu = _summed([st.bytes_sent, cpu])
+                row[key] = dict(wall_s=wall, cpu_s=cpu, plan_s=plan_s, collect_s=collect_s,
                                 rebuild_s=rebuild_s, transfer_s=transfer_s, bytes_sent=int(sent),
                                 bytes_moved=st.plan.bytes_moved, min_bytes=st.plan.min_bytes,
                                 max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok)
@@ -186,15 +204,17 @@ def _job(pairs, args_dict, tmp_root):
                 row["first_save_s"] = _maxed([time.perf_counter() - t])[0]
             st = SwitchStats()
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), _cpu()
             mol = switch_via_checkpoint(mol, b, path, stats=st)
+            cpu, = _summed([_cpu() - c])
             dist.barrier()
             wall = time.perf_counter() - t
             ok = abs(_sumsq(mol.module(), b, mol.coords, cfg.tie_word_embeddings) - ref) \
                 <= 1e-9 * ref
             wall, save_s, rebuild_s, load_s = _maxed([wall, st.collect_s, st.rebuild_s,
                                                       st.transfer_s])
-            row["disk"] = dict(wall_s=wall, save_s=save_s, rebuild_s=rebuild_s, load_s=load_s,
+            row["disk"] = dict(wall_s=wall, cpu_s=cpu, save_s=save_s, rebuild_s=rebuild_s,
+                               load_s=load_s,
                                bytes=_dir_bytes(path) if rank == 0 else 0, ok=ok)
             mol = None
             groups.destroy_groups()
@@ -231,6 +251,13 @@ def _print(rows, weight_bytes):
             print(f"{r['world']:>5} {label:<22} {m['min_bytes'] / mb:7.1f} "
                   f"{m['bytes_moved'] / mb:8.1f} {ratio:9.2f} {m['transfer_s']:10.2f} "
                   f"{m['rebuild_s']:11.2f} {m['wall_s']:11.2f} {disk} {mcs:>18}")
+    print("\nCPU seconds summed over ranks (wall times on shared cores are noisy; CPU is not"
+          " billed for waiting;\ndisk counts no helper process dist_checkpointing keeps alive:"
+          " a lower bound):")
+    for r in rows:
+        m, d = r["mem"], r["disk"]
+        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory {m['cpu_s']:.2f}, disk "
+              f"{d['cpu_s']:.2f}, disk/mem {d['cpu_s'] / max(m['cpu_s'], 1e-9):.1f}")
     print("\nchecks (sum of squares of all weights unchanged):")
     for r in rows:
         mc = r.get("megatron", {})

@@ -8,7 +8,10 @@ pp_stage (pre_process on the first, post_process on the last), with:
 - TransformerEngine layer specs when TE is importable and CUDA is present; otherwise Megatron's
   local spec, whose core attention is replaced by ``AllGatherKVAttention`` when cp > 1 (Megatron's
   own DotProductAttention refuses CP without TE);
-- no dropout, no fused kernels that need CUDA, ``use_cpu_initialization`` on CPU.
+- no dropout, no fused kernels that need CUDA, ``use_cpu_initialization`` on CPU;
+- with ``perform_initialization=False`` (weights about to be overwritten: a layout switch, a
+  load) parameters are left as ``torch.empty`` and ``set_tensor_parallel_attributes`` marks the
+  TP-sharded weights exactly as Megatron's init would have.
 
 ``wrap_ddp`` wraps the model in Megatron-Core's DistributedDataParallel (grad buffers, bucketed
 all-reduce or reduce-scatter for the distributed optimizer) over the dp x cp group.
@@ -43,7 +46,7 @@ def te_available() -> bool:
 
 def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dtype=None,
                        calculate_per_token_loss: bool = True, recompute: Optional[str] = None,
-                       sequence_parallel: bool = False):
+                       sequence_parallel: bool = False, perform_initialization: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _DTYPES[cfg.params_dtype]
@@ -72,7 +75,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
         fp16=dtype == torch.float16,
         pipeline_dtype=pipeline_dtype or dtype,
         use_cpu_initialization=on_cpu,
-        perform_initialization=True,
+        perform_initialization=perform_initialization,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -127,9 +130,52 @@ def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bo
         rotary_base=int(cfg.rotary_base),
         pg_collection=pg_collection,
     )
+    if not tcfg.perform_initialization:
+        set_tensor_parallel_attributes(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def set_tensor_parallel_attributes(model) -> None:
+    """Mark TP-sharded weights as Megatron's init would have (for ``perform_initialization=False``).
+
+    In megatron-core 0.16 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``
+    are set on a weight only inside the init functions (``_initialize_affine_weight_cpu`` /
+    ``_gpu`` in tensor_parallel/layers.py); everything else (``allreduce``, biases, ``shared``,
+    ``is_embedding_or_output_parameter``, ``zero_out_wgrad``) is set whatever the flag. Without
+    them grad-norm clipping counts every TP shard as a duplicate and Megatron's resharding reads
+    the wrong split. Set here, for the layer classes of the local spec:
+
+        VocabParallelEmbedding.weight   dim 0, stride 1
+        ColumnParallelLinear.weight     dim 0, stride 2 for a gated MLP's linear_fc1, else 1
+        RowParallelLinear.weight        dim 1, stride 1
+
+    Weights that already carry the attributes are left alone (so this is a no-op after a normal
+    init); tests/distributed/test_init_attributes.py checks the result equals Megatron's init.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes)
+    from megatron.core.transformer.mlp import MLP
+
+    # MLP passes stride=2 to linear_fc1 for a gated linear unit (each rank holds [gate_r; up_r])
+    # unless the kitchen spec is on; the layer itself does not keep its stride
+    strided = {id(m.linear_fc1) for m in model.modules()
+               if isinstance(m, MLP) and m.config.gated_linear_unit
+               and not getattr(m.config, "use_kitchen", False)}
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding):
+            dim, stride = 0, 1
+        elif isinstance(m, ColumnParallelLinear):
+            dim, stride = 0, 2 if id(m) in strided else 1
+        elif isinstance(m, RowParallelLinear):
+            dim, stride = 1, 1
+        else:
+            continue
+        w = m.weight
+        if w is not None and not hasattr(w, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=stride)
 
 
 def wrap_ddp(model, tcfg, *, use_distributed_optimizer: bool = False,

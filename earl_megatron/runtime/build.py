@@ -2,9 +2,10 @@
 
 ``build_on_layout`` regroups the world for the layout (runtime.groups), builds this rank's
 pp_stage of the GPTModel, loads this rank's shard of the given full weights (or keeps
-Megatron's seeded init), wraps it in Megatron DDP, and optionally creates Megatron's optimizer
-(plain or distributed). The returned ``ModelOnLayout`` is everything a step needs; callers never
-touch parallel_state.
+Megatron's seeded init; with weights, or ``init=False``, Megatron's random init is skipped since
+every parameter is overwritten), wraps it in Megatron DDP, and optionally creates Megatron's
+optimizer (plain or distributed). The returned ``ModelOnLayout`` is everything a step needs;
+callers never touch parallel_state.
 """
 
 from __future__ import annotations
@@ -63,16 +64,26 @@ class OptimizerSpec:
 def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
                     weights: Optional[dict[str, torch.Tensor]] = None, ddp: bool = True,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
-                    recompute: Optional[str] = None) -> ModelOnLayout:
-    from earl_megatron.models.provider import build_gpt_model, transformer_config, wrap_ddp
+                    recompute: Optional[str] = None, init: Optional[bool] = None) -> ModelOnLayout:
+    """Regroup for ``layout`` and build this rank's pp_stage (with DDP and optimizer if asked).
+
+    ``init``: run Megatron's seeded random init. Default: only when no ``weights`` are given.
+    ``init=False`` leaves every parameter as ``torch.empty``: the caller must overwrite all of
+    them (``weights`` does; so does the switcher's transfer, which checks it). TransformerEngine
+    specs always initialise (their TP attributes are set their own way, not checked here)."""
+    from earl_megatron.models.provider import (
+        build_gpt_model, te_available, transformer_config, wrap_ddp)
     from earl_megatron.weights.sharding import load_full_weights
 
     groups.build_groups(layout, cfg.shape, seed=seed)
     coords = layout.coords(dist.get_rank())
-    tcfg = transformer_config(cfg, layout, recompute=recompute)
-    # Megatron's init stays on even when every weight is overwritten afterwards: in 0.16 the
-    # tensor-parallel attributes (tensor_model_parallel, partition_dim) are set only inside its
-    # init functions, and without them gradient-norm clipping counts TP shards as duplicates
+    init = (weights is None if init is None else init) or te_available()
+    # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
+    # partition_dim, partition_stride: set only inside its init functions) and grad clipping
+    # would count TP shards as duplicates; build_gpt_model sets them itself then
+    # (provider.set_tensor_parallel_attributes). Random init is most of a rebuild's cost: CPU init
+    # draws each full matrix on every rank and keeps its shard.
+    tcfg = transformer_config(cfg, layout, recompute=recompute, perform_initialization=init)
     # Megatron initialises weights from torch's default generator (use_cpu_initialization draws
     # each full matrix there, then splits it): seed it, in a fork, so the same seed gives the same
     # model in every run and layout without disturbing the caller's random stream
@@ -80,6 +91,9 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
         torch.manual_seed(seed)
         model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
                                 post_process=coords.pp == layout.pp - 1, config=tcfg)
+    # the flag is read only during construction; a model built later from mol.tcfg (e.g. a
+    # second live copy) gets Megatron's init as usual
+    tcfg.perform_initialization = True
     if weights is not None:
         load_full_weights(model, weights, tp_rank=coords.tp, tp=layout.tp, pp_rank=coords.pp,
                           layers_per_stage=cfg.num_layers // layout.pp,

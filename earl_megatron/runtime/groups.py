@@ -11,12 +11,16 @@ initialised default process group; ``destroy_groups()`` destroys every group Meg
 Invariants:
 - At most one layout is active; ``build_groups`` on an active one first destroys it.
 - Group timeouts are short (``timeout_s``, default 120 s): a mismatched collective fails fast.
+- A regroup deregisters the old groups before creating new ones, and frees them (gloo's
+  destructor sleeps ~30 ms a group) on helper threads, at most two layouts' worth in flight;
+  ``wait_released()`` joins them.
 - The layout is checked against the world size before any group is created.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Optional
 
 import torch
@@ -44,7 +48,7 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
                            "before building groups")
     layout.check(dist.get_world_size(), model)
     if _ACTIVE is not None or ps.model_parallel_is_initialized():
-        destroy_groups()
+        destroy_groups(background=True)
     backend = dist.get_backend()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -62,24 +66,57 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
     return layout
 
 
-def destroy_groups() -> None:
-    """Destroy every group of the active layout and reset Megatron's globals."""
+def destroy_groups(*, background: bool = False) -> None:
+    """Destroy every group of the active layout and reset Megatron's globals.
+
+    ``background``: the groups are deregistered (unusable) at once, but the last references are
+    dropped on a helper thread. Gloo's ProcessGroup destructor sleeps, with the GIL released:
+    each connection's close waits for its device loop's next 10 ms epoll tick, ~30 ms per group
+    of 4 and ~20 groups per layout, so ~0.25 s of a regroup is waiting. ``build_groups`` uses it;
+    at most two layouts' groups are in flight (a third waits for the oldest), and a plain
+    ``destroy_groups()`` waits for everything (``wait_released``)."""
     from megatron.core import parallel_state as ps
 
     global _ACTIVE
-    groups = [g for g in (ps._global_process_group_list or []) if g is not None]
+    if not background:
+        wait_released()
     # Megatron keeps references to groups in module globals; reset those first, then destroy
     # each group object exactly once (several globals can alias one group).
+    pgs = list({id(g): g for g in (ps._global_process_group_list or []) if g is not None}
+               .values())
     ps.destroy_model_parallel()
-    seen = set()
-    for g in groups:
-        if id(g) in seen:
-            continue
-        seen.add(id(g))
-        if g in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(g)
+    _deregister(pgs)
     _clear_megatron_caches()
     _ACTIVE = None
+    if background:
+        _release_later(pgs)
+
+
+def _deregister(pgs: list) -> None:
+    for g in pgs:
+        if g in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(g)
+
+
+_RELEASING: list[threading.Thread] = []
+_MAX_RELEASING = 2
+
+
+def _release_later(pgs: list) -> None:
+    """Drop ``pgs`` (the caller's last references to these groups) on a helper thread."""
+    _RELEASING[:] = [t for t in _RELEASING if t.is_alive()]
+    while len(_RELEASING) >= _MAX_RELEASING:   # bound the fds and threads in flight
+        _RELEASING.pop(0).join()
+    # not a daemon: interpreter exit joins it rather than freezing it inside a destructor
+    t = threading.Thread(target=pgs.clear, name="earl-release-groups")
+    t.start()
+    _RELEASING.append(t)
+
+
+def wait_released() -> None:
+    """Block until groups handed to helper threads are destroyed (fds and threads freed)."""
+    while _RELEASING:
+        _RELEASING.pop(0).join()
 
 
 def _clear_megatron_caches() -> None:

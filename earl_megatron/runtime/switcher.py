@@ -8,9 +8,12 @@
    moment as a flat range per dp x cp rank; an all-reduce (sum of zero-padded ranges: exact)
    within its dp group turns them into whole per-parameter TP shards first. fp32 weights are
    their own master copies (Megatron's fp32 optimizers step the parameters themselves);
-3. free the old model, its grad buffers and optimizer (``mol`` is consumed);
+3. free the old model, its grad buffers and optimizer (``mol`` is consumed: ``_release`` breaks
+   its reference cycles so that refcounting frees it now, without a full ``gc.collect()``);
 4. regroup (``groups.build_groups`` via ``build_on_layout``) and build the model and optimizer
-   for the new layout without loading weights;
+   for the new layout without Megatron's random init (``init=False``: parameters are
+   ``torch.empty``, with the TP attributes set as init would have). Before any transfer every
+   rank checks that the plan writes every row of every new local parameter;
 5. local copies, then the plan's transfers in rounds of ``torch.distributed.batch_isend_irecv``
    on the WORLD group (the old groups are gone), each round sending at most ``bucket_bytes``
    and receiving at most ``bucket_bytes`` per rank;
@@ -31,7 +34,6 @@ layout and load under the new one (weights only), used by benchmarks/reshard.py 
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ class SwitchStats:
     plan_s: float = 0.0
     collect_s: float = 0.0
     rebuild_s: float = 0.0
-    """Fixed cost: free the old model, regroup, build the new model and optimizer, final gc."""
+    """Fixed cost: free the old model, regroup, build the new model and optimizer."""
     transfer_s: float = 0.0
     load_state_s: float = 0.0
     bytes_sent: int = 0
@@ -224,16 +226,17 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     ddp = hasattr(mol.model, "module")
     t2 = time.perf_counter()
 
-    # free the old model: only its parameter storages (and moments) stay alive, through `src`;
-    # build_groups' teardown runs gc before the new model is allocated. The transformer config
-    # must go too: forward_backward stores the DDP's bound `no_sync` in it, which would keep
-    # the old model, its grad buffers and its process groups alive.
+    # free the old model now: only its parameter storages (and moments) stay alive, through
+    # `src`; its grad buffers go before the new model is allocated
+    _release(mol.model)
     mol.model = mol.optimizer = mol.tcfg = None
     del moments
-    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec)
+    # no random init: the transfers below overwrite every element (_check_coverage proves it)
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
     targets = _init_adam_state(new, step) if step is not None else {}
     dst = _tensors_by_kind(new, targets)
     _check_names(plan, old_names, new)
+    _check_coverage(plan, dist.get_rank(), dst["param"])
     # ranks finish building at different times; without this the first round's wait would be
     # billed to transfer time instead of the (fixed) rebuild
     dist.barrier()
@@ -252,22 +255,31 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
             _run_round(rnd, me, src, dst, stats)
             stats.rounds += 1
     del src
-    # The old DDP outlives the regroup: its gradient-hook closures (13 cells, seen with
-    # gc.get_referrers) keep it reachable until the switch's locals are gone. Without this
-    # collection up to four layouts' gloo groups (48 threads, ~100 fds each) pile up between
-    # Python's own collections; with it the count stays flat (tests/distributed/test_switcher.py).
     t4 = time.perf_counter()
-    gc.collect()
-    t5 = time.perf_counter()
     if step is not None:
         _finish_distributed_state(new, step, targets)
-    t6 = time.perf_counter()
+    t5 = time.perf_counter()
     stats.plan_s += t1 - t0
     stats.collect_s += t2 - t1
-    stats.rebuild_s += (t3 - t2) + (t5 - t4)   # fixed costs: teardown, regroup, build, gc
+    stats.rebuild_s += t3 - t2   # fixed costs: teardown, regroup, build
     stats.transfer_s += t4 - t3
-    stats.load_state_s += t6 - t5
+    stats.load_state_s += t5 - t4
     return new
+
+
+def _release(model) -> None:
+    """Break the consumed model's reference cycles so that reference counting frees it now.
+
+    A Megatron model is one big reference cycle: DDP's gradient hooks (closures over the DDP, held
+    by the AccumulateGrad nodes in ``grad_accs``), modules' state-dict hooks (bound methods), and
+    the TransformerConfig, into which forward_backward stores the DDP's bound ``no_sync``. Left
+    to the cyclic collector it keeps its grad buffers and its layout's gloo groups (~12 threads
+    and ~25 fds each) alive until the next full collection, and a full ``gc.collect()`` walks
+    every object of the process (~400k here: 0.2-0.3 s of CPU per switch). Emptying every
+    submodule's ``__dict__`` (the model is consumed: no one may use it after a switch) leaves no
+    cycle: with gc disabled, DEBUG_SAVEALL finds 3 objects (one closure) after a whole switch."""
+    for m in list(model.modules()):
+        m.__dict__.clear()
 
 
 def _run_round(rnd, me: int, src: dict, dst: dict, stats: SwitchStats) -> None:
@@ -309,6 +321,23 @@ def _check_names(plan: ReshardPlan, old_names: dict, new: ModelOnLayout) -> None
                        "spec?): add their split rules to plan/reshard_plan.py")
 
 
+def _check_coverage(plan: ReshardPlan, me: int, params: dict[str, torch.Tensor]) -> None:
+    """Every element of every new local parameter is written by the plan (it is built with
+    ``torch.empty``). The plan never writes a row twice (tests/unit/test_reshard_plan.py), so
+    rows summing to the size along the split dim means every row is written once."""
+    rows: dict[str, int] = {}
+    dims: dict[str, int] = {}
+    for t in plan.transfers + plan.local_copies:
+        if t.dst == me:
+            rows[t.dst_local] = rows.get(t.dst_local, 0) + t.rows
+            dims[t.dst_local] = t.dim
+    short = [n for n, p in params.items() if rows.get(n, 0) != (p.shape[dims[n]] if n in dims
+                                                                 else -1)]
+    if short:
+        raise RuntimeError(f"the reshard plan leaves parameters {short[:4]} of rank {me} "
+                           "(partly) unwritten; they would keep uninitialised memory")
+
+
 def switch_via_checkpoint(mol: ModelOnLayout, new_layout: ParallelLayout, ckpt_dir: str, *,
                           stats: Optional[SwitchStats] = None) -> ModelOnLayout:
     """Baseline: dist_checkpointing save under the old layout, load under the new (weights)."""
@@ -321,11 +350,16 @@ def switch_via_checkpoint(mol: ModelOnLayout, new_layout: ParallelLayout, ckpt_d
     dist.barrier()
     dist_checkpointing.save(mol.module().sharded_state_dict(), ckpt_dir)
     t1 = time.perf_counter()
+    # the same rebuild as switch_layout's (free, regroup, build without random init)
+    _release(mol.model)
     mol.model = mol.optimizer = mol.tcfg = None
-    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp)
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, init=False)
     t2 = time.perf_counter()
     state = dist_checkpointing.load(new.module().sharded_state_dict(), ckpt_dir)
-    new.module().load_state_dict(state, strict=False)
+    missing = [k for k in new.module().load_state_dict(state, strict=False).missing_keys
+               if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"the checkpoint left parameters {missing[:4]} unloaded")
     t3 = time.perf_counter()
     stats.collect_s += t1 - t0
     stats.rebuild_s += t2 - t1

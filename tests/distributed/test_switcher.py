@@ -33,6 +33,9 @@ def _usage():
 
     import psutil
 
+    from earl_megatron.runtime import groups
+
+    groups.wait_released()   # the last regroup frees its old groups on a helper thread
     proc = psutil.Process()
     return len(os.listdir("/proc/self/fd")), proc.num_threads(), proc.memory_info().rss
 
