@@ -1,8 +1,6 @@
 """Checkpoints: save under one layout, load under another, and training continues on the same
 trajectory (plain and distributed optimizer); interrupted writes leave the last one loadable."""
 
-import pytest
-
 from earl_megatron.testing.multiproc import run_distributed
 
 CASES = [("tp2-dp2", "pp2-dp2", False), ("dp4", "tp2-cp2", True), ("tp2-pp2", "dp4", True)]

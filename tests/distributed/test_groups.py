@@ -1,7 +1,5 @@
 """Process groups: 100 rebuilds leave fds and threads flat; invalid layouts fail before groups."""
 
-import pytest
-
 from earl_megatron.testing.multiproc import run_distributed
 
 
@@ -43,7 +41,6 @@ def test_hundred_rebuilds_leave_fds_and_threads_flat():
 
 
 def _invalid_layout():
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from earl_megatron.plan.layout import InvalidLayoutError, ModelShape, ParallelLayout

@@ -4,7 +4,6 @@ One launch per world size; each launch loops over many layouts (regrouping in pl
 """
 
 import pytest
-import torch
 
 from earl_megatron.testing.multiproc import run_distributed
 
