@@ -24,8 +24,9 @@ Transfer plan invariants (checked by tests/unit/test_reshard_plan.py):
   any plan must move (what destination ranks need and do not hold);
 - among several source replicas the least-loaded sender is picked (ties: lowest rank), walking
   transfers in a fixed order, so the plan is a pure function of its inputs;
-- the same plan moves fp32 Adam moments (``exp_avg``, ``exp_avg_sq``), whose shapes equal the
-  parameters': the runtime applies every transfer once per kind of tensor.
+- the same plan moves the optimizer state, whose shapes equal the parameters': fp32 Adam
+  moments (``exp_avg``, ``exp_avg_sq``) and, for bf16/fp16 weights, the fp32 master copies;
+  the runtime applies every transfer once per kind of tensor.
 
 ``rounds(bucket_bytes)`` cuts the transfers into rounds in which no rank sends more than
 ``bucket_bytes`` and none receives more than ``bucket_bytes`` (a transfer larger than a bucket
@@ -227,10 +228,14 @@ class ReshardPlan:
         recvs = [t for t in self.transfers if t.dst == rank]
         return sends, recvs, [t for t in self.local_copies if t.src == rank]
 
-    def rounds(self, bucket_bytes: int, kinds: int = 1) -> list[tuple[Transfer, ...]]:
+    def rounds(self, bucket_bytes: int, kinds: int = 1, *,
+               bytes_per_element: Optional[int] = None) -> list[tuple[Transfer, ...]]:
         """Transfers cut into rounds; per round no rank sends or receives over ``bucket_bytes``.
 
-        ``kinds``: tensors moved per transfer (1 for weights, 3 for weights + Adam moments).
+        ``kinds``: tensors moved per transfer (1 for weights, 3 for weights + Adam moments), all
+        of the weights' dtype. ``bytes_per_element``: what one element costs over all kinds
+        when they differ, overriding ``element_bytes * kinds`` (bf16 weights with an fp32 master
+        and two fp32 moments: 2 + 3 * 4 = 14).
         A transfer bigger than a bucket is split along its dim (never below one row, so a
         single row larger than the bucket forms a round on its own). First fit, in plan order:
         every rank computes the same rounds and posts its sends and receives in the same order.
@@ -238,9 +243,10 @@ class ReshardPlan:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         unit = dict(self.unit_elements)
+        per_elem = self.element_bytes * kinds if bytes_per_element is None else bytes_per_element
         chunks = []
         for t in self.transfers:
-            row_bytes = unit[t.name] * self.element_bytes * kinds
+            row_bytes = unit[t.name] * per_elem
             step = max(1, bucket_bytes // row_bytes)
             for a in range(t.start, t.stop, step):
                 b = min(t.stop, a + step)
@@ -250,7 +256,7 @@ class ReshardPlan:
         rounds: list[list[Transfer]] = []
         loads: list[tuple[dict, dict]] = []
         for c in chunks:
-            size = c.elements * self.element_bytes * kinds
+            size = c.elements * per_elem
             for rnd, (sent, got) in zip(rounds, loads):
                 if (sent.get(c.src, 0) + size <= bucket_bytes
                         and got.get(c.dst, 0) + size <= bucket_bytes):

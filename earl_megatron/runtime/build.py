@@ -101,19 +101,25 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     if ddp or optimizer is not None:
         model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
             optimizer and optimizer.use_distributed_optimizer))
-    opt = build_optimizer(model, optimizer) if optimizer is not None else None
+    opt = build_optimizer(model, optimizer, params_dtype=tcfg.params_dtype) \
+        if optimizer is not None else None
     return ModelOnLayout(cfg=cfg, layout=layout, coords=coords, tcfg=tcfg, model=model,
                          optimizer=opt)
 
 
-def build_optimizer(model, spec: OptimizerSpec):
-    """Megatron-Core's Adam (fp32, plain or distributed) over a DDP-wrapped model."""
+def build_optimizer(model, spec: OptimizerSpec, params_dtype: torch.dtype = torch.float32):
+    """Megatron-Core's Adam (plain or distributed) over a DDP-wrapped model.
+
+    ``params_dtype``: the model's. float32: Adam steps the parameters themselves; bfloat16 /
+    float16: Megatron's mixed-precision optimizer keeps fp32 master copies and copies them back
+    to the model after each step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = OptimizerConfig(optimizer="adam", lr=spec.lr, weight_decay=spec.weight_decay,
                            adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2,
-                           adam_eps=spec.adam_eps, clip_grad=spec.clip_grad, bf16=False,
-                           fp16=False, params_dtype=torch.float32,
+                           adam_eps=spec.adam_eps, clip_grad=spec.clip_grad,
+                           bf16=params_dtype == torch.bfloat16,
+                           fp16=params_dtype == torch.float16, params_dtype=params_dtype,
                            use_distributed_optimizer=spec.use_distributed_optimizer)
     return get_megatron_optimizer(ocfg, [model],
                                   use_gloo_process_groups=groups.has_gloo_side_groups())

@@ -4,10 +4,12 @@
 
 1. plan   ``plan_reshard(cfg, old, new)`` (pure, identical on every rank; plan/reshard_plan.py);
 2. collect this rank's old shards: weights, and with an optimizer the fp32 Adam moments
-   (``exp_avg``, ``exp_avg_sq``) and the step count. The distributed optimizer holds each
-   moment as a flat range per dp x cp rank; an all-reduce (sum of zero-padded ranges: exact)
-   within its dp group turns them into whole per-parameter TP shards first. fp32 weights are
-   their own master copies (Megatron's fp32 optimizers step the parameters themselves);
+   (``exp_avg``, ``exp_avg_sq``), the step count and, for bf16/fp16 weights, the fp32
+   ``master`` copies Megatron's mixed-precision optimizer steps. The distributed optimizer
+   holds each master and moment as a flat range per dp x cp rank; an all-reduce (sum of
+   zero-padded ranges: exact) within its dp group turns them into whole per-parameter TP
+   shards first. fp32 weights are their own master copies (Megatron's fp32 optimizers step the
+   parameters themselves);
 3. free the old model, its grad buffers and optimizer (``mol`` is consumed: ``_release`` breaks
    its reference cycles so that refcounting frees it now, without a full ``gc.collect()``);
 4. regroup (``groups.build_groups`` via ``build_on_layout``) and build the model and optimizer
@@ -16,16 +18,18 @@
    rank checks that the plan writes every row of every new local parameter;
 5. local copies, then the plan's transfers in rounds of ``torch.distributed.batch_isend_irecv``
    on the WORLD group (the old groups are gone), each round sending at most ``bucket_bytes``
-   and receiving at most ``bucket_bytes`` per rank;
-6. Adam state into the new optimizer: same step count, same moments, so training continues on
-   the same trajectory (tests/distributed/test_switcher.py checks losses to 1e-5).
+   and receiving at most ``bucket_bytes`` per rank (weights at their width, every state kind at
+   4 bytes: bf16 weight + master + 2 moments = 14 bytes per element);
+6. optimizer state into the new optimizer: same step count, moments and masters, so training
+   continues on the same trajectory (tests/distributed/test_switcher.py: fp32 losses to 1e-5;
+   bf16 masters and moments bit-identical after the switch, losses to 2e-3).
 
 Peak memory per rank during a switch (documented in docs/switcher.md):
-    old shard (weights [+ 2 moments]) + new model, grad buffer and optimizer state
+    old shard (weights [+ master] [+ 2 moments]) + new model, grad buffer and optimizer state
     + at most 2 x bucket_bytes of staging (non-contiguous sends are packed, non-contiguous
       receives land in a buffer; dim-0 slices are received in place)
-    + with the distributed optimizer, whole-shard moments on both sides (2 x the local
-      parameter bytes each) instead of the dp-sharded ones.
+    + with the distributed optimizer, whole-shard moments (and masters) on both sides (2 or 3
+      x the local parameter elements x 4 bytes each) instead of the dp-sharded ones.
 Never a second copy of the whole model on one rank: each rank holds only its two shards.
 
 ``switch_via_checkpoint`` is the disk baseline: Megatron's dist_checkpointing save under the old
@@ -48,6 +52,8 @@ from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_l
 from earl_megatron.weights.sharding import global_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MASTER = "master"
+"""The fp32 master copy Megatron's mixed-precision optimizers step (bf16/fp16 weights)."""
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -104,99 +110,156 @@ def _buffer_params(opt) -> set:
     return {p for buf in opt.buffers for p in buf.params}
 
 
-Moments = dict[str, dict[str, torch.Tensor]]
-"""{local parameter name: {"exp_avg": whole TP shard, "exp_avg_sq": whole TP shard}}"""
+OptState = dict[str, dict[str, torch.Tensor]]
+"""{local parameter name: {kind: whole TP shard (fp32)}}, kinds from ``_state_kinds``."""
 
 
-def _adam_state_of(mol: ModelOnLayout) -> tuple[Moments, Optional[torch.Tensor]]:
-    """{local name: {exp_avg, exp_avg_sq}} as whole TP shards, and one step tensor (or None)."""
+def _has_masters(mol: ModelOnLayout) -> bool:
+    """Megatron's optimizer keeps fp32 master copies (bf16/fp16 weights) that must move too."""
+    return mol.optimizer is not None and mol.cfg.params_dtype != "float32"
+
+
+def _state_kinds(masters: bool, stepped: bool) -> tuple[str, ...]:
+    """The optimizer-state kinds a switch moves, in the order both ends post them."""
+    return ((MASTER,) if masters else ()) + (MOMENTS if stepped else ())
+
+
+def _plain_mains(opt) -> dict:
+    """{model param: the param Adam steps} of a plain Megatron optimizer: its fp32 master copy
+    (Float16OptimizerWithFloat16Params: float16_groups[i] <-> fp32_from_float16_groups[i]), or
+    the param itself (fp32 params, FP32Optimizer)."""
+    if not hasattr(opt, "float16_groups"):
+        return {p: p for group in opt.optimizer.param_groups for p in group["params"]}
+    mains = {p: m for model_g, main_g in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+             for p, m in zip(model_g, main_g)}
+    mains.update({p: p for g in opt.fp32_from_fp32_groups for p in g})
+    return mains
+
+
+def _distributed_mains(opt) -> dict:
+    """{model param: this rank's flat shard that Adam steps} of a distributed optimizer (only
+    params with a non-empty range here): the fp32 master shard of a bf16/fp16 param, a view
+    into an fp32 param. Not ``model_param_group_index_map``: its order is that of the grad
+    buffers, while the optimizer's param groups list fp32 shards first, so with mixed dtypes
+    in one group (fp32 norms of a bf16 model on CPU) ``_get_main_param_and_optimizer_states``
+    returns another param's shard (Megatron-Core 0.16)."""
+    pairs = (list(zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups))
+             + list(zip(opt.model_fp32_groups, opt.shard_fp32_groups)))
+    return {p: m for model_g, main_g in pairs for p, m in zip(model_g, main_g)}
+
+
+def _optimizer_state_of(mol: ModelOnLayout) -> tuple[OptState, Optional[torch.Tensor]]:
+    """This rank's optimizer state as whole TP shards, and one step tensor (None: never stepped).
+
+    Kinds: ``master`` (fp32 master copy; only for bf16/fp16 weights) and, once stepped,
+    ``exp_avg`` / ``exp_avg_sq``. The distributed optimizer's flat ranges are all-reduced within
+    its dp x cp group into whole shards (a sum of zero-padded ranges: exact)."""
     names = {p: n for n, p in mol.module().named_parameters()}
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    masters = _has_masters(mol)
+    out: OptState = {}
     step = None
     for opt in megatron_optimizers(mol.optimizer):
         inner = opt.optimizer
         if not _is_distributed(opt):
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    st = inner.state.get(p)
-                    if st:
-                        out[names[p]] = {k: st[k] for k in MOMENTS}
-                        step = st["step"]
+            for p, main in _plain_mains(opt).items():
+                st = inner.state.get(main)
+                entry = {MASTER: main.detach()} if masters else {}
+                if st:
+                    entry.update({k: st[k] for k in MOMENTS})
+                    step = st["step"]
+                if entry:
+                    out[names[p]] = entry
             continue
         # distributed optimizer: each dp x cp rank owns one flat range (possibly empty) of each
         # param in the optimizer's buffers; every peer walks the same params in the same order
-        group, held = opt.data_parallel_group, _buffer_params(opt)
+        kinds = _state_kinds(masters, True)
+        group, held, mains = opt.data_parallel_group, _buffer_params(opt), _distributed_mains(opt)
         for p, name in names.items():
             if p not in held:
                 continue
-            whole = torch.zeros((len(MOMENTS), p.numel()), dtype=torch.float32, device=p.device)
-            if p in opt.model_param_group_index_map:
+            whole = torch.zeros((len(kinds), p.numel()), dtype=torch.float32, device=p.device)
+            if p in mains:
                 rng = opt._get_model_param_range_map(p)["param"]
-                st = opt._get_main_param_and_optimizer_states(p)
-                if "exp_avg" in st:
-                    for i, k in enumerate(MOMENTS):
+                st = {MASTER: mains[p], **inner.state.get(mains[p], {})}
+                step = st.get("step", step)
+                for i, k in enumerate(kinds):
+                    if k in st:
                         whole[i, rng.start:rng.end].copy_(st[k].detach().view(-1))
-                    gi, go = opt.model_param_group_index_map[p]
-                    step = inner.state[inner.param_groups[gi]["params"][go]]["step"]
             dist.all_reduce(whole, group=group)
-            out[name] = {k: whole[i].view(p.shape) for i, k in enumerate(MOMENTS)}
+            out[name] = {k: whole[i].view(p.shape) for i, k in enumerate(kinds)}
     # ranks whose dp x cp peers stepped must agree on whether a state exists at all
     have = torch.tensor([0 if step is None else 1], dtype=torch.int64)
     dist.all_reduce(have, op=dist.ReduceOp.MAX)
     if have.item() and step is None:
         raise RuntimeError("this rank has no Adam state but others do; every rank must have "
                            "stepped the optimizer the same number of times before a switch")
-    return (out if step is not None else {}), step
+    if step is None:   # the distributed path collected (zero) moments regardless
+        keep = _state_kinds(masters, False)
+        out = {n: {k: e[k] for k in keep} for n, e in out.items() if keep}
+    return out, step
 
 
-def _init_adam_state(mol: ModelOnLayout, step: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-    """Zeroed Adam state of the new optimizer, returned as whole TP shards to receive into."""
+def _init_optimizer_state(mol: ModelOnLayout, step: Optional[torch.Tensor]) -> OptState:
+    """The new optimizer's state, returned as whole TP shards to receive into.
+
+    Plain optimizer: the shards ARE its state (masters received in place, zeroed moments
+    installed under the master). Distributed: fresh whole shards, cut into each rank's flat
+    range by ``_finish_distributed_state`` after the transfer."""
     names = {p: n for n, p in mol.module().named_parameters()}
-    targets: dict[str, dict[str, torch.Tensor]] = {}
+    masters = _has_masters(mol)
+    kinds = _state_kinds(masters, step is not None)
+    targets: OptState = {}
+    if not kinds:
+        return targets
     for opt in megatron_optimizers(mol.optimizer):
         inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if _is_distributed(opt):
-                    continue
-                st = {"step": step.clone()}
-                st.update({k: torch.zeros_like(p) for k in MOMENTS})
-                inner.state[p] = st
-                targets[names[p]] = {k: st[k] for k in MOMENTS}
         if _is_distributed(opt):
             held = _buffer_params(opt)
             for p, name in names.items():
                 if p in held:
-                    targets[name] = {k: torch.zeros_like(p) for k in MOMENTS}
+                    targets[name] = {k: torch.zeros(p.shape, dtype=torch.float32,
+                                                    device=p.device) for k in kinds}
+            continue
+        for p, main in _plain_mains(opt).items():
+            entry = {MASTER: main.detach()} if masters else {}
+            if step is not None:
+                st = {"step": step.clone()}
+                st.update({k: torch.zeros_like(main) for k in MOMENTS})
+                inner.state[main] = st
+                entry.update({k: st[k] for k in MOMENTS})
+            targets[names[p]] = entry
     return targets
 
 
-def _finish_distributed_state(mol: ModelOnLayout, step: torch.Tensor,
-                              whole: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Hand each dp x cp rank of a distributed optimizer its flat range of the moments."""
+def _finish_distributed_state(mol: ModelOnLayout, step: Optional[torch.Tensor],
+                              whole: OptState) -> None:
+    """Hand each dp x cp rank of a distributed optimizer its flat range of masters and moments."""
     names = {p: n for n, p in mol.module().named_parameters()}
     for opt in megatron_optimizers(mol.optimizer):
         if not _is_distributed(opt):
             continue
-        inner = opt.optimizer
+        inner, mains = opt.optimizer, _distributed_mains(opt)
         for p, name in names.items():
-            if p not in opt.model_param_group_index_map:
+            if p not in mains:
                 whole.pop(name, None)   # this rank steps no part of it
                 continue
             rng = opt._get_model_param_range_map(p)["param"]
-            gi, go = opt.model_param_group_index_map[p]
-            main = inner.param_groups[gi]["params"][go]
-            inner.state[main] = {"step": step.clone(), **{
-                k: whole[name][k].reshape(-1)[rng.start:rng.end].clone().view_as(main)
-                for k in MOMENTS}}
+            main = mains[p]
+            cut = lambda k: whole[name][k].reshape(-1)[rng.start:rng.end]  # noqa: E731
+            if MASTER in whole[name]:
+                main.detach().copy_(cut(MASTER).view_as(main))
+            if step is not None:
+                inner.state[main] = {"step": step.clone(),
+                                     **{k: cut(k).clone().view_as(main) for k in MOMENTS}}
             del whole[name]
 
 
-def _tensors_by_kind(mol: ModelOnLayout, moments: dict) -> dict[str, dict[str, torch.Tensor]]:
-    params = {n: p.detach() for n, p in mol.module().named_parameters()}
-    kinds = {"param": params}
-    for k in MOMENTS if moments else ():
-        kinds[k] = {n: m[k] for n, m in moments.items()}
+def _tensors_by_kind(mol: ModelOnLayout, state: OptState) -> dict[str, dict[str, torch.Tensor]]:
+    """{kind: {local name: tensor}}: "param" first, then the optimizer-state kinds in order."""
+    kinds = {"param": {n: p.detach() for n, p in mol.module().named_parameters()}}
+    for k in (MASTER, *MOMENTS):
+        if any(k in e for e in state.values()):
+            kinds[k] = {n: e[k] for n, e in state.items()}
     return kinds
 
 
@@ -216,24 +279,20 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     stats.plan = plan
     t1 = time.perf_counter()
     spec = optimizer or (spec_of(mol.optimizer) if mol.optimizer is not None else None)
-    if mol.optimizer is not None and cfg.params_dtype != "float32":
-        raise NotImplementedError(
-            f"switching optimizer state for params_dtype={cfg.params_dtype} needs the fp32 master "
-            "copies moved too; only float32 training is supported (set params_dtype='float32')")
-    moments, step = _adam_state_of(mol) if mol.optimizer is not None else ({}, None)
-    src = _tensors_by_kind(mol, moments)
+    state, step = _optimizer_state_of(mol) if mol.optimizer is not None else ({}, None)
+    src = _tensors_by_kind(mol, state)
     old_names = {n: _full_name_of(n, mol)[0] for n in src["param"]}
     ddp = hasattr(mol.model, "module")
     t2 = time.perf_counter()
 
-    # free the old model now: only its parameter storages (and moments) stay alive, through
+    # free the old model now: only its parameter storages (and optimizer state) stay alive, via
     # `src`; its grad buffers go before the new model is allocated
     _release(mol.model)
     mol.model = mol.optimizer = mol.tcfg = None
-    del moments
+    del state
     # no random init: the transfers below overwrite every element (_check_coverage proves it)
     new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
-    targets = _init_adam_state(new, step) if step is not None else {}
+    targets = _init_optimizer_state(new, step) if new.optimizer is not None else {}
     dst = _tensors_by_kind(new, targets)
     _check_names(plan, old_names, new)
     _check_coverage(plan, dist.get_rank(), dst["param"])
@@ -251,12 +310,14 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
                 d = dst[kind][t.dst_local].narrow(t.dim, t.dst_offset, t.rows)
                 d.copy_(src[kind][t.src_local].narrow(t.dim, t.src_offset, t.rows))
                 stats.bytes_local += d.numel() * d.element_size()
-        for rnd in plan.rounds(bucket_bytes, kinds=len(dst)):
+        # weights in their dtype, every optimizer-state kind in fp32 (identical on every rank)
+        per_elem = plan.element_bytes + 4 * (len(dst) - 1)
+        for rnd in plan.rounds(bucket_bytes, bytes_per_element=per_elem):
             _run_round(rnd, me, src, dst, stats)
             stats.rounds += 1
     del src
     t4 = time.perf_counter()
-    if step is not None:
+    if targets:
         _finish_distributed_state(new, step, targets)
     t5 = time.perf_counter()
     stats.plan_s += t1 - t0

@@ -461,7 +461,8 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
     if ddp or optimizer is not None:
         model = wrap_ddp(model, mol.tcfg, use_distributed_optimizer=bool(
             optimizer and optimizer.use_distributed_optimizer))
-    opt = build_optimizer(model, optimizer) if optimizer is not None else None
+    opt = build_optimizer(model, optimizer, params_dtype=mol.tcfg.params_dtype) \
+        if optimizer is not None else None
     return ModelOnLayout(cfg=cfg, layout=layout, coords=mol.coords, tcfg=mol.tcfg, model=model,
                          optimizer=opt)
 

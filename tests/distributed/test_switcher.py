@@ -1,12 +1,14 @@
 """In-place layout switches on 4 gloo ranks: same weights, same loss, same training trajectory.
 
-Two launches (each loops over many layouts in one job):
+Launches (each loops over many layouts in one job):
 - weights: a chain of switches over TP, PP, CP and DP changes (TP2xPP2 -> TP4, PP4 -> TP2xDP2,
   ...); after each, the full weights are bit-identical to the reference and the forward-only loss
   equals the one before the switch within 1e-6; then the dist_checkpointing baseline; then 50
   switches back and forth with fds, threads and RSS measured after warm-up.
 - training: 4 train_steps on layout A versus 2 on A, switch to B, 2 on B; losses equal within
   1e-5 for the plain and the distributed optimizer.
+- bf16 (a third launch, 2 ranks): the same with bf16 weights and fp32 master copies; masters
+  and moments bit-identical across the switch, losses within bf16 layout rounding (2e-3).
 """
 
 import pytest
@@ -200,3 +202,118 @@ def test_training_continues_on_the_same_trajectory(training_job, distributed):
             assert abs(control[3] - base[3]) > 1e-4, (a, b, base, control)
             controls += 1
     assert controls == 1
+
+
+class _Named:
+    """Stands in for a module in gather_full: named tensors (here fp32 master shards)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
+
+
+def _gather_optimizer_state(mol):
+    """{kind: full fp32 tensors} of the masters and moments (collective), and whether every
+    weight on this rank equals its master cast to the weight's dtype."""
+    import torch
+
+    from earl_megatron.runtime.switcher import MASTER, MOMENTS, _optimizer_state_of
+    from earl_megatron.weights.gather import gather_full
+
+    state, _ = _optimizer_state_of(mol)
+    params = dict(mol.module().named_parameters())
+    cast = all(torch.equal(params[n].detach(), s[MASTER].to(params[n].dtype))
+               for n, s in state.items())
+    full = {k: gather_full(_Named({n: s[k] for n, s in state.items()}), mol.layout,
+                           mol.cfg.num_layers, tied=mol.cfg.tie_word_embeddings)
+            for k in (MASTER, *MOMENTS)}
+    return full, cast
+
+
+BF16_WORLD = 2   # 4 ranks on 2 CPU cores cost more than the test's 40 s budget
+BF16_PAIRS = {False: ("tp2", "pp2"), True: ("pp2", "dp2")}
+
+
+def _bf16_job(family):
+    import torch
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
+    from earl_megatron.runtime.switcher import SwitchStats, switch_layout
+    from earl_megatron.weights.sharding import reference_weights
+
+    cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"),
+                           params_dtype="bfloat16")
+    ref = {k: v.to(torch.bfloat16) for k, v in reference_weights(cfg, seed=12).items()}
+    batch = random_batch(GLOBAL_BATCH, SEQ, cfg.vocab_size, seed=20)
+    out = {}
+    with cpu_backend():
+        for distributed, (a, b) in BF16_PAIRS.items():
+            spec = OptimizerSpec(lr=3e-3, weight_decay=0.01, use_distributed_optimizer=distributed)
+            runs = {}
+            for switch in (False, True):
+                lay = ParallelLayout.parse(a, BF16_WORLD, cfg.shape)
+                mol = build_on_layout(cfg, lay, weights=ref, optimizer=spec)
+                losses, r = [], {}
+                for i in range(4):
+                    if i == 2 and switch:
+                        r["before"] = _forward_loss(mol, batch)
+                        state_before, _ = _gather_optimizer_state(mol)
+                        stats = SwitchStats()
+                        mol = switch_layout(mol, ParallelLayout.parse(b, BF16_WORLD, cfg.shape),
+                                            bucket_bytes=16 << 10, stats=stats)
+                        state_after, r["cast"] = _gather_optimizer_state(mol)
+                        r["state_equal"] = {
+                            kind: full.keys() == state_after[kind].keys() and all(
+                                torch.equal(t, state_after[kind][n]) for n, t in full.items())
+                            for kind, full in state_before.items()}
+                        r["after"] = _forward_loss(mol, batch)
+                        r["rounds"], r["sent"] = stats.rounds, stats.bytes_sent
+                        r["moved"] = stats.plan.bytes_moved
+                        r["bucket"] = stats.plan.rounds(16 << 10, bytes_per_element=14)
+                    mbs = local_microbatches(batch, mol.layout, mol.coords, MBS)
+                    losses.append(train_step(mol, mbs, seq_len=SEQ, micro_batch_size=MBS).loss)
+                r["losses"] = losses
+                runs[switch] = r
+            out[distributed] = runs
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_job():
+    return run_distributed(_bf16_job, BF16_WORLD, "qwen2", timeout=300,
+                           collective_timeout_s=120)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain_adam", "distributed_adam"])
+def test_bf16_switch_moves_fp32_masters_and_moments_bit_exactly(bf16_job, distributed):
+    """bf16 weights, fp32 masters: 2 steps on A, switch, 2 on B versus 4 steps on A."""
+    a, b = BF16_PAIRS[distributed]
+    base, switched = bf16_job[0][distributed][False], bf16_job[0][distributed][True]
+    # right after the switch: the gathered fp32 masters and both moments are bit-identical to
+    # those before it, and every bf16 weight is its master cast to bf16 (on every rank)
+    for rank in bf16_job:
+        run = rank[distributed][True]
+        assert run["state_equal"] == {"master": True, "exp_avg": True, "exp_avg_sq": True}, (a, b)
+        assert run["cast"], (a, b)
+    # the same weights, forward-only, in two layouts: bf16 rounding of other matmul splits only
+    assert abs(switched["before"] - switched["after"]) < 5e-4, switched
+    # bucket accounting: 2 bytes of weight + 3 x 4 bytes of fp32 state per element; every
+    # element the plan moves is sent once per kind (the fp32 norms of the CPU model: 2 more)
+    elems = switched["moved"] // 2
+    sent = sum(rank[distributed][True]["sent"] for rank in bf16_job)
+    assert elems > 0 and elems * 14 <= sent <= elems * 16, (elems, sent)
+    assert switched["rounds"] == len(switched["bucket"]) and switched["rounds"] > 1
+    # losses: steps 1-2 identical (same layout, same data); steps 3-4 differ by the layout's bf16
+    # rounding (measured ~1e-4 .. 3e-4); 2e-3 bounds it, far below one step's change (~0.1)
+    assert base["losses"][:2] == switched["losses"][:2]
+    assert base["losses"][3] < base["losses"][2] < base["losses"][1] - 1e-2
+    for x, y in zip(base["losses"], switched["losses"]):
+        assert abs(x - y) < 2e-3, (a, b, base["losses"], switched["losses"])
+    print(f"bf16 {a} -> {b}: losses {base['losses']} vs {switched['losses']}, "
+          f"forward before/after switch {switched['before']:.6f} / {switched['after']:.6f}")
