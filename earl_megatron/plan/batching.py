@@ -57,6 +57,16 @@ class MicroBatchPlan:
         return [length[mb[0]] for mb in self.assignment[dp_rank]]
 
     @property
+    def longest(self) -> int:
+        """The longest micro-batch's padded length."""
+        return max(length for _, length in self.lengths)
+
+    @property
+    def max_rows(self) -> int:
+        """Samples in the fullest micro-batch (Megatron's schedule takes one size)."""
+        return max(len(mb) for per_dp in self.assignment for mb in per_dp)
+
+    @property
     def padded_tokens(self) -> int:
         return sum(self.length_of.values())
 

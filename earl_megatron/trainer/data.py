@@ -1,8 +1,9 @@
 """Episodes -> per-sample training tensors -> this rank's micro-batches after a dispatch.
 
-Each episode becomes one sample of ``L`` *predictions* (L = the batch's longest episode minus one,
-rounded up to a multiple of 2 * cp_max so any CP split is even), shifted once here so a CP split
-never separates an input from its label:
+Each episode becomes one sample of ``L`` *predictions* (L = the longest episode of its
+micro-batch minus one, rounded up to a multiple of 2 * cp_max so any CP split is even; the
+micro-batches come from plan/batching.py), shifted once here so a CP split never separates an
+input from its label:
 
     token ids     t0 t1 t2 ... t_n
     input_ids     t0 t1 ... t_{n-1}  pad...        (what the model reads)
@@ -52,10 +53,15 @@ def train_tensors(with_ref: bool) -> tuple[TensorSpec, ...]:
     return TRAIN_TENSORS + (TensorSpec("ref_logprobs", "float32", True, "last"),)
 
 
-def padded_length(max_tokens: int, multiple: int) -> int:
-    """Prediction length for episodes of at most ``max_tokens`` tokens."""
-    preds = max(max_tokens - 1, 1)
-    return -(-preds // multiple) * multiple
+def shifted_ids(token_ids: Sequence[int], length: int, pad_id: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of ``length`` predictions each: the tokens padded, shifted once."""
+    n = len(token_ids)
+    if n - 1 > length:
+        raise ValueError(f"episode of {n} tokens does not fit {length} predictions")
+    ids = torch.full((length + 1,), pad_id, dtype=torch.long)
+    ids[:n] = torch.tensor(token_ids, dtype=torch.long)
+    return ids[:-1].clone(), ids[1:].clone()
 
 
 @dataclass(frozen=True)
@@ -83,10 +89,7 @@ def episode_tensors(token_ids: Sequence[int], loss_mask: Sequence[int],
     policy's logprob of each of the episode's ``len(token_ids) - 1`` predictions.
     """
     n = len(token_ids)
-    if n - 1 > length:
-        raise ValueError(f"episode of {n} tokens does not fit {length} predictions")
-    ids = torch.full((length + 1,), pad_id, dtype=torch.long)
-    ids[:n] = torch.tensor(token_ids, dtype=torch.long)
+    input_ids, labels = shifted_ids(token_ids, length, pad_id)
     mask = torch.zeros(length + 1)
     mask[:n] = torch.tensor(loss_mask, dtype=torch.float32)
     lp = torch.zeros(length + 1)
@@ -110,7 +113,7 @@ def episode_tensors(token_ids: Sequence[int], loss_mask: Sequence[int],
         ref = torch.zeros(length)
         ref[:n - 1] = ref_logprobs.float()
         ref = ref * mask[1:]
-    return SampleTensors(input_ids=ids[:-1].clone(), labels=ids[1:].clone(),
+    return SampleTensors(input_ids=input_ids, labels=labels,
                          loss_mask=mask[1:].clone(), old_logprobs=lp[1:].clone(),
                          reward=float(reward), token_rewards=rew[1:].clone(), ref_logprobs=ref)
 

@@ -49,7 +49,7 @@ from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec
 from earl_megatron.trainer.data import (LOGPROB_TENSORS, REF_LOGPROBS, microbatches,
-                                        train_tensors)
+                                        shifted_ids, train_tensors)
 
 CP_MULTIPLE = 8
 """Prediction lengths are padded to a multiple of this (2 * the largest cp used here)."""
@@ -201,9 +201,8 @@ def reference_logprobs(ref: ModelOnLayout, cfg: TrainConfig, producer: ParallelL
     length_of = plan.length_of
     local: dict[str, dict] = {spec.name: {} for spec in LOGPROB_TENSORS}
     for s in ids:
-        x = torch.full((length_of[s] + 1,), pad_id, dtype=torch.long)
-        x[:len(token_ids[s])] = torch.tensor(token_ids[s], dtype=torch.long)
-        local["input_ids"][s], local["labels"][s] = x[:-1], x[1:]
+        local["input_ids"][s], local["labels"][s] = shifted_ids(token_ids[s], length_of[s],
+                                                                pad_id)
     result, _, _ = dispatch(producer, lay, [SampleMeta(s, length_of[s]) for s in ids], local,
                             LOGPROB_TENSORS,
                             producer_pp_stages={spec.name: "all" for spec in LOGPROB_TENSORS},
@@ -213,8 +212,7 @@ def reference_logprobs(ref: ModelOnLayout, cfg: TrainConfig, producer: ParallelL
                            seq_lens=plan.micro_batch_lengths(me.dp), cp=lay.cp, cp_rank=me.cp,
                            tensors=LOGPROB_TENSORS)
     ref.tcfg.variable_seq_lengths = lay.pp > 1
-    out = forward_logprobs(ref, batches, seq_len=max(length_of.values()),
-                           micro_batch_size=max(len(g) for mbs in plan.assignment for g in mbs))
+    out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
     back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
                                 for i, s in enumerate(mb)}}
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
@@ -327,8 +325,7 @@ def train_on(mol: ModelOnLayout, cfg: TrainConfig, producer: ParallelLayout, ids
                                 cp_rank=mol.coords.cp, rows=1, tensors=tensors)
     # micro-batches differ in length and rows: pipeline stages exchange each one's shape
     mol.tcfg.variable_seq_lengths = lay.pp > 1
-    kwargs = dict(seq_len=max(length_of.values()),
-                  micro_batch_size=max(len(g) for mbs in plan.assignment for g in mbs))
+    kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
     loss, entropy = math.nan, None
     for epoch in range(a.epochs):
         if a.entropy_coef:
