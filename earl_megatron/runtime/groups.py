@@ -1,95 +1,234 @@
-"""The one bridge to ``megatron.core.parallel_state``: build and tear down groups for a layout.
+"""The one bridge to ``megatron.core.parallel_state``: build, cache and tear down groups per layout.
 
 Every other module receives a ``ParallelLayout`` (and, where it needs communicators, a
 ``ProcessGroupCollection`` from ``current_pg_collection()``); none imports parallel_state.
 
-``build_groups(layout)`` creates Megatron-Core's groups for the layout on the already
-initialised default process group; ``destroy_groups()`` destroys every group Megatron created
-(``parallel_state._global_process_group_list``) in addition to resetting its globals, because
-``destroy_model_parallel()`` alone leaks ~90 fds and ~50 threads per cycle on gloo.
+``build_groups(layout)`` makes Megatron-Core's groups for the layout current on the already
+initialised default process group. RL regroups between the same few layouts every iteration
+(rollout / logprob / train), and creating a layout's 40-odd groups is most of a regroup's fixed
+cost, so the groups of the ``max_cached_layouts`` most recently used layouts are kept (LRU):
+
+    build_groups(A)  miss: initialize_model_parallel, snapshot the parallel_state globals it set
+    build_groups(B)  A deactivated (globals reset, groups kept); miss for B
+    build_groups(A)  B deactivated; hit: A's snapshot restored, no group created
+
+``destroy_groups()`` destroys every cached layout's groups (``parallel_state.
+_global_process_group_list``) as well as resetting Megatron's globals, because resetting the
+globals alone (``destroy_model_parallel()``) leaks ~90 fds and ~50 threads per layout on gloo.
 
 Invariants:
-- At most one layout is active; ``build_groups`` on an active one first destroys it.
+- All ranks call ``build_groups`` (and ``set_group_cache_size``) with the same sequence of
+  layouts and options. Cache hits, misses and evictions are a function of that sequence only, so
+  every rank creates the same groups in the same order (torch's ``new_group`` requires it) and no
+  collective is needed to agree on them.
+- At most one layout is active. While one is active, parallel_state's globals are exactly those
+  its ``initialize_model_parallel`` set (plus a fresh ``GlobalMemoryBuffer``); deactivating it
+  sets every parallel_state data global back to its import-time None, including those
+  ``destroy_model_parallel()`` forgets (``*_GLOBAL_RANKS``, ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP
+  _WITH_CP``, which still holds the old dp-cp group) and never destroys a group.
+- A cache key is (layout, world size, timeout, backend). Two layouts never share group objects
+  (each initialisation creates its own), so destroying one layout's groups never touches another.
+  A group is deregistered and released exactly once: when its layout is evicted (the least
+  recently used inactive one, when a miss would exceed the bound) or by ``destroy_groups()``.
+  The active layout is never evicted. ``max_cached_layouts`` <= 1 is the uncached behaviour:
+  every regroup destroys the old layout's groups before creating the new ones.
+- Each cached layout keeps its groups' resources: on 4 gloo ranks ~90 fds, ~50 threads and
+  ~1.5% of a core per rank (gloo's device loops poll every 10 ms) per layout; the bound caps them.
 - Group timeouts are short (``timeout_s``, default 120 s): a mismatched collective fails fast.
-- A regroup deregisters the old groups before creating new ones, and frees them (gloo's
-  destructor sleeps ~30 ms a group) on helper threads, at most two layouts' worth in flight;
-  ``wait_released()`` joins them.
-- The layout is checked against the world size before any group is created.
+- Evicted groups are deregistered at once and freed (gloo's destructor sleeps ~30 ms a group)
+  on helper threads, at most two batches in flight; ``wait_released()`` joins them.
+- The layout is checked against the world size before anything changes.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
-from typing import Optional
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.layout import ModelShape, ParallelLayout
 
+DEFAULT_MAX_CACHED_LAYOUTS = 4
+"""Layouts whose groups stay alive (the active one included); <= 1 disables the cache."""
+
+
+@dataclass(frozen=True)
+class _LayoutGroups:
+    """One layout's Megatron state on this rank: the parallel_state globals its initialisation
+    set (``_global_process_group_list`` included)."""
+
+    state: dict[str, Any]
+
+    @property
+    def pgs(self) -> list:
+        """The distinct groups of this layout that this rank belongs to, each once (several
+        globals alias one group; Megatron's list holds None for the default group)."""
+        return _distinct(self.state.get("_global_process_group_list"))
+
+
+_CacheKey = tuple   # (layout, world_size, timeout_s, backend)
+_CACHE: "OrderedDict[_CacheKey, _LayoutGroups]" = OrderedDict()   # least recently used first
 _ACTIVE: Optional[ParallelLayout] = None
+_ACTIVE_KEY: Optional[_CacheKey] = None
+_MAX_CACHED = DEFAULT_MAX_CACHED_LAYOUTS
+_FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
 
 
 def active_layout() -> Optional[ParallelLayout]:
     return _ACTIVE
 
 
+def set_group_cache_size(n: int) -> None:
+    """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache.
+    Inactive layouts beyond the new bound are destroyed now. Call it on every rank alike."""
+    global _MAX_CACHED
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"max_cached_layouts must be an integer >= 0, got {n!r}")
+    _MAX_CACHED = n
+    _evict(keep=n)
+
+
+def group_cache_size() -> int:
+    return _MAX_CACHED
+
+
+def cached_layouts() -> list[ParallelLayout]:
+    """Layouts whose groups are alive on this rank, least recently used first."""
+    return [key[0] for key in _CACHE]
+
+
 def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
-                 timeout_s: float = 120.0, seed: Optional[int] = None) -> ParallelLayout:
-    """Create Megatron-Core's process groups for ``layout`` (collective over the world)."""
+                 timeout_s: float = 120.0, seed: Optional[int] = None,
+                 max_cached_layouts: Optional[int] = None) -> ParallelLayout:
+    """Make Megatron-Core's process groups for ``layout`` current (collective over the world
+    when they are created; a cache hit communicates nothing). ``max_cached_layouts`` overrides
+    the module's bound (``set_group_cache_size``) for this call."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    global _ACTIVE
+    global _ACTIVE, _ACTIVE_KEY
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call "
                            "earl_megatron.runtime.dist.init_distributed() (or run under torchrun) "
                            "before building groups")
     layout.check(dist.get_world_size(), model)
-    if _ACTIVE is not None or ps.model_parallel_is_initialized():
-        destroy_groups(background=True)
+    bound = _MAX_CACHED if max_cached_layouts is None else max_cached_layouts
     backend = dist.get_backend()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        distributed_timeout_minutes=timeout_s / 60.0,
-        order="tp-cp-ep-dp-pp",
-        # With a gloo default backend the regular groups are gloo already; Megatron's extra gloo
-        # groups would only double the fds and threads.
-        create_gloo_process_groups=(backend != "gloo"),
-    )
-    _ACTIVE = layout
+    key = (layout, dist.get_world_size(), float(timeout_s), backend)
+    _deactivate()
+    if bound <= 1:
+        _evict(keep=0)   # no cache: every regroup, even to the same layout, starts afresh
+    entry = _CACHE.get(key)
+    if entry is None:
+        _evict(keep=bound - 1)   # room first: old groups go before new ones are created
+        before = {n: getattr(ps, n) for n in _state_names(ps)}
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            distributed_timeout_minutes=timeout_s / 60.0,
+            order="tp-cp-ep-dp-pp",
+            # With a gloo default backend the regular groups are gloo already; Megatron's extra
+            # gloo groups would only double the fds and threads.
+            create_gloo_process_groups=(backend != "gloo"),
+        )
+        _CACHE[key] = _LayoutGroups(state={n: getattr(ps, n) for n, v in before.items()
+                                           if n not in _FRESH and getattr(ps, n) is not v})
+    else:
+        for n, v in entry.state.items():
+            setattr(ps, n, v)
+        if hasattr(ps, "_set_global_memory_buffer"):
+            ps._set_global_memory_buffer()
+    _CACHE.move_to_end(key)
+    _ACTIVE, _ACTIVE_KEY = layout, key
+    _evict(keep=bound)   # a per-call bound may be below the number cached
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
     return layout
 
 
+def activate(layout: ParallelLayout, *, timeout_s: float = 120.0) -> bool:
+    """Make ``layout``'s cached groups current again (no collective); False if they are not
+    cached (evicted, or never built with these options), in which case nothing changes. Models
+    built under ``layout`` earlier are usable again after True."""
+    key = (layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
+    if key not in _CACHE:
+        return False
+    if _ACTIVE_KEY != key:
+        build_groups(layout, timeout_s=timeout_s)
+    return True
+
+
 def destroy_groups(*, background: bool = False) -> None:
-    """Destroy every group of the active layout and reset Megatron's globals.
+    """Reset Megatron's globals and destroy every group of every cached layout.
 
     ``background``: the groups are deregistered (unusable) at once, but the last references are
     dropped on a helper thread. Gloo's ProcessGroup destructor sleeps, with the GIL released:
     each connection's close waits for its device loop's next 10 ms epoll tick, ~30 ms per group
-    of 4 and ~20 groups per layout, so ~0.25 s of a regroup is waiting. ``build_groups`` uses it;
-    at most two layouts' groups are in flight (a third waits for the oldest), and a plain
-    ``destroy_groups()`` waits for everything (``wait_released``)."""
-    from megatron.core import parallel_state as ps
-
-    global _ACTIVE
+    of 4 and ~20 groups per layout. At most two batches are in flight (a third waits for the
+    oldest), and a plain ``destroy_groups()`` waits for everything (``wait_released``)."""
+    _deactivate()
+    _evict(keep=0)
     if not background:
         wait_released()
-    # Megatron keeps references to groups in module globals; reset those first, then destroy
-    # each group object exactly once (several globals can alias one group).
-    pgs = list({id(g): g for g in (ps._global_process_group_list or []) if g is not None}
-               .values())
-    ps.destroy_model_parallel()
-    _deregister(pgs)
+
+
+def _state_names(ps) -> tuple[str, ...]:
+    """parallel_state's globals that are None at import, read once from its source: the state
+    that initialize_model_parallel and Megatron's setters fill in (constants are left alone;
+    so is ``_HYBRID_DP_CP_GROUPS``, a dict filled only with hybrid CP, never enabled here)."""
+    global _STATE_NAMES
+    if _STATE_NAMES is None:
+        import ast
+        import inspect
+
+        _STATE_NAMES = tuple(
+            t.id for node in ast.parse(inspect.getsource(ps)).body
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            and isinstance(node.value, ast.Constant) and node.value.value is None
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name))
+    return _STATE_NAMES
+
+
+_STATE_NAMES: Optional[tuple[str, ...]] = None
+
+
+def _deactivate() -> None:
+    """Make no layout current: reset Megatron's globals, keep the active layout's groups cached.
+    Groups that Megatron holds but this module did not create (someone called
+    initialize_model_parallel directly) are destroyed, as ``destroy_model_parallel`` would not."""
+    from megatron.core import parallel_state as ps
+
+    global _ACTIVE, _ACTIVE_KEY
+    # a list while nothing is active: groups made outside build_groups (we reset it to None)
+    untracked = _distinct(ps._global_process_group_list) if _ACTIVE_KEY is None else []
+    for n in _state_names(ps):
+        setattr(ps, n, None)
     _clear_megatron_caches()
-    _ACTIVE = None
-    if background:
+    _ACTIVE, _ACTIVE_KEY = None, None
+    if untracked:
+        _deregister(untracked)
+        _release_later(untracked)
+
+
+def _evict(keep: int) -> None:
+    """Destroy the least recently used inactive layouts until at most ``keep`` remain."""
+    victims = [k for k in _CACHE if k != _ACTIVE_KEY][:max(0, len(_CACHE) - max(keep, 0))]
+    # one list holds the last references: the popped entries die here, the groups on release
+    pgs = [g for k in victims for g in _CACHE.pop(k).pgs]
+    if pgs:
+        _deregister(pgs)
         _release_later(pgs)
+
+
+def _distinct(pgs: Optional[list]) -> list:
+    return list({id(g): g for g in pgs or [] if g is not None}.values())
 
 
 def _deregister(pgs: list) -> None:

@@ -1,9 +1,21 @@
-"""Process groups: 100 rebuilds leave fds and threads flat; invalid layouts fail before groups."""
+"""Process groups: rebuilds leave fds and threads flat; the layout cache reuses groups; invalid
+layouts fail before groups.
+
+- 100 rebuilds, each ended by ``destroy_groups()`` (and 100 regroups with the cache disabled):
+  fds and threads flat after warm-up.
+- A -> B -> A -> B with the cache: revisits create no group (``new_group`` calls counted) and
+  reuse the same group objects; after every switch each group holds exactly the ranks the layout
+  says (an all-reduce of 2**rank) and Megatron's getters report the layout's ranks and sizes.
+- 3 layouts cycled through a cache of 2: every cached group stays registered, evicted ones are
+  gone, fds and threads flat after the first cycle; ``destroy_groups()`` leaves only WORLD.
+"""
+
+import pytest
 
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _rebuild_many(n):
+def _rebuild_many(n, destroy_each):
     import os
 
     import psutil
@@ -18,26 +30,33 @@ def _rebuild_many(n):
     samples = []
     for i in range(n):
         lay = layouts[i % len(layouts)]
-        groups.build_groups(lay)
+        # without destroy_groups() in between, a disabled cache must free each old layout itself
+        groups.build_groups(lay, max_cached_layouts=0 if destroy_each else 1)
         # the groups must really work: an all-reduce over tp sums the tp ranks
         import torch
         t = torch.ones(1)
         dist.all_reduce(t, group=groups.tp_group())
         assert t.item() == lay.tp
         assert groups.coords_of_this_rank() == vars(lay.coords(dist.get_rank()))
-        groups.destroy_groups()
-        if i in (9, n - 1):
+        if destroy_each:
+            groups.destroy_groups()
+        else:
+            assert groups.cached_layouts() == [lay]
+            groups.wait_released()
+        if i in (11, n - 1):   # the same layout (i % 4 == 3): its groups may be alive
             samples.append((len(os.listdir("/proc/self/fd")), proc.num_threads()))
+    groups.destroy_groups()
     return samples
 
 
-def test_hundred_rebuilds_leave_fds_and_threads_flat():
-    per_rank = run_distributed(_rebuild_many, 4, 100, timeout=300)
-    for (fd10, th10), (fd_end, th_end) in per_rank:
-        # after warm-up (first 10 cycles), 90 more cycles may not grow fds or threads:
+@pytest.mark.parametrize("destroy_each", [True, False], ids=["destroy_each", "uncached_regroup"])
+def test_hundred_rebuilds_leave_fds_and_threads_flat(destroy_each):
+    per_rank = run_distributed(_rebuild_many, 4, 100, destroy_each, timeout=300)
+    for (fd12, th12), (fd_end, th_end) in per_rank:
+        # after warm-up (first 12 cycles), 88 more cycles may not grow fds or threads:
         # without destroying every Megatron group this grows by ~90 fds and ~50 threads a cycle
-        assert fd_end - fd10 <= 4, (fd10, fd_end)
-        assert th_end - th10 <= 2, (th10, th_end)
+        assert fd_end - fd12 <= 4, (fd12, fd_end)
+        assert th_end - th12 <= 2, (th12, th_end)
 
 
 def _invalid_layout():
@@ -69,3 +88,140 @@ def test_invalid_layout_raises_before_any_group():
     assert "exceeds num_layers=1" in errors[2][1]
     assert "vocab_size=127" in errors[3][1]
     assert all("Fix:" in msg for _, msg in errors)
+
+
+def _check_active(lay):
+    """Every group of the active layout holds exactly the layout's ranks, and Megatron's getters
+    agree with the layout's arithmetic."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from earl_megatron.runtime import groups
+
+    rank = dist.get_rank()
+    for axis, g in (("tp", groups.tp_group()), ("cp", groups.cp_group()),
+                    ("pp", groups.pp_group()), ("dp", groups.dp_group()),
+                    ("dp-cp", groups.dp_group(with_context_parallel=True)),
+                    ("tp-pp", ps.get_model_parallel_group())):   # Megatron's mp: no cp
+        t = torch.tensor([2.0 ** rank], dtype=torch.float64)
+        dist.all_reduce(t, group=g)
+        members = lay.group_of(rank, axis)
+        assert t.item() == sum(2.0 ** r for r in members), (lay, axis, t.item(), members)
+    c = lay.coords(rank)
+    got = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+           ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+           ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(),
+           ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+           ps.get_pipeline_model_parallel_next_rank(), ps.is_pipeline_first_stage())
+    pp_ranks = lay.group_of(rank, "pp")
+    want = (c.tp, lay.tp, c.pp, lay.pp, c.cp, lay.cp, c.dp, lay.dp,
+            pp_ranks[(c.pp + 1) % lay.pp], c.pp == 0)
+    assert got == want, (lay, got, want)
+    assert ps.get_global_memory_buffer() is not None
+    assert groups.active_layout() == lay
+
+
+def _cycle_cached():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+
+    created = []
+    new_group = dist.new_group
+
+    def counting_new_group(*args, **kwargs):   # Megatron looks it up on every call
+        created.append(1)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting_new_group
+    groups.set_group_cache_size(4)
+    try:
+        a, b = ParallelLayout(tp=2, dp=2), ParallelLayout(pp=2, cp=2)
+        out, first = [], {}
+        with cpu_backend():   # seed=: Megatron's RNG tracker on CPU
+            for lay in (a, b, a, b, a):
+                n = len(created)
+                groups.build_groups(lay, seed=3)
+                _check_active(lay)
+                pgs = (groups.tp_group(), groups.cp_group(), groups.pp_group(), groups.dp_group(),
+                       ps.get_model_parallel_group())
+                same = all(x is y for x, y in zip(first.setdefault(lay, pgs), pgs))
+                out.append((str(lay), len(created) - n, same,
+                            len(dist.distributed_c10d._world.pg_map)))
+        del first, pgs
+        groups.destroy_groups()
+        assert not ps.model_parallel_is_initialized() and groups.cached_layouts() == []
+        return out, len(dist.distributed_c10d._world.pg_map)
+    finally:
+        dist.new_group = new_group
+        groups.set_group_cache_size(groups.DEFAULT_MAX_CACHED_LAYOUTS)
+
+
+def test_revisited_layouts_reuse_their_groups():
+    for switches, registered in run_distributed(_cycle_cached, 4, timeout=180):
+        created = [s[1] for s in switches]
+        # first visits create Megatron's 40-odd groups; revisits create none, reuse the same
+        # objects, and register nothing new (WORLD + both layouts' groups throughout)
+        assert created[0] > 20 and created[1] > 20 and created[2:] == [0, 0, 0], created
+        assert all(s[2] for s in switches), switches
+        assert len({s[3] for s in switches[1:]}) == 1, switches
+        assert registered == 1   # only WORLD after destroy_groups()
+
+
+def _evict_cycle(cycles):
+    import os
+
+    import psutil
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+
+    proc = psutil.Process()
+    layouts = [ParallelLayout(tp=2, dp=2), ParallelLayout(pp=2, cp=2), ParallelLayout(tp=4)]
+    pg_map = dist.distributed_c10d._world.pg_map
+    groups.set_group_cache_size(2)
+    samples, cached = [], []
+    try:
+        for i in range(cycles):
+            for lay in layouts:
+                groups.build_groups(lay)
+                _check_active(lay)
+                cached.append([str(x) for x in groups.cached_layouts()])
+                # every group of a cached layout is registered, layouts share no group, and
+                # nothing else is (evicted groups are gone): WORLD + the cached layouts' groups
+                alive = [g for e in groups._CACHE.values() for g in e.pgs]
+                assert all(g in pg_map for g in alive)
+                assert len({id(g) for g in alive}) == len(alive)
+                assert len(pg_map) == 1 + len(alive), (len(pg_map), len(alive))
+                del alive
+            groups.wait_released()
+            if i in (0, cycles - 1):
+                samples.append((len(os.listdir("/proc/self/fd")), proc.num_threads()))
+        groups.destroy_groups()
+        state = {n: getattr(ps, n) for n in groups._state_names(ps)}
+        return dict(samples=samples, cached=cached, initialized=ps.model_parallel_is_initialized(),
+                    registered=[pg is dist.GroupMember.WORLD for pg in pg_map],
+                    leftover=sorted(n for n, v in state.items() if v is not None))
+    finally:
+        groups.set_group_cache_size(groups.DEFAULT_MAX_CACHED_LAYOUTS)
+
+
+def test_eviction_keeps_fds_and_threads_bounded():
+    for r in run_distributed(_evict_cycle, 4, 6, timeout=240):
+        (fd1, th1), (fd_end, th_end) = r["samples"]
+        # LRU over 3 layouts with room for 2: every build evicts the oldest, so after the first
+        # cycle the live groups are always two layouts' worth
+        assert fd_end - fd1 <= 4, (fd1, fd_end)
+        assert th_end - th1 <= 2, (th1, th_end)
+        assert r["cached"][:4] == [["TP2xDP2"], ["TP2xDP2", "CP2xPP2"], ["CP2xPP2", "TP4"],
+                                   ["TP4", "TP2xDP2"]]
+        assert all(len(c) <= 2 for c in r["cached"])
+        assert not r["initialized"]
+        assert r["registered"] == [True]   # WORLD only
+        assert r["leftover"] == []         # every parallel_state global back to None
