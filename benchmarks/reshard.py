@@ -5,9 +5,11 @@ For each layout pair (on 4 and 8 gloo ranks, one launch per world size) on a mod
 
 - in-memory   runtime/switcher.switch_layout: plan + collect, fixed cost (free the old model,
               regroup, build the new one without random init) and transfer time, bytes sent,
-              rounds;
-- disk        dist_checkpointing save under A, the same rebuild, load under B (weights only),
-              bytes written;
+              rounds: A -> B the first time (B's groups are created), back, then A -> B -> A
+              again with both layouts' groups cached (the steady state between RL stages),
+              over shared memory ("auto" on one host) and over batched isend/irecv;
+- disk        dist_checkpointing save under A, the same rebuild (B's groups cached, like the
+              steady in-memory switch), load under B (weights only), bytes written;
 - megatron    megatron.core.resharding.swap_model_weights (gloo copy service) between a live
               model in A and a second live model in B built on its own HyperCommGrid groups
               (both resident); first swap (plans) and a second, steady one; weights only;
@@ -176,11 +178,16 @@ def _job(pairs, args_dict, tmp_root):
                 except Exception as e:  # noqa: BLE001 - a failing path is a result to report
                     row["megatron"] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
             # in-memory A -> B, then B -> A (the reverse pair, also reported)
-            for key, dst in (("mem", b), ("mem_back", a)):
+            # first visit of B (its groups are created), back, then the steady state RL sees
+            # (both layouts' groups cached) with each transport
+            for key, dst, how in (("first", b, "auto"), ("first_back", a, "auto"),
+                                  ("mem", b, "auto"), ("mem_back", a, "auto"),
+                                  ("p2p", b, "p2p"), ("p2p_back", a, "p2p")):
                 st = SwitchStats()
                 dist.barrier()
                 t, c = time.perf_counter(), _cpu()
-                mol = switch_layout(mol, dst, bucket_bytes=args.bucket_mb << 20, stats=st)
+                mol = switch_layout(mol, dst, bucket_bytes=args.bucket_mb << 20, stats=st,
+                                    transport=how)
                 cpu = _cpu() - c
                 dist.barrier()
                 wall = time.perf_counter() - t
@@ -192,7 +199,8 @@ def _job(pairs, args_dict, tmp_root):
                 row[key] = dict(wall_s=wall, cpu_s=cpu, plan_s=plan_s, collect_s=collect_s,
                                 rebuild_s=rebuild_s, transfer_s=transfer_s, bytes_sent=int(sent),
                                 bytes_moved=st.plan.bytes_moved, min_bytes=st.plan.min_bytes,
-                                max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok)
+                                max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok,
+                                transport=st.transport)
             # disk: A -> B through dist_checkpointing (a throwaway save first warms its workers)
             path = os.path.join(tmp_root, f"{world}_{n}")
             if n == 0:
@@ -225,44 +233,49 @@ def _job(pairs, args_dict, tmp_root):
 def _print(rows, weight_bytes):
     mb = 1 << 20
     print(f"\nmodel: {weight_bytes / mb:.0f} MiB of fp32 weights; times are the slowest rank's")
-    print("mem: in-memory switch (xfer = transfers only; fixed = free + regroup + build);"
-          " disk: dist_checkpointing save + rebuild + load;\ndisk/mem = total times; xfer ratio ="
-          " (save + load) / in-memory transfer; mcore = swap_model_weights, first / steady")
-    hdr = (f"{'world':>5} {'switch':<22} {'min MiB':>7} {'movedMiB':>8} {'moved/min':>9} "
-           f"{'mem xfer s':>10} {'mem fixed s':>11} {'mem total s':>11} {'disk s':>7} "
-           f"{'disk save+load s':>16} {'disk/mem':>8} {'xfer ratio':>10} "
-           f"{'mcore 1st/steady s':>18}")
+    print("first: the first switch into the layout (its groups are created; the process's first"
+          " switch also maps the shared\n  outboxes); steady: both layouts' groups cached, as"
+          " between RL stages; shm / p2p: transport; xfer = transfers only,\n  fixed = free +"
+          " regroup + build + metadata; disk: dist_checkpointing save + rebuild + load (groups"
+          " cached too);\n  disk/mem = whole-switch time ratio; mcore = swap_model_weights,"
+          " first / steady")
+    hdr = (f"{'world':>5} {'switch':<22} {'min MiB':>7} {'moved/min':>9} {'first s':>7} "
+           f"{'shm xfer s':>10} {'fixed s':>7} {'shm s':>6} {'p2p xfer s':>10} {'p2p s':>6} "
+           f"{'disk s':>6} {'disk/shm':>8} {'disk/p2p':>8} {'mcore 1st/steady s':>18}")
     print(hdr)
     for r in rows:
         there, back = f"{r['src']}->{r['dst']}", f"{r['dst']}->{r['src']}"
-        for key, label in (("mem", there), ("mem_back", back)):
-            m = r[key]
+        for key, label in (("", there), ("_back", back)):
+            f, m, p = r["first" + key], r["mem" + key], r["p2p" + key]
             ratio = m["bytes_moved"] / m["min_bytes"] if m["min_bytes"] else 1.0
-            if key == "mem":
+            if not key:
                 d = r["disk"]
-                disk = f"{d['wall_s']:7.2f} {d['save_s'] + d['load_s']:16.2f} " \
-                       f"{d['wall_s'] / m['wall_s']:8.1f} " \
-                       f"{(d['save_s'] + d['load_s']) / max(m['transfer_s'], 1e-9):10.1f}"
+                disk = f"{d['wall_s']:6.2f} {d['wall_s'] / m['wall_s']:8.1f} " \
+                       f"{d['wall_s'] / p['wall_s']:8.1f}"
                 mc = r.get("megatron", {})
                 mcs = (f"{mc['first_s']:.2f}/{mc['steady_s']:.2f}" if "first_s" in mc
                        else "skipped" if not mc else "fails")
             else:
-                disk, mcs = f"{'':7} {'':16} {'':8} {'':10}", ""
-            print(f"{r['world']:>5} {label:<22} {m['min_bytes'] / mb:7.1f} "
-                  f"{m['bytes_moved'] / mb:8.1f} {ratio:9.2f} {m['transfer_s']:10.2f} "
-                  f"{m['rebuild_s']:11.2f} {m['wall_s']:11.2f} {disk} {mcs:>18}")
+                disk, mcs = f"{'':6} {'':8} {'':8}", ""
+            print(f"{r['world']:>5} {label:<22} {m['min_bytes'] / mb:7.1f} {ratio:9.2f} "
+                  f"{f['wall_s']:7.2f} {m['transfer_s']:10.2f} {m['rebuild_s']:7.2f} "
+                  f"{m['wall_s']:6.2f} {p['transfer_s']:10.2f} {p['wall_s']:6.2f} {disk} "
+                  f"{mcs:>18}")
     print("\nCPU seconds summed over ranks (wall times on shared cores are noisy; CPU is not"
           " billed for waiting;\ndisk counts no helper process dist_checkpointing keeps alive:"
           " a lower bound):")
     for r in rows:
-        m, d = r["mem"], r["disk"]
-        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory {m['cpu_s']:.2f}, disk "
-              f"{d['cpu_s']:.2f}, disk/mem {d['cpu_s'] / max(m['cpu_s'], 1e-9):.1f}")
+        f, m, p, d = r["first"], r["mem"], r["p2p"], r["disk"]
+        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory first {f['cpu_s']:.2f}, steady "
+              f"shm {m['cpu_s']:.2f}, p2p {p['cpu_s']:.2f}; disk {d['cpu_s']:.2f}; disk/shm "
+              f"{d['cpu_s'] / max(m['cpu_s'], 1e-9):.1f}, disk/p2p "
+              f"{d['cpu_s'] / max(p['cpu_s'], 1e-9):.1f}")
     print("\nchecks (sum of squares of all weights unchanged):")
     for r in rows:
         mc = r.get("megatron", {})
-        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory {r['mem']['ok']}, back "
-              f"{r['mem_back']['ok']}, disk {r['disk']['ok']} ({r['disk']['bytes'] / mb:.0f} MiB "
+        mem_ok = all(r[k]["ok"] for k in ("first", "first_back", "mem", "mem_back", "p2p",
+                                          "p2p_back"))
+        print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory (6 switches) {mem_ok}, disk {r['disk']['ok']} ({r['disk']['bytes'] / mb:.0f} MiB "
               f"written), megatron "
               f"{mc.get('ok', mc.get('error', 'skipped'))}"
               + (f" (fixed {mc['fixed_s']:.2f}s: grid groups + second model)" if "fixed_s" in mc
