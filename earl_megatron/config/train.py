@@ -124,13 +124,6 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
-        if self.kl_mode != "off" and self.use_distributed_optimizer:
-            # the reference model regroups the world (one layout's groups live at a time), so
-            # the policy is rebuilt after every LOGPROB stage; the switcher collects distributed
-            # Adam moments over the old dp group, which that regroup has destroyed
-            raise ConfigError("algorithm.kl_mode needs use_distributed_optimizer=false (the "
-                              "reference model and the distributed optimizer's layout switch "
-                              "do not combine yet)")
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ Reads as the loop it runs::
         loss = train_on(...)                     # dispatch point to point, Megatron schedule
         record, checkpoint (periodic, on SIGTERM)
 
-Two models, one set of process groups: runtime/groups keeps one layout's groups alive at a time
-and a Megatron model keeps the groups it was built under, so the model whose groups are live
-(``_live``) is the only usable one. Switching the reference in for LOGPROB leaves the policy's
-groups destroyed; the policy is then switched for TRAIN even when its layout does not change
-(a same-layout switch: local copies, a regroup and a rebuild), and the reference likewise is
-switched in every iteration. With kl off there is only the policy and nothing changes.
+Two models, each usable only while its layout's process groups are current (a Megatron model
+keeps the groups it was built under, and reads parallel_state's globals while it runs):
+``_live`` says whose are. runtime/groups caches the groups of recently used layouts, so when
+the policy comes back after the reference scored (or the reference after the policy), it is
+re-activated in place (``groups.activate``) if its layout is still cached, and otherwise
+switched to the same layout (a rebuild under fresh groups: local copies only). With kl off
+there is only the policy and nothing changes.
 
 Memory: the reference shard stays resident while the policy rolls out and trains, and the
 policy's weights, grads and Adam state stay resident while the reference scores: each stage is
@@ -328,20 +329,21 @@ class Runner:
             raise
 
     def _switch(self, mol, layout: ParallelLayout):
-        """The policy in ``layout`` with its groups live (a same-layout switch rebuilds it under
-        fresh groups after the reference had them)."""
-        from earl_megatron.runtime.switcher import switch_layout
-        if layout == mol.layout and self._live == "policy":
-            return mol
-        mol = switch_layout(mol, layout)
+        """The policy in ``layout`` with its groups current."""
+        mol = self._make_live(mol, layout, "policy")
         self._live = "policy"
         return mol
 
     def _switch_ref(self, layout: ParallelLayout) -> None:
-        from earl_megatron.runtime.switcher import switch_layout
-        if layout != self.ref.layout or self._live != "ref":
-            self.ref = switch_layout(self.ref, layout)
+        self.ref = self._make_live(self.ref, layout, "ref")
         self._live = "ref"
+
+    def _make_live(self, model, layout: ParallelLayout, who: str):
+        from earl_megatron.runtime import groups
+        from earl_megatron.runtime.switcher import switch_layout
+        if layout == model.layout and (self._live == who or groups.activate(layout)):
+            return model
+        return switch_layout(model, layout)
 
     def _all_lengths(self, block, episodes) -> dict[int, int]:
         """Tokens of every episode of the iteration, by sample id (identical on every rank)."""

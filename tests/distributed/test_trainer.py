@@ -108,9 +108,10 @@ def test_sigkill_mid_run_and_resume(tmp_path):
 
 
 def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
-    # three layouts: the reference scores in TP2, between a DP2 rollout and a CP2 train
-    cfg = _cfg(str(tmp_path / "kl"), 2, KL_LOSS, mode="static", rollout="dp2",
-               logprob="tp2", train="cp2")
+    # three layouts: the reference scores in TP2, between a DP2 rollout and a CP2 train; the
+    # distributed optimizer's state moves between the DP2 and CP2 ranges at every switch
+    cfg = _cfg(str(tmp_path / "kl"), 2, {**KL_LOSS, "use_distributed_optimizer": True},
+               mode="static", rollout="dp2", logprob="tp2", train="cp2")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert hist[0]["layouts"] == {"rollout": "DP2", "logprob": "TP2", "train": "CP2"}
     _check_kl(hist)
