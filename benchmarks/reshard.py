@@ -156,6 +156,7 @@ def _job(pairs, args_dict, tmp_root):
 
     args = argparse.Namespace(**args_dict)
     cfg = _cfg(args)
+    groups.set_group_cache_size(args.group_cache)
     world, rank = dist.get_world_size(), dist.get_rank()
     lay = lambda s: ParallelLayout.parse(s, world, cfg.shape)  # noqa: E731
     rows = []
@@ -297,6 +298,9 @@ def main(argv=None):
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--group-cache", type=int, default=4,
+                   help="layouts whose groups stay cached (gloo's default is 1: see "
+                        "runtime/groups.py); the steady switches need both of a pair's")
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", help="also write the rows to this file")
@@ -318,6 +322,7 @@ def main(argv=None):
                   file=sys.stderr)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
+    print(f"group cache: {args.group_cache} layouts")
     _print(rows, weight_bytes)
     if args.json:
         with open(args.json, "w") as f:

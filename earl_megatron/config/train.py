@@ -134,6 +134,15 @@ class ClusterConfig:
     devices_per_node: Optional[int] = None
     """None: torchrun's LOCAL_WORLD_SIZE."""
     inter_node_gbps: float = 200.0
+    group_cache_layouts: Optional[int] = None
+    """Layouts whose process groups stay alive between stages (runtime/groups.py). None: the
+    backend's default, 4 with NCCL (creating communicators is slow), 1 with gloo (idle gloo
+    groups poll and cost CPU)."""
+
+    def __post_init__(self):
+        if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
+            raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
+                              "null (the backend's default), 0 or 1 (no cache) or more")
 
 
 @dataclass(frozen=True)

@@ -253,22 +253,28 @@ class ReshardPlan:
                 chunks.append(Transfer(t.name, t.dst, a, b, t.src, t.dim, t.src_local,
                                        t.dst_local, t.src_offset + a - t.start,
                                        t.dst_offset + a - t.start, unit[t.name] * (b - a)))
-        rounds: list[list[Transfer]] = []
-        loads: list[tuple[dict, dict]] = []
-        for c in chunks:
-            size = c.elements * per_elem
-            for rnd, (sent, got) in zip(rounds, loads):
-                if (sent.get(c.src, 0) + size <= bucket_bytes
-                        and got.get(c.dst, 0) + size <= bucket_bytes):
-                    break
-            else:
-                rnd, sent, got = [], {}, {}
-                rounds.append(rnd)
-                loads.append((sent, got))
-            rnd.append(c)
-            sent[c.src] = sent.get(c.src, 0) + size
-            got[c.dst] = got.get(c.dst, 0) + size
-        return [tuple(r) for r in rounds]
+        return first_fit_rounds(chunks, lambda c: c.elements * per_elem, bucket_bytes)
+
+
+def first_fit_rounds(items, size, bucket_bytes: int) -> list[tuple]:
+    """``items`` (each with ``src`` and ``dst`` ranks) packed first fit, in order, into rounds in
+    which no rank sends more than ``bucket_bytes`` and none receives more (an item bigger than
+    a bucket forms a round on its own). Every rank computes the same rounds."""
+    rounds: list[list] = []
+    loads: list[tuple[dict, dict]] = []
+    for c in items:
+        n = size(c)
+        for rnd, (sent, got) in zip(rounds, loads):
+            if sent.get(c.src, 0) + n <= bucket_bytes and got.get(c.dst, 0) + n <= bucket_bytes:
+                break
+        else:
+            rnd, sent, got = [], {}, {}
+            rounds.append(rnd)
+            loads.append((sent, got))
+        rnd.append(c)
+        sent[c.src] = sent.get(c.src, 0) + n
+        got[c.dst] = got.get(c.dst, 0) + n
+    return [tuple(r) for r in rounds]
 
 
 def _subtract(needed: list[tuple[int, int]], held: list[tuple[int, int]]) -> list[tuple[int, int]]:

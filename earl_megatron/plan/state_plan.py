@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.reshard_plan import ReshardPlan, Transfer
+from earl_megatron.plan.reshard_plan import ReshardPlan, Transfer, first_fit_rounds
 
 
 @dataclass(frozen=True)
@@ -194,22 +194,6 @@ def segment_rounds(segments, bytes_per_element: int,
     or receives over ``bucket_bytes`` (local segments excluded: they move no bytes)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    rounds: list[list[StateSegment]] = []
-    loads: list[tuple[dict, dict]] = []
-    for seg in segments:
-        if seg.src == seg.dst:
-            continue
-        for piece in seg.split(bucket_bytes // bytes_per_element):
-            size = piece.elements * bytes_per_element
-            for rnd, (sent, got) in zip(rounds, loads):
-                if sent.get(piece.src, 0) + size <= bucket_bytes \
-                        and got.get(piece.dst, 0) + size <= bucket_bytes:
-                    break
-            else:
-                rnd, sent, got = [], {}, {}
-                rounds.append(rnd)
-                loads.append((sent, got))
-            rnd.append(piece)
-            sent[piece.src] = sent.get(piece.src, 0) + size
-            got[piece.dst] = got.get(piece.dst, 0) + size
-    return [tuple(r) for r in rounds]
+    pieces = [p for seg in segments if seg.src != seg.dst
+              for p in seg.split(bucket_bytes // bytes_per_element)]
+    return first_fit_rounds(pieces, lambda p: p.elements * bytes_per_element, bucket_bytes)

@@ -6,7 +6,9 @@ Every other module receives a ``ParallelLayout`` (and, where it needs communicat
 ``build_groups(layout)`` makes Megatron-Core's groups for the layout current on the already
 initialised default process group. RL regroups between the same few layouts every iteration
 (rollout / logprob / train), and creating a layout's 40-odd groups is most of a regroup's fixed
-cost, so the groups of the ``max_cached_layouts`` most recently used layouts are kept (LRU):
+cost, so the groups of the ``max_cached_layouts`` most recently used layouts are kept (LRU;
+default 4 with NCCL, 1, i.e. no cache, with gloo, whose idle groups poll: see
+``DEFAULT_MAX_CACHED_LAYOUTS``):
 
     build_groups(A)  miss: initialize_model_parallel, snapshot the parallel_state globals it set
     build_groups(B)  A deactivated (globals reset, groups kept); miss for B
@@ -54,7 +56,11 @@ import torch.distributed as dist
 from earl_megatron.plan.layout import ModelShape, ParallelLayout
 
 DEFAULT_MAX_CACHED_LAYOUTS = 4
-"""Layouts whose groups stay alive (the active one included); <= 1 disables the cache."""
+"""Layouts whose groups stay alive (the active one included) with NCCL; <= 1 disables the cache.
+On gloo the default is 1: every gloo group runs its own device loop, which wakes every 10 ms
+even when idle, and 4 cached layouts (~20 groups each) cost 15-25% of the CPU time of a
+compute-bound job on 4 ranks / 2 cores (measured), more than the ~0.05 s a switch saves by
+not creating groups. NCCL communicators are expensive to create and sleep when idle."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ _CacheKey = tuple   # (layout, world_size, timeout_s, backend)
 _CACHE: "OrderedDict[_CacheKey, _LayoutGroups]" = OrderedDict()   # least recently used first
 _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
-_MAX_CACHED = DEFAULT_MAX_CACHED_LAYOUTS
+_MAX_CACHED: Optional[int] = None      # None: the backend's default (group_cache_size)
 _FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
 
 
@@ -83,18 +89,24 @@ def active_layout() -> Optional[ParallelLayout]:
     return _ACTIVE
 
 
-def set_group_cache_size(n: int) -> None:
-    """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache.
-    Inactive layouts beyond the new bound are destroyed now. Call it on every rank alike."""
+def set_group_cache_size(n: Optional[int]) -> None:
+    """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache;
+    None: the backend's default (4 with NCCL, 1 with gloo). Inactive layouts beyond the new
+    bound are destroyed now. Call it on every rank alike."""
     global _MAX_CACHED
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"max_cached_layouts must be an integer >= 0, got {n!r}")
+    if n is not None and (not isinstance(n, int) or n < 0):
+        raise ValueError(f"max_cached_layouts must be an integer >= 0 or None, got {n!r}")
     _MAX_CACHED = n
-    _evict(keep=n)
+    if dist.is_initialized():
+        _evict(keep=group_cache_size())
 
 
 def group_cache_size() -> int:
-    return _MAX_CACHED
+    """The bound in force: the one set, or the backend's default."""
+    if _MAX_CACHED is not None:
+        return _MAX_CACHED
+    return 1 if dist.is_initialized() and dist.get_backend() == "gloo" \
+        else DEFAULT_MAX_CACHED_LAYOUTS
 
 
 def cached_layouts() -> list[ParallelLayout]:
@@ -117,7 +129,7 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
                            "earl_megatron.runtime.dist.init_distributed() (or run under torchrun) "
                            "before building groups")
     layout.check(dist.get_world_size(), model)
-    bound = _MAX_CACHED if max_cached_layouts is None else max_cached_layouts
+    bound = group_cache_size() if max_cached_layouts is None else max_cached_layouts
     backend = dist.get_backend()
     key = (layout, dist.get_world_size(), float(timeout_s), backend)
     _deactivate()

@@ -145,21 +145,28 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     segments = plan_state_segments(plan, meta["old"], meta["new"]) if kinds else ()
     t3 = time.perf_counter()
 
+    def views(m: Message, sending: bool) -> list[torch.Tensor]:
+        """The tensors message ``m`` reads (``sending``) or writes on this rank."""
+        if isinstance(m.key, tuple):   # (state segment, kind)
+            s, k = m.key
+            name, box, state, ranges = (s.src_local, s.src_box, old_state, old_ranges) \
+                if sending else (s.dst_local, s.dst_box, new_state, new_ranges)
+            return _state_views(state[name][k], ranges[name], box.pieces(s.u, s.v))
+        t = m.key
+        return [src[t.src_local].narrow(t.dim, t.src_offset, t.rows) if sending
+                else dst[t.dst_local].narrow(t.dim, t.dst_offset, t.rows)]
+
     with torch.no_grad():
-        for t in plan.local_copies:
-            if t.dst == me:
-                d = dst[t.dst_local].narrow(t.dim, t.dst_offset, t.rows)
-                d.copy_(src[t.src_local].narrow(t.dim, t.src_offset, t.rows))
-                stats.bytes_local += d.numel() * d.element_size()
-        for seg in segments:
-            if seg.src == seg.dst == me:
-                for k in kinds:
-                    views = _state_views(new_state[seg.dst_local][k], new_ranges[seg.dst_local],
-                                         seg.dst_box.pieces(seg.u, seg.v))
-                    unpack(torch.cat([v.reshape(-1) for v in _state_views(
-                        old_state[seg.src_local][k], old_ranges[seg.src_local],
-                        seg.src_box.pieces(seg.u, seg.v))]), views)
-                    stats.bytes_local += 4 * seg.elements
+        local = [Message(me, me, 0, t) for t in plan.local_copies if t.dst == me]
+        local += [Message(me, me, 0, (s, k)) for s in segments if s.src == s.dst == me
+                  for k in kinds]
+        for m in local:
+            ins, outs = views(m, True), views(m, False)
+            if len(ins) == len(outs) == 1 and ins[0].shape == outs[0].shape:
+                outs[0].copy_(ins[0])
+            else:   # a state segment cut differently on the two sides
+                unpack(torch.cat([v.reshape(-1) for v in ins]), outs)
+            stats.bytes_local += sum(v.numel() * v.element_size() for v in outs)
         sizes = meta["itemsize"]
         rounds = [[Message(t.src, t.dst, t.elements * sizes[t.name], t)
                    for t in rnd] for rnd in plan.rounds(bucket_bytes)]
@@ -168,24 +175,10 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
         stats.state_bytes_moved = sum(4 * s.elements * len(kinds) for s in segments
                                       if s.src != s.dst)
 
-        def outgoing(m: Message) -> list[torch.Tensor]:
-            if isinstance(m.key, tuple):
-                s, k = m.key
-                return _state_views(old_state[s.src_local][k], old_ranges[s.src_local],
-                                    s.src_box.pieces(s.u, s.v))
-            return [src[m.key.src_local].narrow(m.key.dim, m.key.src_offset, m.key.rows)]
-
-        def incoming(m: Message) -> list[torch.Tensor]:
-            if isinstance(m.key, tuple):
-                s, k = m.key
-                return _state_views(new_state[s.dst_local][k], new_ranges[s.dst_local],
-                                    s.dst_box.pieces(s.u, s.v))
-            return [dst[m.key.dst_local].narrow(m.key.dim, m.key.dst_offset, m.key.rows)]
-
         on_cpu = all(t.device.type == "cpu" for t in dst.values())
         traffic = Traffic()
-        run_rounds(rounds, me, outgoing, incoming, open_outboxes(transport, rounds, on_cpu),
-                   traffic)
+        run_rounds(rounds, me, lambda m: views(m, True), lambda m: views(m, False),
+                   open_outboxes(transport, rounds, on_cpu), traffic)
     t4 = time.perf_counter()
     stats.bytes_sent += traffic.bytes_sent
     stats.bytes_received += traffic.bytes_received

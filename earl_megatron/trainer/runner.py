@@ -77,6 +77,8 @@ class Runner:
         """The reference policy (ModelOnLayout without optimizer) when kl_mode is not off."""
         self._live = "policy"
         """Whose process groups are live: "policy" or "ref" (see the module docstring)."""
+        from earl_megatron.runtime import groups
+        groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
 
     # ------------------------------------------------------------------ planning
     def _make_selector(self):

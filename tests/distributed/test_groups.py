@@ -158,7 +158,7 @@ def _cycle_cached():
         return out, len(dist.distributed_c10d._world.pg_map)
     finally:
         dist.new_group = new_group
-        groups.set_group_cache_size(groups.DEFAULT_MAX_CACHED_LAYOUTS)
+        groups.set_group_cache_size(None)
 
 
 def test_revisited_layouts_reuse_their_groups():
@@ -209,7 +209,7 @@ def _evict_cycle(cycles):
                     registered=[pg is dist.GroupMember.WORLD for pg in pg_map],
                     leftover=sorted(n for n, v in state.items() if v is not None))
     finally:
-        groups.set_group_cache_size(groups.DEFAULT_MAX_CACHED_LAYOUTS)
+        groups.set_group_cache_size(None)
 
 
 def test_eviction_keeps_fds_and_threads_bounded():

@@ -11,9 +11,10 @@ from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _cfg(out, iterations, algorithm=None, **layout):
+def _cfg(out, iterations, algorithm=None, cluster=None, **layout):
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
+        "cluster": cluster or {},
         "layout": layout or {"mode": "static", "rollout": "dp2", "logprob": "dp2",
                              "train": "tp2"},
         "env": {"name": "connect_four",
@@ -109,9 +110,11 @@ def test_sigkill_mid_run_and_resume(tmp_path):
 
 def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
     # three layouts: the reference scores in TP2, between a DP2 rollout and a CP2 train; the
-    # distributed optimizer's state moves between the DP2 and CP2 ranges at every switch
+    # distributed optimizer's state moves between the DP2 and CP2 ranges at every switch; with
+    # the three layouts' groups cached the policy and the reference are re-activated in place
     cfg = _cfg(str(tmp_path / "kl"), 2, {**KL_LOSS, "use_distributed_optimizer": True},
-               mode="static", rollout="dp2", logprob="tp2", train="cp2")
+               {"group_cache_layouts": 4}, mode="static", rollout="dp2", logprob="tp2",
+               train="cp2")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert hist[0]["layouts"] == {"rollout": "DP2", "logprob": "TP2", "train": "CP2"}
     _check_kl(hist)
@@ -176,6 +179,8 @@ def test_bad_config_stops_before_training(tmp_path):
         TrainConfig.from_dict({"algorithm": {"lrr": 1.0}})
     with pytest.raises(ConfigError, match="layout.mode=static needs"):
         TrainConfig.from_dict({"layout": {"mode": "static", "train": "tp2"}})
+    with pytest.raises(ConfigError, match="cluster.group_cache_layouts=-1"):
+        TrainConfig.from_dict({"cluster": {"group_cache_layouts": -1}})
     msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
         "env": {"name": "chess"}, "run": {"output_dir": str(tmp_path / "x")}}), timeout=120)
     assert "not a registered environment" in msgs[0]
