@@ -299,8 +299,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--group-cache", type=int, default=4,
-                   help="layouts whose groups stay cached (gloo's default is 1: see "
-                        "runtime/groups.py); the steady switches need both of a pair's")
+                   help="layouts whose groups stay cached (runtime/groups.py); the steady "
+                        "switches need both of a pair's")
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", help="also write the rows to this file")

@@ -135,14 +135,13 @@ class ClusterConfig:
     """None: torchrun's LOCAL_WORLD_SIZE."""
     inter_node_gbps: float = 200.0
     group_cache_layouts: Optional[int] = None
-    """Layouts whose process groups stay alive between stages (runtime/groups.py). None: the
-    backend's default, 4 with NCCL (creating communicators is slow), 1 with gloo (idle gloo
-    groups poll and cost CPU)."""
+    """Layouts whose process groups stay alive between stages (runtime/groups.py); 0 or 1: none.
+    None: the default, 4 (rollout, logprob and train layouts, and one more)."""
 
     def __post_init__(self):
         if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
             raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
-                              "null (the backend's default), 0 or 1 (no cache) or more")
+                              "null (the default, 4), 0 or 1 (no cache) or more")
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ Every other module receives a ``ParallelLayout`` (and, where it needs communicat
 ``build_groups(layout)`` makes Megatron-Core's groups for the layout current on the already
 initialised default process group. RL regroups between the same few layouts every iteration
 (rollout / logprob / train), and creating a layout's 40-odd groups is most of a regroup's fixed
-cost, so the groups of the ``max_cached_layouts`` most recently used layouts are kept (LRU;
-default 4 with NCCL, 1, i.e. no cache, with gloo, whose idle groups poll: see
-``DEFAULT_MAX_CACHED_LAYOUTS``):
+cost, so the groups of the ``max_cached_layouts`` most recently used layouts are kept (LRU,
+default 4). On gloo a layout gets one group per distinct rank list (``_one_group_per_rank_list``):
+Megatron asks for 41-50 groups a layout, 17 of them on each of 4 ranks, for 2-4 distinct lists.
 
     build_groups(A)  miss: initialize_model_parallel, snapshot the parallel_state globals it set
     build_groups(B)  A deactivated (globals reset, groups kept); miss for B
@@ -16,7 +16,7 @@ default 4 with NCCL, 1, i.e. no cache, with gloo, whose idle groups poll: see
 
 ``destroy_groups()`` destroys every cached layout's groups (``parallel_state.
 _global_process_group_list``) as well as resetting Megatron's globals, because resetting the
-globals alone (``destroy_model_parallel()``) leaks ~90 fds and ~50 threads per layout on gloo.
+globals alone (``destroy_model_parallel()``) leaks the groups' fds and threads on gloo.
 
 Invariants:
 - All ranks call ``build_groups`` (and ``set_group_cache_size``) with the same sequence of
@@ -34,8 +34,8 @@ Invariants:
   recently used inactive one, when a miss would exceed the bound) or by ``destroy_groups()``.
   The active layout is never evicted. ``max_cached_layouts`` <= 1 is the uncached behaviour:
   every regroup destroys the old layout's groups before creating the new ones.
-- Each cached layout keeps its groups' resources: on 4 gloo ranks ~90 fds, ~50 threads and
-  ~1.5% of a core per rank (gloo's device loops poll every 10 ms) per layout; the bound caps them.
+- Each cached layout keeps its groups' resources (on 4 gloo ranks ~20 fds and ~10 threads a
+  rank, and the device loops' 10 ms polls); the bound caps them.
 - Group timeouts are short (``timeout_s``, default 120 s): a mismatched collective fails fast.
 - Evicted groups are deregistered at once and freed (gloo's destructor sleeps ~30 ms a group)
   on helper threads, at most two batches in flight; ``wait_released()`` joins them.
@@ -44,6 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 from collections import OrderedDict
@@ -56,11 +57,10 @@ import torch.distributed as dist
 from earl_megatron.plan.layout import ModelShape, ParallelLayout
 
 DEFAULT_MAX_CACHED_LAYOUTS = 4
-"""Layouts whose groups stay alive (the active one included) with NCCL; <= 1 disables the cache.
-On gloo the default is 1: every gloo group runs its own device loop, which wakes every 10 ms
-even when idle, and 4 cached layouts (~20 groups each) cost 15-25% of the CPU time of a
-compute-bound job on 4 ranks / 2 cores (measured), more than the ~0.05 s a switch saves by
-not creating groups. NCCL communicators are expensive to create and sleep when idle."""
+"""Layouts whose groups stay alive (the active one included); <= 1 disables the cache. Cheap on
+gloo since a layout holds one group per distinct rank list (2-4 a rank on 4 ranks: ~5 threads
+and ~20 fds; 4 cached layouts cost a compute-bound job 1-2% more CPU time, measured by
+benchmarks/group_cache.py, against 8-24% with Megatron's 17 groups a rank)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ _CacheKey = tuple   # (layout, world_size, timeout_s, backend)
 _CACHE: "OrderedDict[_CacheKey, _LayoutGroups]" = OrderedDict()   # least recently used first
 _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
-_MAX_CACHED: Optional[int] = None      # None: the backend's default (group_cache_size)
+_MAX_CACHED: Optional[int] = None      # None: DEFAULT_MAX_CACHED_LAYOUTS
 _FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
 
 
@@ -91,7 +91,7 @@ def active_layout() -> Optional[ParallelLayout]:
 
 def set_group_cache_size(n: Optional[int]) -> None:
     """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache;
-    None: the backend's default (4 with NCCL, 1 with gloo). Inactive layouts beyond the new
+    None: the default (``DEFAULT_MAX_CACHED_LAYOUTS``). Inactive layouts beyond the new
     bound are destroyed now. Call it on every rank alike."""
     global _MAX_CACHED
     if n is not None and (not isinstance(n, int) or n < 0):
@@ -102,11 +102,8 @@ def set_group_cache_size(n: Optional[int]) -> None:
 
 
 def group_cache_size() -> int:
-    """The bound in force: the one set, or the backend's default."""
-    if _MAX_CACHED is not None:
-        return _MAX_CACHED
-    return 1 if dist.is_initialized() and dist.get_backend() == "gloo" \
-        else DEFAULT_MAX_CACHED_LAYOUTS
+    """The bound in force: the one set, or the default."""
+    return DEFAULT_MAX_CACHED_LAYOUTS if _MAX_CACHED is None else _MAX_CACHED
 
 
 def cached_layouts() -> list[ParallelLayout]:
@@ -139,16 +136,17 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
     if entry is None:
         _evict(keep=bound - 1)   # room first: old groups go before new ones are created
         before = {n: getattr(ps, n) for n in _state_names(ps)}
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp,
-            distributed_timeout_minutes=timeout_s / 60.0,
-            order="tp-cp-ep-dp-pp",
-            # With a gloo default backend the regular groups are gloo already; Megatron's extra
-            # gloo groups would only double the fds and threads.
-            create_gloo_process_groups=(backend != "gloo"),
-        )
+        with _one_group_per_rank_list(ps, enabled=backend == "gloo"):
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=layout.pp,
+                context_parallel_size=layout.cp,
+                distributed_timeout_minutes=timeout_s / 60.0,
+                order="tp-cp-ep-dp-pp",
+                # With a gloo default backend the regular groups are gloo already; Megatron's
+                # extra gloo groups would only double the fds and threads.
+                create_gloo_process_groups=(backend != "gloo"),
+            )
         _CACHE[key] = _LayoutGroups(state={n: getattr(ps, n) for n, v in before.items()
                                            if n not in _FRESH and getattr(ps, n) is not v})
     else:
@@ -162,6 +160,43 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
     return layout
+
+
+@contextlib.contextmanager
+def _one_group_per_rank_list(ps, enabled: bool):
+    """While Megatron initialises a layout, hand out one group per distinct rank list (and
+    options) instead of one per logical group (gloo only).
+
+    Megatron 0.16 creates 41-50 groups per layout on 4 ranks, 17 of them on each rank, but only
+    2-4 distinct rank lists per rank (the world group 9 times, each singleton 8 times, ...).
+    Every gloo group runs its own device loop (threads, fds, a 10 ms poll), so aliasing logical
+    groups with identical members cuts a layout's groups, creation time and idle cost 4-8x.
+    Safe on gloo: members of identical rank lists issue their collectives in the same program
+    order on every rank, and point-to-point ops use tags apart from collectives. Not applied to
+    NCCL, where operations on one communicator share a stream and Megatron overlaps
+    communication of distinct groups. Every rank sees the same sequence of calls, so every rank
+    takes the same aliasing decisions."""
+    if not enabled:
+        yield
+        return
+    original, made = ps.create_group, {}
+
+    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                     use_local_synchronization=False, group_desc=None):
+        key = (tuple(ranks) if ranks is not None else None, timeout, backend,
+               repr(pg_options), use_local_synchronization)
+        if key not in made:
+            made[key] = original(ranks=ranks, timeout=timeout, backend=backend,
+                                 pg_options=pg_options,
+                                 use_local_synchronization=use_local_synchronization,
+                                 group_desc=group_desc)
+        return made[key]
+
+    ps.create_group = create_group
+    try:
+        yield
+    finally:
+        ps.create_group = original
 
 
 def activate(layout: ParallelLayout, *, timeout_s: float = 120.0) -> bool:

@@ -150,8 +150,12 @@ def _cycle_cached():
                 pgs = (groups.tp_group(), groups.cp_group(), groups.pp_group(), groups.dp_group(),
                        ps.get_model_parallel_group())
                 same = all(x is y for x, y in zip(first.setdefault(lay, pgs), pgs))
+                # gloo: one group object per distinct rank list (TP2xDP2: the tp group IS the
+                # model-parallel group, both ranks {2k, 2k+1})
+                aliased = groups.tp_group() is ps.get_model_parallel_group() if lay == a \
+                    else groups.cp_group() is not groups.pp_group()
                 out.append((str(lay), len(created) - n, same,
-                            len(dist.distributed_c10d._world.pg_map)))
+                            len(dist.distributed_c10d._world.pg_map), aliased))
         del first, pgs
         groups.destroy_groups()
         assert not ps.model_parallel_is_initialized() and groups.cached_layouts() == []
@@ -164,10 +168,12 @@ def _cycle_cached():
 def test_revisited_layouts_reuse_their_groups():
     for switches, registered in run_distributed(_cycle_cached, 4, timeout=180):
         created = [s[1] for s in switches]
-        # first visits create Megatron's 40-odd groups; revisits create none, reuse the same
-        # objects, and register nothing new (WORLD + both layouts' groups throughout)
-        assert created[0] > 20 and created[1] > 20 and created[2:] == [0, 0, 0], created
-        assert all(s[2] for s in switches), switches
+        # first visits create one group per distinct rank list (9 on 4 ranks, where Megatron
+        # asks for 41); revisits create none, reuse the same objects, and register nothing new
+        # (WORLD + both layouts' groups throughout)
+        assert 5 <= created[0] <= 12 and 5 <= created[1] <= 12 and created[2:] == [0, 0, 0], \
+            created
+        assert all(s[2] and s[4] for s in switches), switches
         assert len({s[3] for s in switches[1:]}) == 1, switches
         assert registered == 1   # only WORLD after destroy_groups()
 

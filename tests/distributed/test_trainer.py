@@ -113,8 +113,7 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
     # distributed optimizer's state moves between the DP2 and CP2 ranges at every switch; with
     # the three layouts' groups cached the policy and the reference are re-activated in place
     cfg = _cfg(str(tmp_path / "kl"), 2, {**KL_LOSS, "use_distributed_optimizer": True},
-               {"group_cache_layouts": 4}, mode="static", rollout="dp2", logprob="tp2",
-               train="cp2")
+               mode="static", rollout="dp2", logprob="tp2", train="cp2")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert hist[0]["layouts"] == {"rollout": "DP2", "logprob": "TP2", "train": "CP2"}
     _check_kl(hist)
@@ -122,7 +121,9 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
 
 
 def test_kl_in_the_reward_with_auto_layouts(tmp_path):
-    cfg = _cfg(str(tmp_path / "klr"), 2, {"kl_mode": "reward", "kl_coef": 0.1}, mode="auto")
+    # no group cache: the policy and the reference are rebuilt by same-layout switches
+    cfg = _cfg(str(tmp_path / "klr"), 2, {"kl_mode": "reward", "kl_coef": 0.1},
+               {"group_cache_layouts": 1}, mode="auto")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert set(hist[0]["layouts"]) == {"rollout", "logprob", "train"}
     assert "logprob" in hist[0]["predicted_memory_gb"]
