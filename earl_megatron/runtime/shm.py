@@ -21,7 +21,7 @@ transport applies: the default backend is gloo and every rank can read a file ra
 ``/dev/shm`` (one host, one ``/dev/shm`` namespace). NCCL worlds and multi-host gloo worlds keep
 ``torch.distributed.batch_isend_irecv``.
 
-A round (runtime/switcher.py): every sender writes, ``fence()``, every receiver reads,
+A round (runtime/transport.py): every sender writes, ``fence()``, every receiver reads,
 ``fence()``; the second fence keeps a sender from overwriting what a peer has not read yet.
 """
 
