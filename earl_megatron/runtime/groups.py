@@ -128,7 +128,7 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
     layout.check(dist.get_world_size(), model)
     bound = group_cache_size() if max_cached_layouts is None else max_cached_layouts
     backend = dist.get_backend()
-    key = (layout, dist.get_world_size(), float(timeout_s), backend)
+    key = _key(layout, timeout_s)
     _deactivate()
     if bound <= 1:
         _evict(keep=0)   # no cache: every regroup, even to the same layout, starts afresh
@@ -199,11 +199,15 @@ def _one_group_per_rank_list(ps, enabled: bool):
         ps.create_group = original
 
 
+def _key(layout: ParallelLayout, timeout_s: float) -> _CacheKey:
+    return (layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
+
+
 def activate(layout: ParallelLayout, *, timeout_s: float = 120.0) -> bool:
     """Make ``layout``'s cached groups current again (no collective); False if they are not
     cached (evicted, or never built with these options), in which case nothing changes. Models
     built under ``layout`` earlier are usable again after True."""
-    key = (layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
+    key = _key(layout, timeout_s)
     if key not in _CACHE:
         return False
     if _ACTIVE_KEY != key:
@@ -217,7 +221,7 @@ def destroy_groups(*, background: bool = False) -> None:
     ``background``: the groups are deregistered (unusable) at once, but the last references are
     dropped on a helper thread. Gloo's ProcessGroup destructor sleeps, with the GIL released:
     each connection's close waits for its device loop's next 10 ms epoll tick, ~30 ms per group
-    of 4 and ~20 groups per layout. At most two batches are in flight (a third waits for the
+    of 4 (2-4 groups a rank per layout on gloo, one per distinct rank list). At most two batches are in flight (a third waits for the
     oldest), and a plain ``destroy_groups()`` waits for everything (``wait_released``)."""
     _deactivate()
     _evict(keep=0)

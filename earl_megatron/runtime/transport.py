@@ -78,7 +78,7 @@ def open_outboxes(transport: str, rounds: list[list[Message]],
 
 def run_rounds(rounds: list[list[Message]], me: int, outgoing: Views, incoming: Views,
                boxes: Optional[SharedOutboxes], traffic: Traffic) -> None:
-    traffic.transport = traffic.transport or ("p2p" if boxes is None else "shm")
+    traffic.transport = "p2p" if boxes is None else "shm"
     for rnd in rounds:
         if boxes is None:
             _p2p_round(rnd, me, outgoing, incoming, traffic)
