@@ -146,7 +146,7 @@ def _start_sglang(venv: Path, model_dir: str, port: int):
     proc = subprocess.Popen(["bash", str(SGLANG_SERVE), str(venv), model_dir, str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900  # minutes on a busy 2-core host
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
