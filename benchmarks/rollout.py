@@ -176,8 +176,11 @@ def engines_section(args) -> None:
         model.load_state_dict(to_hf(cfg, reference_weights(cfg, seed=7)), strict=False)
         model.save_pretrained(tmp)
         venv = Path(args.sglang_venv).expanduser() if args.sglang_venv else None
-        proc = url = None
-        if venv and (venv / "bin" / "python").is_file():
+        proc, url = None, args.sglang_url
+        if url:
+            print(f"SGLang: the running server at {url} (it must serve the same weights: "
+                  f"{ENGINE_MODEL}, reference_weights(seed=7))")
+        elif venv and (venv / "bin" / "python").is_file():
             proc, url = _start_sglang(venv, tmp, free_port())
         elif venv:
             print(f"no SGLang venv at {venv}: SGLang column skipped")
@@ -304,6 +307,7 @@ def main() -> None:
                     help="prompts x prompt tokens x new tokens, comma-separated; 'none' skips")
     ap.add_argument("--sglang-venv", default="~/.cache/earl-sglang-cpu",
                     help="SGLang CPU venv (../shared/sglang-cpu/setup.sh); '' skips SGLang")
+    ap.add_argument("--sglang-url", help="use this running SGLang server instead of starting one")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.engine_cases != "none":

@@ -62,8 +62,8 @@ import torch.distributed as dist
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
-from earl_megatron.rollout.megatron_decode import (Pipeline, move_cached_rows, pad_key_mask,
-                                                   prefill_mask, reuse_plan)
+from earl_megatron.rollout.megatron_decode import (Pipeline, host_ops, move_cached_rows,
+                                                   pad_key_mask, prefill_mask, reuse_plan)
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
 
@@ -201,10 +201,13 @@ class EmbeddedEngine:
         for step in range(params.max_new_tokens):
             tok = lp = None
             if pipe.last:
-                tok, lp = sample_next(logits, params,
-                                      None if uniforms is None else uniforms[step])
+                with host_ops():
+                    tok, lp = sample_next(logits, params,
+                                          None if uniforms is None else uniforms[step])
             tok, lp = pipe.broadcast_from_last(tok, lp, batch)
-            if track.add(tok, lp) or track.steps == params.max_new_tokens:
+            with host_ops():
+                finished = track.add(tok, lp) or track.steps == params.max_new_tokens
+            if finished:
                 break
             if ctx is not None:
                 sk = ctx.sequence_len_offset + 1

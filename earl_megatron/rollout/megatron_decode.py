@@ -23,7 +23,8 @@ makes no CUDA call once Megatron's rotary table for the cache length exists (Rot
 .forward is lru-cached by length; the prefill of the same context builds it under the mode), so
 decode steps at tp 1 run the model with torch-function handling disabled. At tp > 1 the mode
 stays: Megatron's logits gather (which inference must use) allocates its buffer on
-``torch.cuda.current_device()``. A CUDA call that did slip in would fail loudly ("Cannot access
+``torch.cuda.current_device()``. The engine's own per-step ops (sampling, stop tracking) run
+in ``host_ops()``, without the mode, at every tp. A CUDA call that did slip in would fail loudly ("Cannot access
 accelerator device"), never silently; on GPUs nothing changes.
 """
 
@@ -36,6 +37,14 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.runtime import cpu_backend, groups
+
+
+def host_ops():
+    """Scope for the engine's own per-step tensor ops (sampling, stop tracking, masks): they
+    name no device, so under the CPU backend they skip its torch-function mode (module
+    docstring); elsewhere a no-op."""
+    return torch._C.DisableTorchFunction() if cpu_backend.is_active() \
+        else contextlib.nullcontext()
 
 
 def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
