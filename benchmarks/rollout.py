@@ -67,7 +67,9 @@ def _post(url: str, payload: dict):
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read() or b"null")
+        body = r.read()
+        # /generate answers JSON; /flush_cache answers plain text ("Cache flushed. ...")
+        return json.loads(body) if "json" in r.headers.get("Content-Type", "") else body
 
 
 def _sglang_generate(url: str, prompts, new: int) -> int:
