@@ -145,8 +145,10 @@ def _start_sglang(venv: Path, model_dir: str, port: int):
     env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_CPU_OMP_THREADS_BIND="0")
     env.pop("PYTHONPATH", None)
     log = open(Path(model_dir) / "sglang.log", "w")
+    # its own session: the server's scheduler and detokenizer children end with its group
     proc = subprocess.Popen(["bash", str(SGLANG_SERVE), str(venv), model_dir, str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # minutes on a busy 2-core host
     while time.monotonic() < deadline and proc.poll() is None:
@@ -156,9 +158,24 @@ def _start_sglang(venv: Path, model_dir: str, port: int):
                     return proc, url
         except OSError:
             time.sleep(2)
-    proc.kill()
+    _stop(proc)
     print(f"SGLang server did not come up (see {log.name}); SGLang column skipped")
     return None, None
+
+
+def _stop(proc) -> None:
+    """End the server we started and its children (its process group), by id."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def engines_section(args) -> None:
@@ -191,8 +208,7 @@ def engines_section(args) -> None:
                                    timeout=1800)[0]
         finally:
             if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=60)
+                _stop(proc)
     print("engines: tiny Qwen2 (3 layers, hidden 96), one thread, T=1, tokens/s (wall, median "
           f"of {args.reps} interleaved reps, prefill included)")
     print(f"{'case':>22} {'HF':>8} {'embedded':>9} {'SGLang':>8} {'emb/HF':>7} "
@@ -331,6 +347,8 @@ def main() -> None:
                   f"{r['recompute_cpu_tok_s']:>9.1f} {r['ratio']:>5.1f}x {r['cpu_ratio']:>6.1f}x "
                   f"{str(r['same_tokens']):>12}")
 
+    if args.episodes <= 0:
+        return
     print(f"\nConnect Four vs random opponent, {args.episodes} episodes batched, digit-policy "
           f"weights, 1 rank (TP1), {args.action_tokens} tokens per turn, max_context "
           f"{args.max_context}")
