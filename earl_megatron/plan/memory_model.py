@@ -40,8 +40,10 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
 - resident: bytes other stages leave on the device (e.g. optimizer state kept during rollout),
   passed in by the caller.
 
-Invariants: every term is a non-negative int; for a fixed layout every term is non-decreasing
-in the context lengths, the micro-batch budget and the responses in flight.
+Invariants: every term is a non-negative int; for a fixed layout the total is non-decreasing in
+the context lengths, the micro-batch budget and the responses in flight, and so is every term
+except a paged pool's kv_cache, which is what the other terms leave (it shrinks as they grow,
+keeping the total at the engine's memory fraction).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ model) need ``release_memory()`` or ``update_weights``, which forget the cached 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
