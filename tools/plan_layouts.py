@@ -216,7 +216,7 @@ def write_png(grid: Grid, stages, contexts, loads, path: str, title: str) -> Non
     index = {n: i + 1 for i, n in enumerate(names)}          # 0 = OOM
     colours = ["#555555"] + [plt.get_cmap("Pastel1" if len(names) <= 9 else "tab20")(i % 20)
                              for i in range(len(names))]
-    cell_w, cell_h = 1.45, 0.62
+    cell_w, cell_h = 1.8, 0.62
     fig, axes = plt.subplots(1, len(stages), squeeze=False,
                              figsize=(cell_w * len(loads) * len(stages) + 1.2 * len(stages),
                                       cell_h * len(contexts) + 2.6))
