@@ -7,25 +7,37 @@ given). Example, the paper's setting (Qwen2.5-72B on 16 nodes of 8 H100-80GB, 20
         --gpu-mem-gb 80 --inter-node-gbps 200 --png plan.png
 
 For every stage it prints a table: one row per context length, one column per number of
-responses in flight (ROLLOUT: responses decoding at once; LOGPROB and TRAIN: sequences in the
-batch). A cell holds the chosen layout and how many valid layouts would run out of memory
-("12/90 OOM"); "OOM" alone means none fits. Within a cell the stages are planned in order
-(rollout -> logprob -> train), each costed with the switch from the previous one.
+responses (``--responses``: in the grid, sequences of the iteration IN TOTAL over all dp
+replicas, and for ROLLOUT also the responses submitted at once; each rollout replica gets its
+share). A cell holds the chosen layout, its predicted seconds and memory per rank, and the
+runner-up with its margin; the legend under each table explains the cell and lists which
+layouts ran out of memory. "OOM" alone means none fits. Within a cell the stages are planned in
+order (rollout -> logprob -> train), each costed with the switch from the previous one.
+
+``--compare tp4,tp8`` instead prices the named layouts side by side for one stage (``--stage``):
+for ROLLOUT, ``--responses`` then counts responses PER ROLLOUT REPLICA (as engine benchmarks and
+the EARL paper do: a TP4 layout runs twice the replicas of a TP8 one, so twice the responses),
+and the figure of merit is generated tokens per GPU-second. ``--json OUT.json`` writes one
+object per (context, responses, layout): context, responses, layout, fits, tokens_per_gpu_s
+(null when it does not fit), memory_bytes, seconds, running_batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Optional, Sequence
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import (LayoutPlan, NoLayoutFitsError, Selector, SelectorConfig,
                                          SelectorState)
 from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
                                      human_bytes)
+from earl_megatron.plan.time_model import decode_tokens, rollout_running_batch
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_LOADS = (8, 16, 32, 64, 128)
@@ -58,9 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload and options")
     w.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS,
                    help="comma-separated context lengths in tokens")
-    w.add_argument("--in-flight", type=_ints, default=DEFAULT_LOADS,
-                   help="comma-separated responses in flight / sequences per batch")
-    w.add_argument("--stages", default="rollout,logprob,train")
+    w.add_argument("--responses", "--in-flight", dest="in_flight", type=_ints,
+                   default=DEFAULT_LOADS,
+                   help="comma-separated counts. Grid: sequences per iteration IN TOTAL over all "
+                        "dp replicas (ROLLOUT: responses submitted at once, split over the "
+                        "replicas). --compare with --stage rollout: responses PER ROLLOUT "
+                        "REPLICA (each replica of each layout runs this many)")
+    w.add_argument("--stages", "--stage", dest="stages", default="rollout,logprob,train",
+                   help="comma-separated stages (rollout, logprob, train)")
+    w.add_argument("--decode-fraction", type=float,
+                   help="ROLLOUT: fraction of each context generated (the rest is prefilled); "
+                        f"default {StageWorkload.decode_fraction}")
+    w.add_argument("--compare", help="comma-separated layouts (e.g. tp4,tp8) priced side by side "
+                                     "for each --stage instead of the grid")
+    w.add_argument("--json", help="with --compare: write the rows to this JSON file")
     w.add_argument("--micro-batch-tokens", type=int, default=8192)
     w.add_argument("--recompute", choices=[r.value for r in Recompute], default="none")
     w.add_argument("--no-distributed-optimizer", action="store_true")
@@ -101,16 +124,23 @@ def cluster_from_args(args) -> ClusterSpec:
 Grid = dict[tuple[Stage, int, int], "LayoutPlan | NoLayoutFitsError"]
 
 
+def _workload(stage: Stage, ctx: int, sequences: int, micro_batch_tokens: int,
+              decode_fraction: Optional[float]) -> StageWorkload:
+    extra = {} if decode_fraction is None else {"decode_fraction": decode_fraction}
+    return StageWorkload.of(stage, ctx, sequences, responses_in_flight=sequences,
+                            micro_batch_tokens=micro_batch_tokens, **extra)
+
+
 def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[int],
-              loads: Sequence[int], micro_batch_tokens: int) -> Grid:
+              loads: Sequence[int], micro_batch_tokens: int,
+              decode_fraction: Optional[float] = None) -> Grid:
     """The plan (or the NoLayoutFitsError) of every (stage, context, load) cell."""
     grid: Grid = {}
     for ctx in contexts:
         for load in loads:
             current, state = None, SelectorState()
             for stage in stages:
-                wl = StageWorkload.of(stage, ctx, load, responses_in_flight=load,
-                                      micro_batch_tokens=micro_batch_tokens)
+                wl = _workload(stage, ctx, load, micro_batch_tokens, decode_fraction)
                 try:
                     plan, state = selector.plan(wl, current=current, state=state)
                     current = plan.layout
@@ -121,9 +151,23 @@ def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[in
 
 
 def cell_text(result) -> str:
+    """"TP8xDP16 12.3s 61G | TP4xDP32 +4%": chosen layout, seconds, GiB per rank, runner-up."""
     if isinstance(result, NoLayoutFitsError):
         return "OOM"
-    return f"{result.layout} {len(result.oom)}/{result.num_valid} OOM"
+    c = result.chosen
+    text = f"{result.layout} {_seconds(c.predicted_seconds)} {c.memory.total / 2**30:.0f}G"
+    if result.runner_up is not None:
+        margin = result.runner_up.cost / c.cost - 1 if c.cost > 0 else 0.0
+        text += f" | {result.runner_up.layout} {margin:+.1%}"
+    return text
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3g}s" if x >= 0.01 else f"{1e3 * x:.2g}ms"
+
+
+LEGEND = ("cell: chosen layout, its predicted stage seconds and memory per rank (GiB), then the "
+          "runner-up and how much costlier it is (+%, incl. the switch); OOM: no layout fits")
 
 
 def _k(n: int) -> str:
@@ -137,14 +181,22 @@ def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None) -> 
                       no_color=True)
     console.print(header)
     for stage in stages:
-        table = Table(title=f"{stage.value}: chosen layout (OOM = no layout fits)")
+        table = Table(title=f"{stage.value}: chosen layout per context (rows) and sequences per iteration, total over dp replicas (columns)")
         table.add_column("context")
         for load in loads:
-            table.add_column(f"{load} in flight")
+            table.add_column(f"{load} seqs")
         for ctx in contexts:
             table.add_row(_k(ctx), *(cell_text(grid[(stage, ctx, ld)]) for ld in loads))
         console.print(table)
+        console.print(f"  {LEGEND}")
         for ctx in contexts:
+            for ld in loads:
+                r = grid[(stage, ctx, ld)]
+                if isinstance(r, LayoutPlan) and r.oom:
+                    names = ", ".join(map(str, r.oom[:6])) + (", ..." if len(r.oom) > 6 else "")
+                    console.print(f"  {_k(ctx)} x {ld}: {len(r.oom)} of {r.num_valid} valid "
+                                  f"layouts exceed the budget ({names})")
+                    break
             errs = [grid[(stage, ctx, ld)] for ld in loads
                     if isinstance(grid[(stage, ctx, ld)], NoLayoutFitsError)]
             if errs:
@@ -153,16 +205,21 @@ def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None) -> 
 
 
 def write_png(grid: Grid, stages, contexts, loads, path: str, title: str) -> None:
+    """Heatmap per stage: colour = chosen layout (legend), text = seconds, GiB, runner-up."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     names = sorted({str(r.layout) for r in grid.values() if isinstance(r, LayoutPlan)})
     index = {n: i + 1 for i, n in enumerate(names)}          # 0 = OOM
-    colours = ["#444444"] + [plt.get_cmap("tab20")(i % 20) for i in range(len(names))]
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 0.5 * len(contexts) + 2),
-                             squeeze=False)
+    colours = ["#555555"] + [plt.get_cmap("Pastel1" if len(names) <= 9 else "tab20")(i % 20)
+                             for i in range(len(names))]
+    cell_w, cell_h = 1.8, 0.62
+    fig, axes = plt.subplots(1, len(stages), squeeze=False,
+                             figsize=(cell_w * len(loads) * len(stages) + 1.2 * len(stages),
+                                      cell_h * len(contexts) + 2.6))
     for ax, stage in zip(axes[0], stages):
         data = [[0 if isinstance(grid[(stage, c, ld)], NoLayoutFitsError)
                  else index[str(grid[(stage, c, ld)].layout)] for ld in loads] for c in contexts]
@@ -171,17 +228,82 @@ def write_png(grid: Grid, stages, contexts, loads, path: str, title: str) -> Non
         for i, c in enumerate(contexts):
             for j, ld in enumerate(loads):
                 r = grid[(stage, c, ld)]
-                ax.text(j, i, "OOM" if isinstance(r, NoLayoutFitsError) else str(r.layout),
-                        ha="center", va="center", fontsize=6, color="white")
+                if isinstance(r, NoLayoutFitsError):
+                    ax.text(j, i, "OOM", ha="center", va="center", fontsize=8, color="white")
+                    continue
+                lines = [str(r.layout), f"{_seconds(r.predicted_seconds)} "
+                                        f"{r.predicted_memory_bytes / 2**30:.0f}G"]
+                if r.runner_up is not None and r.chosen.cost > 0:
+                    lines.append(f"2nd {r.runner_up.layout} "
+                                 f"{r.runner_up.cost / r.chosen.cost - 1:+.1%}")
+                ax.text(j, i, "\n".join(lines), ha="center", va="center", fontsize=6.5,
+                        color="black", linespacing=1.1)
         ax.set_xticks(range(len(loads)), [str(ld) for ld in loads])
         ax.set_yticks(range(len(contexts)), [_k(c) for c in contexts])
-        ax.set_xlabel("responses in flight")
-        ax.set_ylabel("context length")
+        ax.set_xlabel("sequences per iteration, total over replicas")
+        ax.set_ylabel("context length (tokens)")
         ax.set_title(stage.value)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    handles = [Patch(color=colours[index[n]], label=n) for n in names]
+    handles.append(Patch(color=colours[0], label="OOM: nothing fits"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=7,
+               frameon=False)
+    fig.suptitle(title + "\n" + LEGEND, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.93))
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def compare_rows(selector: Selector, stage: Stage, layouts: Sequence[ParallelLayout],
+                 contexts: Sequence[int], responses: Sequence[int], micro_batch_tokens: int,
+                 decode_fraction: Optional[float] = None) -> list[dict]:
+    """One row per (context, responses, layout). ROLLOUT: ``responses`` per rollout replica, so
+    a layout with dp replicas is priced for responses x dp of them; tokens_per_gpu_s counts the
+    generated tokens. LOGPROB/TRAIN: ``responses`` sequences in total, tokens = all tokens."""
+    world = selector.cluster.world_size
+    rows = []
+    for ctx in contexts:
+        for n in responses:
+            for lay in layouts:
+                total = n * lay.dp if stage is Stage.ROLLOUT else n
+                wl = _workload(stage, ctx, total, micro_batch_tokens, decode_fraction)
+                cand = selector.evaluate(lay, wl)
+                fits = cand.memory.total <= selector.budget_bytes
+                tokens = decode_tokens(wl) if stage is Stage.ROLLOUT else wl.total_tokens
+                running = (rollout_running_batch(selector.model, lay, wl, selector.cluster,
+                                                 selector.train_opts).running
+                           if stage is Stage.ROLLOUT else None)
+                rows.append({"stage": stage.value, "context": ctx, "responses": n,
+                             "layout": str(lay), "fits": fits,
+                             "tokens_per_gpu_s": (tokens / cand.predicted_seconds / world
+                                                  if fits else None),
+                             "memory_bytes": cand.memory.total,
+                             "seconds": cand.predicted_seconds, "running_batch": running})
+    return rows
+
+
+def print_compare(rows: list[dict], layouts, header: str, out=None) -> None:
+    out = out or sys.stdout
+    print(header, file=out)
+    names = [str(lay) for lay in layouts]
+    per = "per rollout replica" if rows and rows[0]["stage"] == "rollout" else "in total"
+    print(f"tokens per GPU-second (memory per rank; running batch / responses {per}); "
+          f"last column: first layout / second", file=out)
+    print(f"{'context':>8} {'resp':>5} " + " ".join(f"{n:>26}" for n in names) +
+          (f" {'ratio':>7}" if len(names) > 1 else ""), file=out)
+    by_key: dict = {}
+    for r in rows:
+        by_key.setdefault((r["context"], r["responses"]), {})[r["layout"]] = r
+    for (ctx, n), cells in by_key.items():
+        texts = []
+        for name in names:
+            r = cells[name]
+            run = f" {r['running_batch']}/{n}" if r["running_batch"] is not None else ""
+            texts.append((f"{r['tokens_per_gpu_s']:.1f}" if r["fits"] else "OOM") +
+                         f" ({r['memory_bytes'] / 2**30:.0f}G{run})")
+        a, b = (cells[names[0]]["tokens_per_gpu_s"], cells[names[1]]["tokens_per_gpu_s"]) \
+            if len(names) > 1 else (None, None)
+        ratio = f" {a / b:>6.2f}x" if a and b else (" " * 7 + "-" if len(names) > 1 else "")
+        print(f"{_k(ctx):>8} {n:>5} " + " ".join(f"{t:>26}" for t in texts) + ratio, file=out)
 
 
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
@@ -194,17 +316,35 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     selector = Selector(model, cluster, opts,
                         SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp), profile)
     stages = [Stage(s.strip()) for s in args.stages.split(",") if s.strip()]
-    grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens)
     n = model.num_parameters()
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     header = (f"{args.model}: {size} parameters on {cluster.name} "
               f"({cluster.world_size} devices, budget {human_bytes(selector.budget_bytes)} per "
               f"rank after a {args.margin:.0%} margin); recompute={args.recompute}, "
               f"micro-batch {args.micro_batch_tokens} tokens")
+    stream = out or sys.stdout
+    if args.compare:
+        layouts = [ParallelLayout.parse(x, cluster.world_size, model.shape)
+                   for x in args.compare.split(",") if x.strip()]
+        rows = []
+        for stage in stages:
+            part = compare_rows(selector, stage, layouts, args.contexts, args.in_flight,
+                                args.micro_batch_tokens, args.decode_fraction)
+            print_compare(part, layouts, f"{header}; stage {stage.value}", stream)
+            rows += part
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+            print(f"wrote {args.json}", file=stream)
+        return 0
+    if args.json:
+        raise SystemExit("--json needs --compare (the grid is printed, or drawn with --png)")
+    grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens,
+                     args.decode_fraction)
     print_tables(grid, stages, args.contexts, args.in_flight, header, out)
     if args.png:
         write_png(grid, stages, args.contexts, args.in_flight, args.png, header)
-        print(f"wrote {args.png}", file=out or sys.stdout)
+        print(f"wrote {args.png}", file=stream)
     return 0
 
 

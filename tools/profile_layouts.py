@@ -1,4 +1,4 @@
-"""Measure TRAIN and LOGPROB step times of every layout on this machine; write a ProfileTable.
+"""Measure TRAIN, LOGPROB and ROLLOUT step times of every layout on this machine; write a ProfileTable.
 
     torchrun --standalone --nproc-per-node 4 tools/profile_layouts.py --out profile.json \\
         --contexts 128,256,512 --stages train,logprob
@@ -9,7 +9,11 @@ GPTModel on the layout (in one job: groups are rebuilt in place), run ``--warmup
 then time ``--repeats`` steps:
 
 - train:   ``train_step`` (zero grads, forward/backward over Megatron's schedule, Adam step);
-- logprob: ``forward_backward(forward_only=True)`` under ``torch.no_grad()``.
+- logprob: ``forward_backward(forward_only=True)`` under ``torch.no_grad()``;
+- rollout: the embedded engine's ``generate`` of ``load`` prompts of ``(1 - decode_fraction) x
+  context`` random tokens, sampling ``decode_fraction x context`` new tokens each at T = 1
+  (``StageWorkload``'s default fraction; layouts with cp = 1 only): the engine constants of the
+  rollout cost model (``DecodeEngine``) are calibrated by these entries.
 
 A step's time is wall-clock from a barrier before it to a barrier after it, the maximum over
 ranks, so every rank records the same number. ``--rounds`` > 1 repeats the whole sweep over the
@@ -42,9 +46,10 @@ from typing import Callable, Optional, Sequence
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.profile_table import ProfileTable
-from earl_megatron.plan.specs import Stage
+from earl_megatron.plan.specs import Stage, StageWorkload
 
-MEASURED_STAGES = (Stage.TRAIN, Stage.LOGPROB)
+MEASURED_STAGES = (Stage.TRAIN, Stage.LOGPROB, Stage.ROLLOUT)
+DEFAULT_STAGES = (Stage.TRAIN, Stage.LOGPROB)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -76,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated context lengths (tokens per sequence)")
     p.add_argument("--loads", type=_ints, default=(4,),
                    help="comma-separated sequences per global batch")
-    p.add_argument("--stages", type=_stages, default=MEASURED_STAGES,
+    p.add_argument("--stages", type=_stages, default=DEFAULT_STAGES,
                    help="comma-separated: train, logprob")
     p.add_argument("--layouts", help="comma-separated layouts to measure, e.g. 'tp2-pp2,dp4' "
                    "(default: every valid layout)")
@@ -114,8 +119,11 @@ class Point:
 
 
 def skip_reason(layout: ParallelLayout, context: int, load: int,
-                micro_batch_size: int) -> Optional[str]:
+                micro_batch_size: int, stage: Optional[Stage] = None) -> Optional[str]:
     """Why ``layout`` cannot run ``load`` sequences of ``context`` tokens (None if it can)."""
+    if stage is Stage.ROLLOUT:
+        return f"cp={layout.cp}: the rollout engine decodes with cp=1" if layout.cp > 1 \
+            else None
     if load % layout.dp:
         return f"load {load} does not divide by dp={layout.dp}"
     if (load // layout.dp) % micro_batch_size:
@@ -149,12 +157,9 @@ def measure_layouts(cfg: ModelConfig, layouts: Sequence[ParallelLayout],
     """Collective over the world: timed seconds per point, and the skipped points' reasons.
 
     Must run with torch.distributed initialised (and inside ``cpu_backend()`` on CPU)."""
-    import torch
-
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
-    from earl_megatron.runtime.step import (forward_backward, local_microbatches,
-                                            random_batch, train_step)
+    from earl_megatron.runtime.step import local_microbatches, random_batch
 
     if warmup < 0 or repeats < 1 or rounds < 1:
         raise ValueError(f"need warmup >= 0, repeats >= 1, rounds >= 1; got {warmup}, "
@@ -168,28 +173,26 @@ def measure_layouts(cfg: ModelConfig, layouts: Sequence[ParallelLayout],
             runnable = []
             for ctx in contexts:
                 for load in loads:
-                    why = skip_reason(lay, ctx, load, micro_batch_size)
-                    if why is None:
-                        runnable.append((ctx, load))
-                    elif rnd == 0:
-                        skipped.append(f"{lay} context {ctx} load {load}: {why}")
+                    todo = []
+                    for stage in stages:
+                        why = skip_reason(lay, ctx, load, micro_batch_size, stage)
+                        if why is None:
+                            todo.append(stage)
+                        elif rnd == 0:
+                            skipped.append(f"{stage.value} {lay} context {ctx} load {load}: "
+                                           f"{why}")
+                    if todo:
+                        runnable.append((ctx, load, todo))
             if not runnable:
                 continue
             t0 = time.perf_counter()
             mol = build_on_layout(cfg, lay, seed=seed + 1234, optimizer=OptimizerSpec(
                 use_distributed_optimizer=distributed_optimizer))
-            for ctx, load in runnable:
-                mbs = local_microbatches(batches[(ctx, load)], lay, mol.coords, micro_batch_size)
-                for stage in stages:
-                    if stage is Stage.TRAIN:
-                        def step():
-                            train_step(mol, mbs, seq_len=ctx, micro_batch_size=micro_batch_size)
-                    else:
-                        def step():
-                            with torch.no_grad():
-                                forward_backward(mol.model, mol.tcfg, mbs, lay, seq_len=ctx,
-                                                 micro_batch_size=micro_batch_size,
-                                                 forward_only=True)
+            for ctx, load, todo in runnable:
+                mbs = None if todo == [Stage.ROLLOUT] else \
+                    local_microbatches(batches[(ctx, load)], lay, mol.coords, micro_batch_size)
+                for stage in todo:
+                    step = _step(stage, mol, mbs, lay, ctx, load, micro_batch_size, seed)
                     for _ in range(warmup):
                         _timed(step)
                     times = [_timed(step) for _ in range(repeats)]
@@ -199,6 +202,35 @@ def measure_layouts(cfg: ModelConfig, layouts: Sequence[ParallelLayout],
                 log(f"round {rnd + 1}/{rounds} {lay}: {len(runnable)} points in "
                     f"{time.perf_counter() - t0:.1f} s")
     return samples, skipped
+
+
+def _step(stage: Stage, mol, mbs, lay: ParallelLayout, ctx: int, load: int,
+          micro_batch_size: int, seed: int) -> Callable[[], object]:
+    """One timed step of ``stage`` (module docstring)."""
+    import math
+
+    import torch
+
+    from earl_megatron.runtime.step import forward_backward, train_step
+
+    if stage is Stage.TRAIN:
+        return lambda: train_step(mol, mbs, seq_len=ctx, micro_batch_size=micro_batch_size)
+    if stage is Stage.LOGPROB:
+        def step():
+            with torch.no_grad():
+                forward_backward(mol.model, mol.tcfg, mbs, lay, seq_len=ctx,
+                                 micro_batch_size=micro_batch_size, forward_only=True)
+        return step
+    from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+    from earl_megatron.rollout.engine import SamplingParams
+
+    new = max(1, math.ceil(StageWorkload.decode_fraction * ctx))
+    g = torch.Generator().manual_seed(seed + ctx + load)
+    prompts = torch.randint(0, mol.cfg.vocab_size, (load, max(1, ctx - new)),
+                            generator=g).tolist()
+    engine = EmbeddedEngine(mol)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=seed)
+    return lambda: engine.generate(prompts, params)
 
 
 def to_table(samples: dict[Point, list[float]], **meta: str) -> ProfileTable:

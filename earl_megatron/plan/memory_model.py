@@ -25,9 +25,14 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   recompute keeps only each layer's input (h) plus one layer's full set.
 - logits (last pp_stage): vocab/tp per token in activation dtype plus two fp32 working copies
   (upcast and the saved softmax for the backward), plus the logits' gradient in TRAIN.
-- kv_cache (ROLLOUT): 2 x (g/t) x head_dim x b per token per local layer, reserved for the longest
-  context for every response in flight on the replica (a static cache, as the embedded engine
-  allocates it). Prefill runs in chunks of ``micro_batch_tokens`` (chunked prefill).
+- kv_cache (ROLLOUT): 2 x (g/t) x head_dim x b per token per local layer, for the responses one
+  replica is asked to run (``StageWorkload.responses_per_replica``), see ``rollout_kv``: a
+  static cache (``DecodeEngine.paged_kv=False``, the embedded engine; also the model when no
+  cluster is given) reserves the longest context for every one of them; a paged pool (SGLang,
+  vLLM) takes what is left of ``memory_fraction`` of the device after everything else, never
+  less than one whole sequence, and never more than all of them need: the running batch is
+  what the pool holds (time_model.py), so long contexts and many responses cost throughput,
+  not memory, until ONE sequence does not fit. Prefill runs in chunks of ``micro_batch_tokens``.
 - comm_buffers: pipeline p2p send/recv tensors (two each way in TRAIN) and the transient gathered
   K/V of one layer for CP outside TRAIN. TP all-reduces run in place; DDP and the distributed
   optimizer communicate inside their own buffers.
@@ -35,8 +40,10 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
 - resident: bytes other stages leave on the device (e.g. optimizer state kept during rollout),
   passed in by the caller.
 
-Invariants: every term is a non-negative int; for a fixed layout every term is non-decreasing
-in the context lengths, the micro-batch budget and the responses in flight.
+Invariants: every term is a non-negative int; for a fixed layout the total is non-decreasing in
+the context lengths, the micro-batch budget and the responses in flight, and so is every term
+except a paged pool's kv_cache, which is what the other terms leave (it shrinks as they grow,
+keeping the total at the engine's memory fraction).
 """
 
 from __future__ import annotations
@@ -47,8 +54,8 @@ from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
-                                     human_bytes)
+from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Recompute, Stage, StageWorkload,
+                                     TrainOptions, human_bytes)
 
 
 def param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
@@ -150,9 +157,47 @@ def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: i
     return total
 
 
+@dataclass(frozen=True)
+class RolloutKV:
+    """One rollout replica's KV cache on its busiest rank (``rollout_kv``)."""
+
+    requested: int
+    """Responses the replica is asked to run at once."""
+    running: int
+    """Responses it decodes concurrently: all requested (static cache) or what the pool holds."""
+    bytes_per_sequence: int
+    """KV of one sequence at the longest context, on one rank."""
+    cache_bytes: int
+    """The kv_cache memory term."""
+
+
+def rollout_kv(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
+               other_bytes: int, engine: DecodeEngine, device_memory_bytes: int,
+               param_bytes: int) -> RolloutKV:
+    """KV cache and running batch of one replica; ``other_bytes`` is every other memory term of
+    the rank (weights, activations, logits, buffers, reserved, resident): a paged pool gets
+    ``memory_fraction`` x device memory minus those."""
+    t, c = layout.tp, layout.cp
+    layers = model.num_layers // layout.pp
+    per_token = 2 * (model.num_query_groups // t) * model.head_dim * param_bytes * layers
+    per_seq = math.ceil(workload.max_context / c) * per_token
+    requested = workload.responses_per_replica(layout.dp)
+    if not engine.paged_kv:
+        return RolloutKV(requested, requested, per_seq, requested * per_seq)
+    pool = int(device_memory_bytes * engine.memory_fraction) - other_bytes
+    cache = max(per_seq, min(requested * per_seq, pool))
+    # Pages are taken as tokens arrive: over its decode a sequence holds its prefilled part and,
+    # on average, half of what it generates; the pool admits that many sequences at once.
+    occupancy = math.ceil(math.ceil(workload.mean_context * (1 - workload.decode_fraction / 2))
+                          / c) * per_token
+    running = max(1, min(requested, pool // occupancy)) if pool >= per_seq else 1
+    return RolloutKV(requested, running, per_seq, cache)
+
+
 def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
                         workload: StageWorkload, opts: TrainOptions, fused: bool,
-                        reserved: int, resident: int) -> MemoryEstimate:
+                        reserved: int, resident: int,
+                        cluster: Optional[ClusterSpec] = None) -> MemoryEstimate:
     stage = workload.stage
     b = opts.param_bytes(model)
     t, c, pp = layout.tp, layout.cp, layout.pp
@@ -193,12 +238,9 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
         if c > 1:
             comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
     else:
-        # ROLLOUT: responses in flight share the replica's static KV cache; prefill runs in
-        # chunks of the micro-batch budget, decoding one token per response per step.
-        seqs = min(math.ceil(workload.responses_in_flight / layout.dp),
-                   math.ceil(workload.num_sequences / layout.dp))
-        kv_per_token = 2 * (model.num_query_groups // t) * model.head_dim * b
-        kv_cache = seqs * math.ceil(longest / c) * layers * kv_per_token
+        # ROLLOUT: the running batch shares the replica's KV cache (rollout_kv); prefill runs
+        # in chunks of the micro-batch budget, decoding one token per running response per step
+        seqs = workload.responses_per_replica(layout.dp)
         decode = layer_activation_bytes(model, layout, seqs * c, 1, b, fused_attention=True)
         if not fused:
             decode += seqs * (model.num_attention_heads // t) * math.ceil(longest / c) * b
@@ -207,6 +249,11 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
         comm = 2 * local_mb * h * b if pp > 1 else 0
         if c > 1:
             comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
+        engine = cluster.decode_engine if cluster is not None else DecodeEngine.embedded()
+        memory = cluster.device_memory_bytes if cluster is not None else 0
+        kv_cache = rollout_kv(model, layout, workload,
+                              params * b + activations + logits + comm + reserved + resident,
+                              engine, memory, b).cache_bytes
     return MemoryEstimate(stage=stage, layout=layout, pp_rank=pp_rank, weights=params * b,
                           grads=grads, optimizer=optimizer, activations=activations,
                           logits=logits, kv_cache=kv_cache, comm_buffers=comm,
@@ -223,7 +270,7 @@ def memory_by_pp_rank(model: ModelConfig, layout: ParallelLayout, workload: Stag
     fused = True if cluster is None else cluster.fused_attention
     reserved = 0 if cluster is None else cluster.reserved_bytes
     return tuple(_memory_for_pp_rank(model, layout, r, workload, train_opts, fused, reserved,
-                                     resident_bytes) for r in range(layout.pp))
+                                     resident_bytes, cluster) for r in range(layout.pp))
 
 
 def memory_breakdown(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,

@@ -74,6 +74,45 @@ def _positive(obj, *names: str, kind=int) -> None:
 
 
 @dataclass(frozen=True)
+class DecodeEngine:
+    """What the rollout cost model needs to know about the engine that decodes (time_model.py).
+
+    The constants are ASSUMPTIONS until a profile table calibrates them (docs/selector.md says
+    which are measured): the profile table's measured/analytic factor absorbs their error.
+    """
+
+    name: str = "sglang"
+    paged_kv: bool = True
+    """True: a paged KV pool (SGLang, vLLM) sized by ``memory_fraction``; the running batch is
+    what the pool holds and further sequences wait (throughput drops, nothing runs out of
+    memory unless the weights or ONE sequence do not fit). False: a static cache reserved for
+    every response at its longest context (the embedded engine's StaticInferenceContext)."""
+    memory_fraction: float = 0.88
+    """Fraction of device memory the engine takes for weights + KV pool (SGLang's
+    ``--mem-fraction-static`` default is 0.88)."""
+    step_overhead_s: float = 1e-3
+    """Fixed seconds per decode step outside the GPU kernels (scheduler, sampling, launches)."""
+
+    def __post_init__(self):
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"DecodeEngine.memory_fraction must be in (0, 1], got "
+                             f"{self.memory_fraction}")
+        if self.step_overhead_s < 0:
+            raise ValueError(f"DecodeEngine.step_overhead_s must be >= 0, got "
+                             f"{self.step_overhead_s}")
+
+    @classmethod
+    def sglang(cls) -> "DecodeEngine":
+        return cls()
+
+    @classmethod
+    def embedded(cls, step_overhead_s: float = 2e-3) -> "DecodeEngine":
+        """The embedded Megatron-Core engine: a static KV cache, Python per step."""
+        return cls(name="embedded", paged_kv=False, memory_fraction=1.0,
+                   step_overhead_s=step_overhead_s)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """A homogeneous cluster: ``nodes`` x ``devices_per_node`` ranks."""
 
@@ -89,7 +128,8 @@ class ClusterSpec:
     """Bytes/s one device can send to another in its node (NVLink: 450e9 on H100 SXM)."""
     inter_node_bandwidth: float
     """Bytes/s one NODE can send to other nodes (all its NICs together); groups that cross
-    nodes at the same time share it."""
+    nodes at the same time share it. The one unit of inter-node bandwidth in the project: the
+    dispatch simulator (dispatch_sim.py) divides it among a node's ranks the same way."""
     achievable_flops_fraction: float = 0.45
     """Fraction of peak a large GEMM-dominated step reaches (MFU); the profile table corrects it."""
     intra_node_latency_s: float = 5e-6
@@ -101,6 +141,8 @@ class ClusterSpec:
     """Per-rank memory the runtime takes before the model (CUDA context, NCCL, allocator slack)."""
     regroup_seconds: float = 0.05
     """Fixed cost of rebuilding process groups at a layout switch (measured 40-70 ms on CPU)."""
+    decode_engine: DecodeEngine = DecodeEngine()
+    """The rollout engine the ROLLOUT stage is priced for (SGLang-like by default)."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -137,7 +179,8 @@ class ClusterSpec:
                    inter_node_bandwidth=inter_node_gbps * 1e9 / 8,
                    achievable_flops_fraction=0.45, intra_node_latency_s=1e-6,
                    inter_node_latency_s=5e-6, fused_attention=True, reserved_bytes=3 * GiB,
-                   regroup_seconds=0.5, name=f"{nodes}x8 H100-80GB, {inter_node_gbps:g} Gbps")
+                   regroup_seconds=0.5, decode_engine=DecodeEngine.sglang(),
+                   name=f"{nodes}x8 H100-80GB, {inter_node_gbps:g} Gbps")
 
     @classmethod
     def cpu(cls, ranks: int = 4, memory_budget_bytes: int = 2 * GiB, cores: int = 2,
@@ -155,7 +198,8 @@ class ClusterSpec:
                    intra_node_bandwidth=1.5e9, inter_node_bandwidth=1.5e9,
                    achievable_flops_fraction=0.3, intra_node_latency_s=50e-6,
                    inter_node_latency_s=50e-6, fused_attention=False, reserved_bytes=0,
-                   regroup_seconds=0.055, name=f"cpu {ranks} ranks on {cores} cores")
+                   regroup_seconds=0.055, decode_engine=DecodeEngine.embedded(),
+                   name=f"cpu {ranks} ranks on {cores} cores")
 
 
 @dataclass(frozen=True)
@@ -166,8 +210,10 @@ class StageWorkload:
     contexts: tuple[tuple[int, int], ...]
     """Histogram of sequence lengths in tokens: ((length, count), ...) ascending."""
     responses_in_flight: int = 1
-    """ROLLOUT: sequences decoding at once over the whole world (their KV caches are resident).
-    Ignored by LOGPROB and TRAIN."""
+    """ROLLOUT: responses submitted at once IN TOTAL, over all rollout replicas; each replica
+    gets ``responses_per_replica(dp)`` of them (the trainer passes its episodes per iteration).
+    How many of those a replica decodes concurrently is the engine's KV pool's business (the
+    running batch, time_model.py). Ignored by LOGPROB and TRAIN."""
     micro_batch_tokens: int = 8192
     """Token budget of one packed micro-batch per dp replica. A sequence is never split across
     micro-batches, so a micro-batch holds at least one whole sequence."""
@@ -208,6 +254,12 @@ class StageWorkload:
             for n in lengths:
                 hist[n] = hist.get(n, 0) + 1
         return cls(stage=stage, contexts=tuple(sorted(hist.items())), **kwargs)
+
+    def responses_per_replica(self, dp: int) -> int:
+        """ROLLOUT: responses one of ``dp`` replicas is asked to run concurrently (it holds
+        at most its share of the sequences)."""
+        return max(1, min(math.ceil(self.responses_in_flight / dp),
+                          math.ceil(self.num_sequences / dp)))
 
     @property
     def num_sequences(self) -> int:

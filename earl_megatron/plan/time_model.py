@@ -8,9 +8,20 @@ An analytic roofline, meant to rank layouts, not to promise wall-clock time; the
   Megatron's unfused attention computes the masked half too). TRAIN = 3x forward (Kaplan et al.
   2020; Narayanan et al. 2021) plus one more forward under full recompute, or the attention core
   under selective recompute. dp imbalance counts: a replica holds ceil(sequences/dp) sequences.
-- decode_memory (ROLLOUT): decoding one token per response reads every local weight and the KV
-  cache of every response in flight; a step costs max(compute, bytes / HBM bandwidth); this term
-  is the excess over compute (memory-bound decoding, Pope et al. 2022).
+- ROLLOUT is priced per replica as a decode engine runs it (SGLang, vLLM, the embedded engine;
+  ``ClusterSpec.decode_engine``): the replica is asked for ``responses_per_replica(dp)``
+  responses; its running batch is what its KV cache holds (``rollout_running_batch``: all of
+  them with a static cache, what the paged pool holds otherwise) and the rest wait, in waves.
+  Prefill of the non-generated part of each context is compute bound (in ``compute``). A decode
+  step advances every running response by one token and costs max(FLOPs / rate, (weights/tp/pp
+  + KV of the running batch) / HBM bandwidth) + the tp all-reduces of the running batch's
+  hidden states (2 per layer + 1, each with its ring latency: NVLink inside a node, the NIC
+  across) + the engine's fixed ``step_overhead_s`` (in ``compute``).
+- decode_memory (ROLLOUT): the memory-bound excess of the decode steps over their FLOPs
+  (Pope et al. 2022). Why TP4 can beat TP8 per GPU: both halve weights and KV per GPU when tp
+  doubles, but the fixed step overhead and the all-reduce latency do not shrink; why TP8 wins
+  at long contexts and many responses: its pool holds twice the tokens, so its running batch
+  stays whole where TP4's waits.
 - tp_comm: ring all-reduce (2(n-1)/n x bytes / bw + 2(n-1) x latency) of the tp-local
   activations, 2 per layer forward (after linear_proj and linear_fc2) and 2 more backward
   (Shoeybi et al. 2019), plus the vocab-parallel embedding's one.
@@ -37,7 +48,8 @@ from functools import lru_cache
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.memory_model import param_count_per_rank
+from earl_megatron.plan.memory_model import (RolloutKV, memory_breakdown, param_count_per_rank,
+                                             rollout_kv)
 from earl_megatron.plan.specs import ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions
 
 
@@ -185,37 +197,51 @@ def stage_time(model: ModelConfig, layout: ParallelLayout, workload: StageWorklo
                      dp_comm=dp_comm, optimizer_step=optimizer_step)
 
 
+def rollout_running_batch(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
+                          cluster: ClusterSpec, opts: TrainOptions = TrainOptions()) -> RolloutKV:
+    """The KV cache and running batch of one rollout replica (memory_model.rollout_kv) on the
+    most loaded pp_stage, as the memory model sizes them."""
+    est = memory_breakdown(model, layout, workload, opts, cluster=cluster)
+    others = est.total - est.kv_cache
+    return rollout_kv(model, layout, workload, others, cluster.decode_engine,
+                      cluster.device_memory_bytes, opts.param_bytes(model))
+
+
 def _rollout_time(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
                   cluster: ClusterSpec, opts: TrainOptions) -> StageTime:
+    """A decode engine's stage time, per replica (module docstring, ROLLOUT)."""
     t, c, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     b = opts.param_bytes(model)
     h, d = model.hidden_size, model.head_dim
     rate = cluster.achievable_flops
+    engine = cluster.decode_engine
     model_ranks = layout.model_parallel_size
     seqs_replica = math.ceil(workload.num_sequences / dp)
-    in_flight = max(1, min(seqs_replica, math.ceil(workload.responses_in_flight / dp)))
-    waves = math.ceil(seqs_replica / in_flight)
+    kv = rollout_running_batch(model, layout, workload, cluster, opts)
+    running = kv.running
+    waves = math.ceil(seqs_replica / running)
     share = seqs_replica / workload.num_sequences       # this replica's part of the work
     df = workload.decode_fraction
     mean_ctx = workload.mean_context
     layers = model.num_layers // pp
 
-    # Prefill: the non-generated part of every sequence, as one forward pass.
+    # Prefill: the non-generated part of every sequence of the replica, compute bound.
     prefill_wl = workload.scaled_to(max(1, math.ceil(workload.contexts[-1][0] * (1 - df))))
     prefill = forward_flops(model, prefill_wl, fused_attention=cluster.fused_attention) \
         if df < 1 else 0.0
     prefill_s = prefill * share / model_ranks / rate
 
-    # Decode: waves x steps; each step advances every in-flight response by one token.
+    # Decode: waves x steps; each step advances every running response by one token, reading
+    # the rank's weights once and the running batch's KV cache, plus the engine's fixed cost.
     steps = waves * math.ceil(df * mean_ctx)
     avg_pos = mean_ctx * (1 - df / 2)                    # mean position attended during decode
-    step_flops = in_flight * (2 * matmul_params(model)
-                              + 4 * model.num_attention_heads * d * model.num_layers * avg_pos)
+    step_flops = running * (2 * matmul_params(model)
+                            + 4 * model.num_attention_heads * d * model.num_layers * avg_pos)
     step_compute = step_flops / model_ranks / rate
     weight_bytes = max(param_count_per_rank(model, layout, r) for r in range(pp)) * b
-    kv_read = in_flight * avg_pos / c * layers * 2 * (model.num_query_groups // t) * d * b
+    kv_read = running * avg_pos / c * layers * 2 * (model.num_query_groups // t) * d * b
     step_memory = (weight_bytes + kv_read) / cluster.hbm_bandwidth
-    compute = prefill_s + steps * step_compute
+    compute = prefill_s + steps * (step_compute + engine.step_overhead_s)
     decode_memory = steps * max(0.0, step_memory - step_compute)
 
     tp_link = group_link(cluster, layout, "tp")
@@ -223,27 +249,32 @@ def _rollout_time(model: ModelConfig, layout: ParallelLayout, workload: StageWor
     m_prefill = max(1, math.ceil(prefill_tokens * c / workload.micro_batch_tokens))
     n_tp = 2 * layers + 1
     tp_comm = (m_prefill * n_tp * allreduce_seconds(prefill_tokens / m_prefill * h * b, t, tp_link)
-               + steps * n_tp * allreduce_seconds(in_flight * h * b, t, tp_link))
+               + steps * n_tp * allreduce_seconds(running * h * b, t, tp_link))
     cp_link = group_link(cluster, layout, "cp")
     kv_tok = 2 * model.num_query_groups * d // t * b
     # Prefill gathers K/V per layer; a decode step combines partial attention outputs per layer.
     cp_comm = (m_prefill * layers * allgather_seconds(prefill_tokens * c / m_prefill * kv_tok,
                                                       c, cp_link)
                + steps * layers * allgather_seconds(
-                   in_flight * model.num_attention_heads // t * d * b * c, c, cp_link))
+                   running * model.num_attention_heads // t * d * b * c, c, cp_link))
     pp_comm = pp_bubble = 0.0
     if pp > 1:
         link = group_link(cluster, layout, "pp")
         pp_comm = ((m_prefill + steps) * (pp - 1) / pp * link.latency_s
                    + prefill_tokens * h * b / link.bandwidth
-                   + steps * in_flight * h * b / link.bandwidth)
+                   + steps * running * h * b / link.bandwidth)
         # A decode step pipelines g groups of responses through the pp_stages: (g + pp - 1)
         # group-steps, each reading the stage's weights again. The engine picks the best g.
         one_pass = max(step_memory, step_compute)
         best = min((g + pp - 1) * max((weight_bytes + kv_read / g) / cluster.hbm_bandwidth,
                                       step_compute / g)
-                   for g in range(1, min(in_flight, pp) + 1))
+                   for g in range(1, min(running, pp) + 1))
         pp_bubble = prefill_s * (pp - 1) / m_prefill + steps * (best - one_pass)
     return StageTime(stage=Stage.ROLLOUT, layout=layout, compute=compute,
                      decode_memory=decode_memory, tp_comm=tp_comm, cp_comm=cp_comm,
                      pp_comm=pp_comm, pp_bubble=pp_bubble, dp_comm=0.0, optimizer_step=0.0)
+
+
+def decode_tokens(workload: StageWorkload) -> int:
+    """Tokens a ROLLOUT workload generates (the rest of each context is prefilled)."""
+    return sum(math.ceil(workload.decode_fraction * n) * k for n, k in workload.contexts)

@@ -10,11 +10,10 @@ How a batch is decoded:
     position_ids count real tokens only (P P 0 1 2), so a padded row sees exactly what it would
     alone; one prefill forward fills a DynamicCache, then one forward per new token.
 
-Finished rows keep decoding (their tokens are discarded) until every row has stopped, so the
-batch shape never changes. Sampling follows engine.py's contract: the logprob of a sampled
-token is log_softmax(logits / temperature) before top-p truncation; temperature 0 is greedy and
-reports log_softmax(logits) (temperature 1). Every call draws from a torch.Generator seeded with
-``params.seed`` (or the engine's own generator, seeded once at construction, when it is None).
+Sampling and stop tracking are sampling.py's, shared with the embedded engine (finished rows keep
+decoding, their tokens discarded, so the batch shape never changes). Each step draws one uniform
+per row from a torch.Generator seeded with ``params.seed`` (or the engine's own generator, seeded
+once at construction, when it is None) and samples the whole batch in one pass.
 """
 
 from __future__ import annotations
@@ -26,27 +25,7 @@ import torch
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams,
                                           check_prompts)
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] and their logprobs [B] from last-position logits [B, V] (float32)."""
-    logits = logits.float()
-    if params.temperature == 0:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logprobs.exp()
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
-        # it already does (the first token is always kept)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+from earl_megatron.rollout.sampling import StopTracker, sample_next
 
 
 class HFEngine:
@@ -85,36 +64,24 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        stop = torch.tensor(list(params.stop_token_ids) or [-1], device=self.device)
+        track = StopTracker(batch, params.stop_token_ids, self.device)
 
         cache = {self._cache_kwarg: DynamicCache()}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, **cache)
-        tokens_out, logprobs_out = [], []
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         next_pos = positions[:, -1]
         for _ in range(params.max_new_tokens):
-            tok, lp = sample_next(out.logits[:, -1, :], params, gen)
-            tokens_out.append(tok)
-            logprobs_out.append(lp)
-            lengths += (~done).long()
-            hit = torch.isin(tok, stop) & ~done
-            stopped |= hit
-            done |= hit
-            if bool(done.all()):
+            u = torch.rand(batch, generator=gen, device=self.device) if params.temperature \
+                else None
+            tok, lp = sample_next(out.logits[:, -1, :], params, u)
+            if track.add(tok, lp) or track.steps == params.max_new_tokens:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype,
                                                device=self.device)], dim=1)
             next_pos = next_pos + 1
             out = self.model(input_ids=tok[:, None], attention_mask=mask,
                              position_ids=next_pos[:, None], use_cache=True, **cache)
-        tokens = torch.stack(tokens_out, dim=1).tolist()
-        logprobs = torch.stack(logprobs_out, dim=1).tolist()
-        return [Generation(token_ids=tuple(tokens[i][:n]), logprobs=tuple(logprobs[i][:n]),
-                           finish_reason="stop" if stopped[i] else "length")
-                for i, n in enumerate(lengths.tolist())]
+        return track.generations()
 
     def update_weights(self, source: Any) -> None:
         """Load weights from a state dict, a module with the same parameters, or an HF dir."""

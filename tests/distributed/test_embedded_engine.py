@@ -33,7 +33,8 @@ def _check_layout(family, name, weights_seed):
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.embedded_engine import EmbeddedEngine, recompute_logprobs
+    from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+    from earl_megatron.rollout.recompute import recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.weights.sharding import reference_weights
@@ -99,7 +100,8 @@ def _agent_loop_and_weights():
     from earl_megatron.models.provider import build_gpt_model
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes
-    from earl_megatron.rollout.embedded_engine import EmbeddedEngine, recompute_logprobs
+    from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+    from earl_megatron.rollout.recompute import recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.tokenizer import chat_format, char_tokenizer
     from earl_megatron.runtime.build import build_on_layout
@@ -153,7 +155,7 @@ def _all_checks():
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.embedded_engine import recompute_logprobs
+    from earl_megatron.rollout.recompute import recompute_logprobs
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend

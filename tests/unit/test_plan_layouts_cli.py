@@ -2,6 +2,7 @@
 
 import importlib.util
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,10 @@ def test_main_prints_a_table_per_stage_and_a_png(tool, tmp_path):
     assert train_128k.count("OOM") == 2 and "TP" not in train_128k
     assert "train 128K: would fit with" in text and "recompute=full" in text
     train_1k = [ln for ln in lines if ln.startswith("│ 1K")][-1]
-    assert train_1k.count("TP") == 2 and "/90 OOM" in train_1k
+    # chosen layout, seconds, GiB, then the runner-up and its margin, in both columns
+    assert train_1k.count("G |") == 2 and train_1k.count("%") == 2
+    assert "runner-up" in text                                   # the legend
+    assert "valid layouts exceed the budget (DP128" in text      # which layouts are OOM
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,6 +60,30 @@ def test_grid_matches_the_selector(tool):
         assert plan.predicted_memory_bytes <= sel.budget_bytes
     assert isinstance(grid[(Stage.TRAIN, 131072, 8)], NoLayoutFitsError)
     assert tool.cell_text(grid[(Stage.TRAIN, 131072, 8)]) == "OOM"
+    plan = grid[(Stage.TRAIN, 1024, 8)]
+    margin = plan.runner_up.cost / plan.chosen.cost - 1
+    assert tool.cell_text(plan).startswith(str(plan.layout) + " ")
+    assert tool.cell_text(plan).endswith(f"| {plan.runner_up.layout} {margin:+.1%}")
+
+
+def test_compare_writes_one_object_per_cell(tool, tmp_path):
+    out, path = io.StringIO(), tmp_path / "cmp.json"
+    argv = ARGS[:10] + ["--stage", "rollout", "--contexts", "1024,32768", "--responses", "8,128",
+                        "--compare", "tp2,tp4,tp8", "--json", str(path)]
+    assert tool.main(argv, out=out) == 0
+    rows = json.loads(path.read_text())
+    assert len(rows) == 2 * 2 * 3
+    assert set(rows[0]) >= {"context", "responses", "layout", "fits", "tokens_per_gpu_s",
+                            "memory_bytes"}
+    cell = {(r["context"], r["responses"], r["layout"]): r for r in rows}
+    # TP2 holds 72.7 GB of bf16 weights per GPU: over the 67 GiB budget everywhere
+    tp2 = [r for r in rows if r["layout"] == "TP2xDP64"]
+    assert tp2 and all(not r["fits"] and r["tokens_per_gpu_s"] is None for r in tp2)
+    assert cell[(1024, 8, "TP4xDP32")]["tokens_per_gpu_s"] > \
+        cell[(1024, 8, "TP8xDP16")]["tokens_per_gpu_s"]
+    assert cell[(32768, 128, "TP4xDP32")]["running_batch"] < 128
+    assert "per rollout replica" in out.getvalue() and "OOM" in out.getvalue()
+    assert "PER ROLLOUT" in tool.build_parser().format_help()
 
 
 def test_flags_override_the_preset(tool):

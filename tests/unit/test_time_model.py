@@ -7,8 +7,11 @@ from hypothesis import given, settings, strategies as st
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.presets import PRESETS
-from earl_megatron.plan.specs import ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions
+from earl_megatron.plan.memory_model import memory_breakdown
+from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Recompute, Stage, StageWorkload,
+                                     TrainOptions)
 from earl_megatron.plan.time_model import (Link, allgather_seconds, allreduce_seconds,
+                                           decode_tokens, rollout_running_batch,
                                            forward_flops, group_link, matmul_params, stage_time)
 
 H100x2 = ClusterSpec.h100_80gb(nodes=2, inter_node_gbps=200)
@@ -111,3 +114,50 @@ def test_terms_are_finite_and_nonnegative(stage, ctx, seqs, inflight, nodes, dat
         assert t.cp_comm == 0.0
     if lay.pp == 1:
         assert t.pp_comm == t.pp_bubble == 0.0
+
+
+def _tokens_per_gpu_s(model, cl, tp, ctx, per_replica):
+    """Generated tokens per GPU-second of TP``tp`` with ``per_replica`` responses per replica."""
+    lay = ParallelLayout(tp=tp, dp=cl.world_size // tp)
+    wl = StageWorkload.of(Stage.ROLLOUT, ctx, per_replica * lay.dp,
+                          responses_in_flight=per_replica * lay.dp)
+    t = stage_time(model, lay, wl, cl)
+    return decode_tokens(wl) / t.total / cl.world_size, rollout_running_batch(model, lay, wl, cl)
+
+
+def test_rollout_tp4_vs_tp8_has_the_measured_shape():
+    """Qwen2.5-72B on 16 x 8 H100-80GB (the EARL paper's setting; it measured TP4 16-32% ahead
+    at 1K-2K tokens with 8-64 responses, TP8 ahead at 16K-32K with 32 or more, TP4 short of
+    memory at 32K x 128)."""
+    model, cl = PRESETS["qwen2.5-72b"], ClusterSpec.h100_80gb(nodes=16)
+    ratio = {}
+    for ctx in (1024, 2048, 8192, 16384, 32768):
+        for n in (8, 32, 64, 128):
+            (tp4, kv4), (tp8, _) = (_tokens_per_gpu_s(model, cl, tp, ctx, n) for tp in (4, 8))
+            ratio[(ctx, n)] = tp4 / tp8
+            if ctx == 32768 and n == 128:
+                assert kv4.running < 128 == kv4.requested     # short of memory: sequences wait
+    for n in (8, 32, 64):                                     # short contexts, light load
+        assert 1.1 < ratio[(1024, n)] < 1.4 and 1.1 < ratio[(2048, n)] < 1.4
+    for ctx in (16384, 32768):                                # long contexts, heavy load
+        assert ratio[(ctx, 32)] < 1 and ratio[(ctx, 128)] < 1
+    # the crossover moves to fewer responses as the context grows
+    crossover = {ctx: min((n for n in (8, 32, 64, 128) if ratio[(ctx, n)] < 1), default=None)
+                 for ctx in (1024, 8192, 16384)}
+    assert crossover[1024] is None and crossover[8192] > crossover[16384]
+
+
+def test_paged_pool_bounds_the_running_batch_not_the_fit():
+    model, cl = PRESETS["qwen2.5-72b"], ClusterSpec.h100_80gb(nodes=16)
+    lay = ParallelLayout(tp=4, dp=32)
+    wl = StageWorkload.of(Stage.ROLLOUT, 32768, 128 * 32, responses_in_flight=128 * 32)
+    kv = rollout_running_batch(model, lay, wl, cl)
+    assert kv.requested == 128 and 1 <= kv.running < 128
+    mem = memory_breakdown(model, lay, wl, cluster=cl)
+    assert mem.kv_cache < 128 * kv.bytes_per_sequence        # the pool, not every sequence
+    assert mem.total <= int(cl.device_memory_bytes * cl.decode_engine.memory_fraction)
+    # a static cache (the embedded engine) reserves every response: that does not fit
+    static = cl.with_(decode_engine=DecodeEngine.embedded())
+    assert memory_breakdown(model, lay, wl, cluster=static).kv_cache == 128 * kv.bytes_per_sequence
+    # per replica: doubling dp halves what each replica is asked for
+    assert wl.responses_per_replica(32) == 128 and wl.responses_per_replica(64) == 64

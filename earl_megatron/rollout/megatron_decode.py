@@ -1,0 +1,164 @@
+"""One replica's forward passes for KV-cached decoding with Megatron-Core's GPTModel.
+
+The embedded engine (embedded_engine.py) decides what to decode; this module runs it:
+
+- ``Pipeline.forward``: one forward through this replica's pp_stages. Hidden states [s, B, h] go
+  pp_stage -> pp_stage + 1 with Megatron's inference p2p helpers; the last pp_stage gets
+  full-vocabulary logits of the last position (``runtime_gather_output=True`` gathers the TP
+  shards). With a ``StaticInferenceContext`` the cache slot advances after every forward.
+- ``Pipeline.broadcast_from_last``: the sampled (tokens, logprobs) from the last pp_stage to
+  every pp_stage of the replica, one message per step.
+- masks (True = hidden): prefill [B, 1, q, width] causal with pad keys hidden (a query's own
+  slot always open, so no row is all-masked); decode steps slice one precomputed pad-key mask
+  [B, 1, 1, max_len] to the current length instead of building one per token.
+- prefix reuse: ``reuse_plan`` matches new prompts to cached rows and ``move_cached_rows`` copies
+  their keys/values to the slots a fresh left-padded prefill would give them (exact: the static
+  context stores keys before rope and applies rope by slot, so a contiguous run of slots keeps
+  every relative distance).
+
+Host fast path (CPU only, under ``runtime.cpu_backend``): the backend's torch-function mode
+rewrites CUDA device arguments in every torch call, which is ~15% of a decode step of a small
+model in Python dispatch alone. A decode step (one token per row, the cache already allocated)
+makes no CUDA call once Megatron's rotary table for the cache length exists (RotaryEmbedding
+.forward is lru-cached by length; the prefill of the same context builds it under the mode), so
+decode steps at tp 1 run the model with torch-function handling disabled. At tp > 1 the mode
+stays: Megatron's logits gather (which inference must use) allocates its buffer on
+``torch.cuda.current_device()``. The engine's own per-step ops (sampling, stop tracking) run
+in ``host_ops()``, without the mode, at every tp. A CUDA call that did slip in would fail loudly ("Cannot access
+accelerator device"), never silently; on GPUs nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.runtime import cpu_backend, groups
+
+
+def host_ops():
+    """Scope for the engine's own per-step tensor ops (sampling, stop tracking, masks): they
+    name no device, so under the CPU backend they skip its torch-function mode (module
+    docstring); elsewhere a no-op."""
+    return torch._C.DisableTorchFunction() if cpu_backend.is_active() \
+        else contextlib.nullcontext()
+
+
+def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
+    """[B, 1, width - first_slot, width] bool, True = hidden, for queries at slots first_slot..
+    width-1: causal, pad keys hidden, a query's own slot always open."""
+    k = torch.arange(width, device=pad.device)
+    q = k[first_slot:]
+    causal = k[None, :] > q[:, None]
+    pad_key = k[None, None, :] < pad[:, None, None]
+    own = k[None, :] == q[:, None]
+    return ((causal[None] | pad_key) & ~own[None])[:, None]
+
+
+def pad_key_mask(pad: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, 1, 1, length] bool: row b hides its first pad[b] keys; slice [..., :sk] per step."""
+    return (torch.arange(length, device=pad.device)[None, :] < pad[:, None])[:, None, None, :]
+
+
+class Pipeline:
+    """One forward through this replica's pp_stages; logits [B, V] (last position) on the last."""
+
+    def __init__(self, model, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.device = device
+        self.pp_group = groups.pp_group()
+        self.pp = dist.get_world_size(self.pp_group)
+        self.pp_rank = dist.get_rank(self.pp_group)
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.tp = dist.get_world_size(groups.tp_group())
+        self._rotary_ready: set[int] = set()  # cache lengths whose rotary table exists
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def _host_step(self, s: int, ctx) -> bool:
+        """Whether this forward is a decode step that may skip the torch-function mode."""
+        return ctx is not None and s == 1 and self.tp == 1 and cpu_backend.is_active() \
+            and ctx.max_sequence_length in self._rotary_ready
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, ctx=None) -> Optional[torch.Tensor]:
+        from megatron.core.inference.communication_utils import (
+            recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank)
+
+        b, s = ids.shape
+        if not self.first:
+            buf = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=self.device)
+            recv_from_prev_pipeline_rank_(buf, pp_group=self.pp_group)
+            self.model.set_input_tensor(buf)
+        pos = torch.arange(s, device=self.device)[None].expand(b, s)
+        if ctx is not None:
+            pos = pos + ctx.sequence_len_offset
+        host = self._host_step(s, ctx)
+        with torch._C.DisableTorchFunction() if host else contextlib.nullcontext():
+            out = self.model(ids, pos, mask, inference_context=ctx, runtime_gather_output=True)
+        if ctx is not None:
+            self._rotary_ready.add(ctx.max_sequence_length)
+            ctx.increment_sequence_len_offset(s)
+        if not self.last:
+            send_to_next_pipeline_rank(out.contiguous(), pp_group=self.pp_group)
+            return None
+        return out[:, -1, :].float()
+
+    def broadcast_from_last(self, tokens: Optional[torch.Tensor], logprobs: Optional[torch.Tensor],
+                            batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last pp_stage's sampled (tokens, logprobs) on every pp_stage of the replica."""
+        if self.pp == 1:
+            return tokens, logprobs
+        # float64 holds token ids exactly and float32 logprobs exactly: one message per step
+        buf = torch.empty(2, batch, dtype=torch.float64, device=self.device)
+        if self.last:
+            buf[0], buf[1] = tokens.double(), logprobs.double()
+        dist.broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group)
+        return buf[0].long(), buf[1].float()
+
+
+def reuse_plan(rows: list[tuple[list[int], int]], prompts: list, width: int):
+    """Which cached row each prompt extends, and the first slot that must be computed.
+
+    ``rows``: per cache row (cached tokens, first real slot). The new cache is laid out exactly
+    as a fresh left-padded prefill of ``width`` would be (row j's tokens end at slot width-1).
+    Prompt j extends cached row r when r's tokens are a proper prefix of it; every row
+    recomputes the last N slots, N = the largest number of tokens any row must compute (all of
+    a prompt that extends nothing), and keeps the first ``len(p) - N`` tokens' keys/values.
+    Returns (first slot, kept tokens per prompt, (row, cached length, first slot) or None).
+    """
+    sources = []
+    for p in prompts:
+        best = None
+        for r, (toks, start) in enumerate(rows):
+            c = len(toks)
+            if c < len(p) and (best is None or c > best[1]) and list(p[:c]) == toks:
+                best = (r, c, start)
+        sources.append(best)
+    window = max(len(p) - (m[1] if m else 0) for p, m in zip(prompts, sources))
+    keep = [max(0, len(p) - window) for p in prompts]
+    return width - window, keep, sources
+
+
+def move_cached_rows(ctx, old: dict, keep: list[int], sources: list, pad: torch.Tensor) -> None:
+    """Copy kept keys/values of ``old`` (layer -> (k, v)) into the fresh cache of ``ctx``."""
+    pad = pad.tolist()
+    for layer, (k_old, v_old) in old.items():
+        k_new = k_old.new_zeros((ctx.max_sequence_length, ctx.max_batch_size, *k_old.shape[2:]))
+        v_new = v_old.new_zeros((ctx.max_sequence_length, ctx.max_batch_size, *v_old.shape[2:]))
+        for j, (n, src) in enumerate(zip(keep, sources)):
+            if n:
+                r, _, start = src
+                k_new[pad[j]:pad[j] + n, j] = k_old[start:start + n, r]
+                v_new[pad[j]:pad[j] + n, j] = v_old[start:start + n, r]
+        ctx.key_value_memory_dict[layer] = (k_new, v_new)
