@@ -14,6 +14,8 @@ What is filtered, and why it is safe to hide:
 - "`torch.distributed.all_gather_into_tensor` is deprecated" (Megatron's own call) and "torch.
   distributed is disabled, unavailable or uninitialized" (torch DCP read in one process, which
   the conversion tools do on purpose).
+- "`load_state_dict` is deprecated" / "deprecating ShardedTensor": torch's notices about the
+  APIs Megatron 0.16's torch_dist checkpoint strategy calls on every load.
 - Megatron-FSDP's INFO log lines ("Detected Megatron Core, using Megatron-FSDP ..."), printed at
   import through the root logger Hydra configures at INFO: the trainer never uses FSDP.
 """
@@ -32,6 +34,8 @@ KNOWN_WARNINGS = (
     "`torch.distributed._all_gather_base` is deprecated",
     "`torch.distributed._reduce_scatter_base` is deprecated",
     "torch.distributed is disabled, unavailable or uninitialized",
+    "`load_state_dict` is deprecated and will be removed",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
 )
 
 KNOWN_LOGGERS = ("megatron.core.distributed.fsdp",)

@@ -69,8 +69,12 @@ def episode_seeds(cfg: TrainConfig, iteration: int, count: int) -> list[int]:
 
 
 def play(mol: ModelOnLayout, cfg: TrainConfig, tokenizer, seeds: list[int], *, temperature: float,
-         sample_seed: int, opponent: Optional[str] = None):
-    """This replica's block of episodes (all ranks of a replica return the same episodes)."""
+         sample_seed: int, opponent: Optional[str] = None, should_stop=None):
+    """This replica's block of episodes (all ranks of a replica return the same episodes).
+
+    ``should_stop``: called before every turn by every rank of the replica (agent_loop);
+    True raises RolloutAbandoned out of here.
+    """
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
     lay = mol.layout
@@ -87,8 +91,11 @@ def play(mol: ModelOnLayout, cfg: TrainConfig, tokenizer, seeds: list[int], *, t
                                temperature=temperature, top_p=cfg.rollout.top_p,
                                seed=sample_seed)
     # replicas never communicate while decoding (prompts="replica"): each runs its own loop
-    episodes = run_episodes(engine, envs, [seeds[i] for i in block], tokenizer, loop_cfg)
-    engine.close()
+    try:
+        episodes = run_episodes(engine, envs, [seeds[i] for i in block], tokenizer, loop_cfg,
+                                should_stop=should_stop)
+    finally:
+        engine.close()
     return list(block), episodes
 
 

@@ -12,7 +12,7 @@ Reads as the loop it runs::
         advantages = compute_advantages(...)     # all-reduce over owners (kl_mode=reward: - k1)
         mol = switch(mol, layouts.train)
         loss = train_on(...)                     # dispatch point to point, Megatron schedule
-        record, checkpoint (periodic, on SIGTERM)
+        record, checkpoint (periodic; at a safe point when told to stop)
 
 Two models, each usable only while its layout's process groups are current (a Megatron model
 keeps the groups it was built under, and reads parallel_state's globals while it runs):
@@ -33,26 +33,33 @@ read again, so it must still exist), in the layout the checkpoint recorded for i
 
 Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
 and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
-same iterations.
+same iterations. On another world size (elastic resume) layouts are planned anew (auto) or taken
+from the config (static) and the selector state is reset (trainer/segments.py).
+
+Stopping (trainer/stop.py: SIGTERM or the sbatch script's stop file): a rollout or evaluation
+is abandoned at its next turn, a train stage that began is finished; the last completed
+iteration is checkpointed (with the selector state and layout it ended with, so the resumed run
+replays the abandoned iteration exactly), evaluation is skipped, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.build import build_on_layout
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.trainer import loop
+from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
+from earl_megatron.trainer.stop import StopControl
 
 
 class Runner:
@@ -65,7 +72,11 @@ class Runner:
         self.history: list[dict] = []
         self.selector_state = None
         self.last_lengths: list[int] = []
-        self._stop = False
+        self.stop = StopControl.from_env()
+        self._completed: Optional[dict] = None
+        """Layout and selector state at the end of the last completed iteration (+ its index)."""
+        self._saved = -1
+        """The iteration of the newest checkpoint this process wrote or resumed from."""
         self.view = None
         self._pending: list[str] = []
         self.auto = cfg.layout.mode == "auto"
@@ -175,21 +186,34 @@ class Runner:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "metrics.jsonl").write_text(
                 "".join(json.dumps(h) + "\n" for h in self.history))
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stop.install()
         from earl_megatron.trainer.live import LiveView
         self.view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                              tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
-        with self.view:
-            for line in self._pending:
-                self.view.message(line)
-            return self._train(start, mol)
+        try:
+            with self.view:
+                for line in self._pending:
+                    self.view.message(line)
+                if start >= cfg.run.iterations:
+                    self._log_line(f"the run is complete ({start} iterations): nothing to do; "
+                                   "raise run.iterations to train further")
+                    return self.history
+                return self._train(start, mol)
+        finally:
+            self.stop.close()
 
     def _train(self, start: int, mol) -> list[dict]:
         cfg = self.cfg
         evals = {}
+        self._segment_start = start
+        self._evals_before = segments.read_evals(self.out) if start > 0 and self.rank == 0 \
+            else {}
+        self._mark_completed(mol, start - 1)
         if start == 0:
-            evals["start"], mol = self.evaluate(mol)
+            mol = self._evaluate_into(evals, "start", mol)
         for it in range(start, cfg.run.iterations):
+            if self.stop.world_should_stop():
+                break
             t0 = time.perf_counter()
             ref_now = self.ref.layout if self.ref is not None else None
             layouts = {"rollout": self._plan_or_save(it, start, mol, "rollout",
@@ -198,9 +222,16 @@ class Runner:
             mol = self._switch(mol, layouts["rollout"])
             t1 = time.perf_counter()
             seeds = loop.episode_seeds(cfg, it, cfg.rollout.episodes_per_iteration)
-            block, episodes = loop.play(mol, cfg, self.tok, seeds,
-                                        temperature=cfg.rollout.temperature,
-                                        sample_seed=cfg.run.seed * 7919 + it)
+            try:
+                block, episodes = loop.play(mol, cfg, self.tok, seeds,
+                                            temperature=cfg.rollout.temperature,
+                                            sample_seed=cfg.run.seed * 7919 + it,
+                                            should_stop=self.stop.replica_should_stop)
+            except RolloutAbandoned:
+                block, episodes = None, None
+            # every rank, abandoned or not, agrees here: stop before anything is trained
+            if self.stop.world_should_stop():
+                break
             t2 = time.perf_counter()
             tokens = self._all_lengths(block, episodes)
             lengths = [tokens[s] for s in sorted(tokens)]
@@ -248,28 +279,57 @@ class Runner:
             rec = self._record(it, layouts, episodes, lengths, loss, moved + moved_lp, seconds,
                                extra)
             self.history.append(rec)
-            # ranks may see SIGTERM at different moments: agree before any collective save
-            flag = torch.tensor([int(self._stop)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self._stop = bool(flag.item())
+            self._mark_completed(mol, it)
+            # ranks may be told at different moments: agree before any collective save
+            stopping = self.stop.world_should_stop()
             last = it == cfg.run.iterations - 1
-            if self._stop or last or (cfg.run.checkpoint_every and
-                                      (it + 1) % cfg.run.checkpoint_every == 0):
+            if stopping or last or (cfg.run.checkpoint_every and
+                                    (it + 1) % cfg.run.checkpoint_every == 0):
                 self._checkpoint(mol, it)
-            if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last:
-                evals[f"iter{it + 1}"], mol = self.evaluate(mol)
-            if self._stop:
+            if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last \
+                    and not stopping:
+                mol = self._evaluate_into(evals, f"iter{it + 1}", mol)
+            if stopping:
                 break
-        if not self._stop:
-            evals["end"], mol = self.evaluate(mol)
+        if self.stop.stopping:
+            done = self._completed["iteration"]
+            if done >= 0 and self._saved != done:
+                self._checkpoint(mol, done, completed=True)  # an abandoned iteration: not saved
+            self._log_line(f"stopped at a safe point after iteration {done}: checkpoint saved, "
+                           "evaluation skipped; rerun (or the requeued job) resumes there")
+        else:
+            mol = self._evaluate_into(evals, "end", mol)
         if self.rank == 0:
-            (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
+            merged = self._write_evals(evals)
             for when, res in evals.items():
                 self._log_line(f"evaluation {when}: " + ", ".join(
                     f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
             from earl_megatron.trainer.report import write_report
-            write_report(self.out, self.history, evals)
+            write_report(self.out, self.history, merged)
+        if self.stop.stopping:
+            self.stop.mark_stopped(self._completed["iteration"])
         return self.history
+
+    def _evaluate_into(self, evals: dict, when: str, mol):
+        """Evaluate unless told to stop (then nothing is recorded); eval.json is rewritten after
+        each evaluation, so a segment stopped later keeps it."""
+        res, mol = self.evaluate(mol)
+        if res is not None:
+            evals[when] = res
+            if self.rank == 0:
+                self._write_evals(evals)
+        return mol
+
+    def _write_evals(self, evals: dict) -> dict:
+        merged = segments.merge_evals(self._evals_before, self._segment_start, evals)
+        segments.write_evals(self.out, merged)
+        return merged
+
+    def _mark_completed(self, mol, it: int) -> None:
+        """Remember what a checkpoint of iteration ``it`` must hold if the next one is abandoned:
+        the policy's layout and the selector state as that iteration left them."""
+        self._completed = {"iteration": it, "layout": mol.layout,
+                           "selector": self.selector_state}
 
     # ------------------------------------------------------------------ pieces
     def _start(self):
@@ -277,18 +337,28 @@ class Runner:
         ckpt = latest_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
         if ckpt is not None:
             state = json.loads((ckpt / "loop.json").read_text())
-            lay = ParallelLayout.parse(state["layout"], world_size=self.world,
-                                       model=cfg.model.shape)
-            ref_lay = state.get("ref_layout")
+            self.history = state["history"]
+            self.last_lengths = state["last_lengths"]
+            elastic = segments.resume_message(state, self.world, self.auto)
+            if elastic is None:
+                lay = ParallelLayout.parse(state["layout"], world_size=self.world,
+                                           model=cfg.model.shape)
+                ref_lay = state.get("ref_layout")
+                ref_lay = lay if ref_lay is None else ParallelLayout.parse(
+                    ref_lay, world_size=self.world, model=cfg.model.shape)
+                self._restore_selector(state.get("selector"))
+            else:
+                # another world: the old layouts do not exist here; plan (auto) or take the
+                # config's (static) as a fresh run would, from the last episode lengths
+                lay = ref_lay = self.plan_stage("rollout", self._predicted_lengths(), None)
+                if self.rank == 0:
+                    self._log_line(elastic)
             # the reference first: the model built last owns the live process groups
-            self.ref = self._build_reference(lay if ref_lay is None else ParallelLayout.parse(
-                ref_lay, world_size=self.world, model=cfg.model.shape))
+            self.ref = self._build_reference(ref_lay)
             mol = build_on_layout(cfg.model, lay, optimizer=loop.optimizer_spec(cfg),
                                   seed=cfg.run.seed)
             load_checkpoint(mol, ckpt)
-            self.history = state["history"]
-            self.last_lengths = state["last_lengths"]
-            self._restore_selector(state.get("selector"))
+            self._saved = state["iteration"]
             if self.rank == 0:
                 self._log_line(f"resumed from {ckpt} at iteration {state['iteration'] + 1}")
             return state["iteration"] + 1, mol
@@ -354,7 +424,8 @@ class Runner:
         return dict(p for part in parts for p in part)
 
     def evaluate(self, mol):
-        """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
+        """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it);
+        (None, mol) when told to stop meanwhile (abandoned at a turn, nothing recorded).
 
         "sampled" plays the stochastic policy at the rollout temperature (what training
         optimises); "greedy" plays its argmax.
@@ -370,8 +441,14 @@ class Runner:
         seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(n)]
         for opp in cfg.env.eval_opponents:
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
-                block, eps = loop.play(mol, cfg, self.tok, seeds, temperature=temp,
-                                       sample_seed=424242, opponent=opp)
+                try:
+                    block, eps = loop.play(mol, cfg, self.tok, seeds, temperature=temp,
+                                           sample_seed=424242, opponent=opp,
+                                           should_stop=self.stop.replica_should_stop)
+                except RolloutAbandoned:
+                    block, eps = [], []
+                if self.stop.world_should_stop():  # every rank: no evaluation once stopping
+                    return None, mol
                 parts: list = [None] * self.world
                 dist.all_gather_object(parts, [(s, e.info.get("outcome"), e.reward)
                                                for s, e in zip(block, eps)])
@@ -413,13 +490,19 @@ class Runner:
         self.view.update(rec)
         return rec
 
-    def _checkpoint(self, mol, it: int) -> None:
-        state = {"iteration": it, "layout": str(mol.layout), "history": self.history,
-                 "last_lengths": self.last_lengths,
+    def _checkpoint(self, mol, it: int, completed: bool = False) -> None:
+        """Checkpoint iteration ``it``, the last completed one: the loop state records the layout
+        and selector state that iteration ended with (``_mark_completed``), even when the policy
+        has moved on into an abandoned iteration (the weights have not: nothing trained yet)."""
+        done = self._completed
+        assert done is not None and done["iteration"] == it, (done, it)
+        sel = done["selector"]
+        state = {"iteration": it, "layout": str(done["layout"]), "world_size": self.world,
+                 "history": self.history, "last_lengths": self.last_lengths,
                  "ref_layout": str(self.ref.layout) if self.ref is not None else None,
-                 "selector": [[s, str(l)] for s, l in (self.selector_state.chosen
-                                                       if self.selector_state else ())]}
+                 "selector": [[s, str(l)] for s, l in (sel.chosen if sel else ())]}
         save_checkpoint(mol, self.out / "checkpoints", it, state)
+        self._saved = it
 
     def _restore_selector(self, chosen) -> None:
         if not chosen or not self.auto:
@@ -427,9 +510,6 @@ class Runner:
         from earl_megatron.plan.selector import SelectorState
         self.selector_state = SelectorState(tuple(
             (s, ParallelLayout.parse(l, world_size=self.world)) for s, l in chosen))
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop = True  # finish the iteration, checkpoint, exit (Slurm preemption)
 
     def _log_line(self, text: str) -> None:
         # rank 0 only; before the view exists (resume), lines wait for it
