@@ -248,32 +248,55 @@ def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.where(mb["loss_mask"] > 0, mb["ref_logprobs"], logp.detach())
 
 
-def rl_loss_fn(cfg: TrainConfig):
-    """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy)."""
+def _ratio_sums(logp: torch.Tensor, mb: dict, pcfg: PolicyLossConfig) -> torch.Tensor:
+    """(sum of pi/pi_old, tokens outside the clip range, policy tokens) over policy tokens."""
+    m = mb["loss_mask"].double()
+    ratio = torch.exp(logp.detach().double() - mb["old_logprobs"].double())
+    clipped = ((ratio < 1.0 - pcfg.clip_eps_low) | (ratio > 1.0 + pcfg.clip_eps_high)).double()
+    return torch.stack([(ratio * m).sum(), (clipped * m).sum(), m.sum()])
+
+
+def rl_loss_fn(cfg: TrainConfig, ratio_sums: list):
+    """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy).
+    Appends each micro-batch's ``_ratio_sums`` to ``ratio_sums`` for the metrics."""
     pcfg = _policy_loss_config(cfg)
 
     def loss_fn(output: torch.Tensor, mb: dict) -> torch.Tensor:
         logp = -output.float()  # Megatron returns the vocab-parallel cross entropy per token
+        ratio_sums.append(_ratio_sums(logp, mb, pcfg))
         return policy_loss(logp, mb["old_logprobs"], mb["advantages"], pcfg,
                            ref_logp=_ref_logp(mb, logp))
 
     return loss_fn
 
 
-def rl_logprob_loss_fn(cfg: TrainConfig, entropy_sums: list):
+def rl_logprob_loss_fn(cfg: TrainConfig, entropy_sums: list, ratio_sums: list):
     """Per-token loss on the logits path (entropy_coef > 0): TokenLogprobs -> loss with the
     entropy bonus. Appends each micro-batch's (masked entropy sum, policy tokens) to
-    ``entropy_sums`` for the metrics."""
+    ``entropy_sums`` and its ``_ratio_sums`` to ``ratio_sums`` for the metrics."""
     pcfg = _policy_loss_config(cfg)
 
     def loss_fn(tl, mb: dict) -> torch.Tensor:
         m = mb["loss_mask"].float()
         entropy_sums.append(torch.stack([(tl.entropy.detach().double() * m).sum(),
                                          m.double().sum()]))
+        ratio_sums.append(_ratio_sums(tl.logp, mb, pcfg))
         return policy_loss(tl.logp, mb["old_logprobs"], mb["advantages"], pcfg,
                            ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy)
 
     return loss_fn
+
+
+def _global_sums(mol: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
+    """Per-micro-batch sums added over the world: the last pp_stage's tp rank 0 counts (tp
+    ranks hold the same values), cp chunks and dp ranks add up. Collective."""
+    import torch.distributed as dist
+
+    acc = torch.zeros(width, dtype=torch.float64)
+    if mol.post_process and mol.coords.tp == 0:
+        acc += sum(sums, torch.zeros(width, dtype=torch.float64))
+    dist.all_reduce(acc)
+    return acc
 
 
 def micro_batch_plan(cfg: TrainConfig, train_layout: ParallelLayout,
@@ -286,18 +309,19 @@ def micro_batch_plan(cfg: TrainConfig, train_layout: ParallelLayout,
 
 def train_on(mol: ModelOnLayout, cfg: TrainConfig, producer: ParallelLayout, ids: list[int],
              samples: dict, advantages: dict, plan: MicroBatchPlan
-             ) -> tuple[float, int, Optional[float]]:
+             ) -> tuple[float, int, dict[str, float]]:
     """Dispatch this rank's samples to the train layout and run the optimizer step(s).
 
     ``plan`` (``micro_batch_plan``) fixes which samples train together and each micro-batch's
     padded length; ``samples`` were built with those lengths. Returns (loss, bytes received,
-    mean entropy per policy token of the policy that sampled: entropy_coef > 0 only, else None).
+    stats): ``grad_norm`` (before clipping), ``ratio_mean`` (pi/pi_old over policy tokens) and
+    ``clip_fraction`` (policy tokens whose ratio left [1 - clip_eps, 1 + clip_eps]), all of the
+    last epoch's step, and ``entropy``, the mean entropy per policy token of the policy that
+    sampled (entropy_coef > 0 only).
     The reference logprobs travel only when the loss reads them (kl_mode=loss): 4 bytes per
     token more; the entropy bonus takes the logits path (one V/tp-wide fp32 buffer more per
     micro-batch), so it is used only when entropy_coef > 0.
     """
-    import torch.distributed as dist
-
     from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
     from earl_megatron.runtime.step import train_step, train_step_logprobs
 
@@ -333,21 +357,21 @@ def train_on(mol: ModelOnLayout, cfg: TrainConfig, producer: ParallelLayout, ids
     # micro-batches differ in length and rows: pipeline stages exchange each one's shape
     mol.tcfg.variable_seq_lengths = lay.pp > 1
     kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
-    loss, entropy = math.nan, None
+    loss, stats = math.nan, {}
     for epoch in range(a.epochs):
+        ratios: list = []
         if a.entropy_coef:
             sums: list = []
-            r = train_step_logprobs(mol, batches, loss_fn=rl_logprob_loss_fn(cfg, sums),
+            r = train_step_logprobs(mol, batches, loss_fn=rl_logprob_loss_fn(cfg, sums, ratios),
                                     **kwargs)
             if epoch == 0:
-                # the sampling policy's entropy (before this batch's first update); the last
-                # pp_stage's tp rank 0 counts, cp chunks and dp ranks add up
-                acc = torch.zeros(2, dtype=torch.float64)
-                if mol.post_process and mol.coords.tp == 0:
-                    acc += sum(sums, torch.zeros(2, dtype=torch.float64))
-                dist.all_reduce(acc)
-                entropy = acc[0].item() / max(acc[1].item(), 1.0)
+                # the sampling policy's entropy (before this batch's first update)
+                acc = _global_sums(mol, sums, 2)
+                stats["entropy"] = acc[0].item() / max(acc[1].item(), 1.0)
         else:
-            r = train_step(mol, batches, loss_fn=rl_loss_fn(cfg), **kwargs)
+            r = train_step(mol, batches, loss_fn=rl_loss_fn(cfg, ratios), **kwargs)
         loss = r.loss
-    return loss, int(result.stats.bytes_received), entropy
+        acc = _global_sums(mol, ratios, 3)
+        stats.update(grad_norm=r.grad_norm, ratio_mean=acc[0].item() / max(acc[2].item(), 1.0),
+                     clip_fraction=acc[1].item() / max(acc[2].item(), 1.0))
+    return loss, int(result.stats.bytes_received), stats

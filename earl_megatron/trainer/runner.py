@@ -265,11 +265,10 @@ class Runner:
             producer = mol.layout
             mol = self._switch(mol, layouts["train"])
             t4 = time.perf_counter()
-            loss, moved, entropy = loop.train_on(mol, cfg, producer, list(block), samples, adv,
-                                                 mplan)
+            loss, moved, stats = loop.train_on(mol, cfg, producer, list(block), samples, adv,
+                                               mplan)
             t5 = time.perf_counter()
-            if entropy is not None:
-                extra["entropy"] = entropy
+            extra.update(stats)  # grad_norm, ratio_mean, clip_fraction (+ entropy)
             self.last_lengths = lengths
             seconds = {"plan+switch": t1 - t0, "rollout": t2 - t1}
             if self.ref is not None:

@@ -10,10 +10,12 @@ import time
 
 from slurm_helpers import SMALL, metrics, strip
 
-# ~35-60 s per iteration on 2 shared cores: 2 ranks (one per node) play 128 Connect Four games
-SLOW = SMALL + ["layout=static", "layout.rollout=dp2", "layout.logprob=dp2", "layout.train=tp2",
-                "rollout.episodes_per_iteration=128", "run.iterations=3",
-                "run.checkpoint_every=3"]
+# 40-60 s per iteration on 2 shared cores (measured: 35 s at 256 games): 2 ranks (one per
+# node) play and train on 320 Connect Four games of up to 6 turns
+SLOW = [o for o in SMALL if not o.startswith("rollout.max_turns=")] + [
+    "layout=static", "layout.rollout=dp2", "layout.logprob=dp2", "layout.train=tp2",
+    "rollout.episodes_per_iteration=320", "rollout.max_turns=6", "run.iterations=2",
+    "run.checkpoint_every=2"]
 
 
 def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path):
@@ -48,7 +50,7 @@ def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path
     assert info["Restarts"] == "1"
     assert "restart 1:" in log and "resumed from" in log
     hist = metrics(out)
-    assert [h["iteration"] for h in hist] == [0, 1, 2]
+    assert [h["iteration"] for h in hist] == [0, 1]
     assert hist[0]["seconds"]["total"] > 30, hist[0]["seconds"]  # longer than torchrun's 30 s
     assert t_stopped - t_term < 300  # within --signal's lead time
 

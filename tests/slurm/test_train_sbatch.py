@@ -1,6 +1,7 @@
 """recipes/slurm/train.sbatch on a real Slurm (two emulated nodes on this host): a 2-node job
-runs to completion and checkpoints; a 1-node job resumes its checkpoint and continues with every
-iteration exactly once; launcher misconfiguration is one line in the job log and exit 2."""
+runs to completion and checkpoints; a 1-node job resumes its checkpoint (on another world size)
+and continues with every iteration exactly once; launcher misconfiguration is one line in the
+job log and exit 2."""
 
 from slurm_helpers import SMALL, metrics, strip
 
@@ -19,14 +20,17 @@ def test_two_node_job_then_one_node_resume(slurm, tmp_path):
     assert [h["iteration"] for h in first] == [0, 1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000001"
 
-    # the same run continued on ONE node (2 ranks there): resumes at iteration 2
-    job = slurm.submit(1, common + ["run.iterations=4"], tmp_path, EARL_NPROC_PER_NODE="2")
+    # the same run continued on ONE node, one rank: an elastic resume (2 ranks -> 1) at
+    # iteration 2, layouts planned anew for the new world
+    job = slurm.submit(1, common + ["run.iterations=4"], tmp_path, EARL_NPROC_PER_NODE="1")
     info = slurm.wait(job, 400)
     log = slurm.log(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
-    assert "1 nodes x 2 ranks" in log and "resumed from" in log
+    assert "1 nodes x 1 ranks" in log and "resumed from" in log
+    assert "checkpoint of 2 ranks resumed on 1" in log
     hist = metrics(out)
     assert [h["iteration"] for h in hist] == [0, 1, 2, 3]
+    assert all(lay == "TP1" for h in hist[2:] for lay in h["layouts"].values())
     assert strip(hist[:2]) == strip(first)  # the 2-node iterations kept as they were
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000003"
 
