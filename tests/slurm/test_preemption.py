@@ -8,6 +8,7 @@ exactly once and the metrics equal an uninterrupted run's, line for line."""
 import subprocess
 import time
 
+import pytest
 from slurm_helpers import SMALL, metrics, strip
 
 # 40-60 s per iteration on 2 shared cores (measured: 35 s at 256 games): 2 ranks (one per
@@ -18,6 +19,7 @@ SLOW = [o for o in SMALL if not o.startswith("rollout.max_turns=")] + [
     "run.checkpoint_every=2"]
 
 
+@pytest.mark.timeout(1500)  # three jobs of 2 iterations > 30 s each, and a requeue
 def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path):
     out = tmp_path / "preempted"
     job = slurm.submit(2, SLOW + [f"run.output_dir={out}"], tmp_path, EARL_NPROC_PER_NODE="1")
