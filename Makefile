@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed test-sglang bench clean
+.PHONY: install demo selfcheck test test-unit test-distributed test-sglang test-slurm bench clean
 
 install: $(VENV)/.installed
 
@@ -32,8 +32,9 @@ selfcheck: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 	    -m earl_megatron.selfcheck
 
+# tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests --ignore=tests/slurm $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -45,6 +46,15 @@ test-distributed: install
 test-sglang: install
 	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$${EARL_SGLANG_VENV:-$$HOME/.cache/earl-sglang-cpu} \
 	    $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+
+# A real Slurm on this host (Debian's slurmctld + two slurmd "nodes" + munge; root, installs the
+# packages when missing): up, submit recipes/slurm/train.sbatch as the README does, down.
+# EARL_SLURM_DIR (default /tmp/earl-slurm) holds its config, state and logs.
+test-slurm: install
+	tools/slurm_local.sh up && \
+	    SLURM_CONF=$${EARL_SLURM_DIR:-/tmp/earl-slurm}/slurm.conf EARL_PYTHON=$(abspath $(PY)) \
+	    HF_HUB_OFFLINE=1 $(PY) -m pytest -v tests/slurm $(PYTEST_ARGS); \
+	    rc=$$?; tools/slurm_local.sh down; exit $$rc
 
 bench: install
 	$(PY) benchmarks/rollout.py

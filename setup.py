@@ -28,7 +28,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        # tensorboard: so the test environment exercises run.tensorboard=true (trainer/live.py)
+        "dev": ["pytest>=7", "pytest-timeout", "hypothesis", "tensorboard"],
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # README.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.

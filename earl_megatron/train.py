@@ -6,7 +6,10 @@
 Hydra composes recipes/config.yaml with the command-line overrides; the result is converted once
 to ``TrainConfig`` (frozen) and saved with the run as resolved.json. Bad configuration (unknown
 keys, an unknown environment, a layout the model cannot take, a model that fits no layout, a
-node count that does not match the world) stops here, before any model is built.
+node count that does not match the world) stops here, before any model is built: one line
+(rank 0) and exit status 2, as does a damaged checkpoint (run.init or a resume). Megatron's known
+warnings are filtered before the imports that print them (earl_megatron/quiet.py). A run stopped
+at a safe point (trainer/stop.py: SIGTERM, the sbatch stop file) exits 0.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -78,17 +82,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"< world size {world}: some dp rank would train on nothing")
 
 
-def _quiet_known_warnings() -> None:
-    """Warnings every rank repeats on every build and say nothing actionable about this run."""
-    import warnings
-
-    for text in ("Apex is not installed",                # optional accelerator, documented
-                 "CUDA_DEVICE_MAX_CONNECTIONS",          # a CUDA tuning hint, also shown on CPU
-                 "`torch.distributed.all_gather_into_tensor` is deprecated"):  # Megatron's call
-        warnings.filterwarnings("ignore", message=f".*{text}")
-
-
 def run(cfg: TrainConfig) -> list[dict]:
+    from earl_megatron.quiet import quiet_known_warnings
+    quiet_known_warnings()  # before the imports below print them
     from earl_megatron.runtime.dist import init_distributed
     from earl_megatron.trainer.runner import Trainer
 
@@ -97,7 +93,6 @@ def run(cfg: TrainConfig) -> list[dict]:
     # Hydra configures the root logger at INFO; Megatron logs every optimizer and DDP setup
     import logging
     logging.disable(logging.INFO)
-    _quiet_known_warnings()
     torch.set_num_threads(1)
     out = Path(cfg.run.output_dir)
     if rank == 0:
@@ -111,21 +106,34 @@ def run(cfg: TrainConfig) -> list[dict]:
         return Trainer(cfg, make_tokenizer(cfg)).train()
 
 
+def _fail(kind: str, e: Exception) -> None:
+    """One line from rank 0 (every rank raises the same error), exit status 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{kind}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def main() -> None:
+    from earl_megatron.quiet import quiet_known_warnings
+    quiet_known_warnings()
     import hydra
     from omegaconf import OmegaConf
+
+    from earl_megatron.weights.io_errors import CheckpointError
 
     @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
     def _entry(dcfg) -> None:
         try:
             cfg = TrainConfig.from_dict(OmegaConf.to_container(dcfg, resolve=True))
         except ConfigError as e:
-            raise SystemExit(f"configuration error: {e}")
+            _fail("configuration error", e)
         t0 = time.time()
         try:
             run(cfg)
         except ConfigError as e:
-            raise SystemExit(f"configuration error: {e}")
+            _fail("configuration error", e)
+        except CheckpointError as e:
+            _fail("checkpoint error", e)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -28,19 +28,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
+    from earl_megatron.quiet import quiet_known_warnings
+    quiet_known_warnings()  # before Megatron's imports print them
     from earl_megatron.weights.convert import convert_hf_to_mcore
+    from earl_megatron.weights.io_errors import run_tool
 
-    try:
+    def convert() -> int:
         stats = convert_hf_to_mcore(args.hf_dir, args.out_dir, part_bytes=int(args.part_mb * 2**20),
                                     progress=not args.no_progress)
-    except (ValueError, KeyError, OSError) as e:  # CheckpointError, UnsupportedModelError, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"wrote {args.out_dir}: {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
-          f"{stats.seconds:.1f} s ({stats.mb_per_s:.1f} MB/s), {stats.parts} part(s), "
-          f"peak RSS {rss:.0f} MiB")
-    return 0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"wrote {args.out_dir}: {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
+              f"{stats.seconds:.1f} s ({stats.mb_per_s:.1f} MB/s), {stats.parts} part(s), "
+              f"peak RSS {rss:.0f} MiB")
+        return 0
+
+    return run_tool(convert)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,27 @@ Invariants (tests check them against a real model):
   "done"; its last observation is kept in ``observations`` but not appended to the tokens (no
   policy token follows it, so training would never read it).
 - Sampling is reproducible: turn t uses seed ``config.seed * 1_000_003 + t`` for the whole batch.
+- ``should_stop`` (optional) is called once before every turn, on every rank that runs the loop,
+  the same number of times (all ranks of a replica play the same episodes in lockstep, so it may
+  be a collective over the replica); when it returns True the loop raises ``RolloutAbandoned``
+  and returns no episode: a preempted trainer never trains on half-played episodes.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from earl_megatron.envs.base import Env
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
 
 FINISH_REASONS = ("done", "max_turns", "max_context")
+
+
+class RolloutAbandoned(Exception):
+    """The caller's ``should_stop`` asked the agent loop to stop before the next turn."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,8 @@ class _Live:
 
 
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
-                 config: AgentLoopConfig = AgentLoopConfig()) -> list[Episode]:
+                 config: AgentLoopConfig = AgentLoopConfig(), *,
+                 should_stop: Optional[Callable[[], bool]] = None) -> list[Episode]:
     """Play one episode per (env, seed) to the end; Episodes come back in input order.
 
     ``envs`` must be distinct objects (an environment holds one episode's state); ``tokenizer``
@@ -147,6 +156,8 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
 
     turn = 0
     while active:
+        if should_stop is not None and should_stop():
+            raise RolloutAbandoned(f"stopped before turn {turn} ({len(active)} episodes live)")
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
                                 max_new_tokens=config.max_action_tokens,
                                 stop_token_ids=fmt.stop_token_ids,

@@ -26,11 +26,12 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from earl_megatron.weights.io_errors import CheckpointError, reading
+
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
-
-class CheckpointError(RuntimeError):
-    pass
+__all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "save_checkpoint",
+           "load_checkpoint"]
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -93,11 +94,14 @@ def load_checkpoint(mol, path: str | Path) -> dict[str, Any]:
         _ensure_optimizer_state(mol.optimizer)
         state["optimizer"] = mol.optimizer.sharded_state_dict(msd, is_loading=True,
                                                               metadata=_OPT_META)
-    try:
-        loaded = dist_checkpointing.load(state, str(path))
-    except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
-        raise CheckpointError(f"cannot load {path}: {e}. Was it written for a different model "
-                              "config? Its config is in loop.json") from e
+    # a truncated or missing file: one line (torch's CheckpointException is a BaseException)
+    with reading(path, "training checkpoint"):
+        try:
+            loaded = dist_checkpointing.load(state, str(path))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"cannot load {path}: {' '.join(str(e).split())[:300]}. Was "
+                                  "it written for another model config? Its config is in "
+                                  f"{path}/earl_model_config.json") from None
     mol.module().load_state_dict(loaded["model"])
     if mol.optimizer is not None:
         _load_optimizer(mol.optimizer, loaded["optimizer"])

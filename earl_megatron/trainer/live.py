@@ -13,7 +13,10 @@ a table of the last 10 iterations. Off a terminal (piped to a file, Slurm, `make
 a header, then one fixed-width plain line per iteration with the same columns, never an ANSI
 escape code. Columns: iteration; per stage (rollout, logprob when present, train) its layout,
 its seconds and its predicted memory in GiB (auto layouts only); context mean/max; reward;
-win rate; illegal and unparsable rates; loss; seconds per iteration; ETA.
+win rate; illegal and unparsable rates; what the update did (``TRAIN_COLUMNS``: gradient norm
+before clipping, policy entropy, KL to the reference, fraction of policy tokens whose ratio was
+clipped, mean policy ratio pi/pi_old: a normalised policy-gradient loss is ~0 by construction and
+says nothing, so it is in metrics.jsonl and TensorBoard only); seconds per iteration; ETA.
 
 Invariants:
 - metrics.jsonl stays the record; this module only displays it (and mirrors it to TensorBoard).
@@ -37,6 +40,10 @@ STAGE_ORDER = ("rollout", "logprob", "train")
 ROWS = 10
 LAYOUT_W = 13                      # "TP2xPP2xDP16"; longer layouts push the line right
 STAGE_W = LAYOUT_W + 1 + 7 + 1 + 6
+TRAIN_COLUMNS = (("grad_norm", "gnorm", ".3f", 6), ("entropy", "ent", ".3f", 6),
+                 ("kl", "kl", "+.4f", 8), ("clip_fraction", "clip", ".3f", 5),
+                 ("ratio_mean", "ratio", ".4f", 6))
+"""(metrics key, header, format, width): a key a record lacks shows as '-'."""
 
 
 # ---------------------------------------------------------------------------- pure formatting
@@ -76,15 +83,16 @@ def row_cells(rec: dict, stages: list[str], eta: Optional[float] = None) -> list
            and isinstance(rec.get("max_context"), (int, float)) else "-")
     return ([f"{rec.get('iteration', '-'):>5}"] + [stage_cell(rec, s) for s in stages]
             + [f"{ctx:>12}", _num(rec, "reward", "+.3f", 7), _num(rec, "win_rate", ".2f", 5),
-               _num(rec, "illegal_rate", ".2f", 5), _num(rec, "unparsable_rate", ".2f", 5),
-               _num(rec, "loss", "+.4f", 8),
-               _num(rec.get("seconds", {}), "total", ".1f", 6), f"{fmt_duration(eta):>8}"])
+               _num(rec, "illegal_rate", ".2f", 5), _num(rec, "unparsable_rate", ".2f", 5)]
+            + [_num(rec, key, fmt, w) for key, _, fmt, w in TRAIN_COLUMNS]
+            + [_num(rec.get("seconds", {}), "total", ".1f", 6), f"{fmt_duration(eta):>8}"])
 
 
 def header_cells(stages: list[str]) -> list[str]:
     return ([f"{'iter':>5}"] + [f"{s:<{STAGE_W}}" for s in stages]
             + [f"{'ctx mean/max':>12}", f"{'reward':>7}", f"{'win':>5}", f"{'ill':>5}",
-               f"{'unp':>5}", f"{'loss':>8}", f"{'s/it':>6}", f"{'eta':>8}"])
+               f"{'unp':>5}"] + [f"{h:>{w}}" for _, h, _, w in TRAIN_COLUMNS]
+            + [f"{'s/it':>6}", f"{'eta':>8}"])
 
 
 def scalars(rec: dict) -> dict[str, float]:
@@ -95,7 +103,8 @@ def scalars(rec: dict) -> dict[str, float]:
                      ("mean_context", "context/mean"), ("max_context", "context/max"),
                      ("loss", "loss"), ("dispatch_bytes", "dispatch_bytes"), ("kl", "kl"),
                      ("ref_log_ratio_max", "ref_log_ratio_max"), ("entropy", "entropy"),
-                     ("grad_norm", "grad_norm")):
+                     ("grad_norm", "grad_norm"), ("clip_fraction", "clip_fraction"),
+                     ("ratio_mean", "ratio_mean")):
         v = rec.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[tag] = float(v)
@@ -250,7 +259,10 @@ class LiveView:
         if self.out_dir is None:
             self.message("tensorboard: no output directory; metrics.jsonl only")
             return
-        self._writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), flush_secs=30)
+        # a resumed segment drops the events of iterations after its checkpoint (a run killed
+        # between its metrics line and its checkpoint replays them): no step appears twice
+        self._writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), flush_secs=30,
+                                     purge_step=self.start_iteration or None)
 
     def _log_tensorboard(self, rec: dict) -> None:
         step = rec.get("iteration", self._done - 1)

@@ -92,8 +92,9 @@ class StagePlanner:
         return self.weight_bytes(layout) + train_state_bytes(self.model, layout, self.opts)
 
     # --- checkpointed state ---------------------------------------------------------------
-    def state_json(self) -> list:
-        return [[s, str(lay)] for s, lay in self.state.chosen]
+    def state_json(self, state: Optional[SelectorState] = None) -> list:
+        """The selector state (default: the current one) as JSON."""
+        return [[s, str(lay)] for s, lay in (state or self.state).chosen]
 
     def restore(self, chosen: list, last_lengths: list[int]) -> None:
         self.last_lengths = list(last_lengths)

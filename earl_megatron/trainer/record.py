@@ -4,7 +4,8 @@ Every rank calls ``Recorder.record`` (it gathers episode outcomes); rank 0 appen
 ``metrics.jsonl`` and shows it in the live view. Invariant: metrics.jsonl holds exactly one
 line per iteration the run's history knows: ``start`` rewrites it from the (checkpointed)
 history, so a run killed between its metrics line and its checkpoint, or an earlier run
-(run.resume=false), never leaves a repeated or stale iteration.
+(run.resume=false), never leaves a repeated or stale iteration. eval.json holds every
+segment's evaluations (trainer/segments.py), rewritten after each evaluation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import Episode
+from earl_megatron.trainer import segments
 
 
 class StageTimer:
@@ -51,11 +53,25 @@ class Recorder:
     def __init__(self, out: Path, history: list[dict], view, rank: int):
         self.out, self.history, self.view, self.rank = out, history, view, rank
 
-    def start(self) -> None:
+    def start(self, first_iteration: int = 0) -> None:
+        """``first_iteration`` > 0: a resumed segment; the earlier segments' evaluations stay."""
+        self.first = first_iteration
+        self.evals_before = segments.read_evals(self.out) \
+            if first_iteration > 0 and self.rank == 0 else {}
+        self.evals: dict = {}
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "metrics.jsonl").write_text(
                 "".join(json.dumps(h) + "\n" for h in self.history))
+
+    def evaluation(self, when: str, result: dict) -> None:
+        """One evaluation of this segment; eval.json (all segments) is rewritten at once."""
+        self.evals[when] = result
+        if self.rank == 0:
+            segments.write_evals(self.out, self.merged_evals())
+
+    def merged_evals(self) -> dict:
+        return segments.merge_evals(self.evals_before, self.first, self.evals)
 
     def record(self, it: int, layouts: dict[str, ParallelLayout], ids: list[int],
                episodes: list[Episode], lengths: list[int], seconds: dict[str, float],
@@ -83,12 +99,13 @@ class Recorder:
         self.history.append(rec)
         return rec
 
-    def finish(self, evals: dict) -> None:
+    def finish(self) -> None:
         if self.rank != 0:
             return
-        (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
-        for when, res in evals.items():
+        merged = self.merged_evals()
+        segments.write_evals(self.out, merged)
+        for when, res in self.evals.items():
             self.view.message(f"evaluation {when}: " + ", ".join(
                 f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
         from earl_megatron.trainer.report import write_report
-        write_report(self.out, self.history, evals)
+        write_report(self.out, self.history, merged)

@@ -17,7 +17,7 @@ layout; the default and the CPU path). Other engines plug in here with the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from earl_megatron.envs import make_env
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
@@ -46,9 +46,12 @@ class EpisodeSpec:
 
 class Rollout(Protocol):
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None
+             sample_seed: int, opponent: Optional[str] = None,
+             should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
-        """This replica's (sample ids, episodes) of the episodes of ``seeds``."""
+        """This replica's (sample ids, episodes) of the episodes of ``seeds``. ``should_stop``
+        is called by every rank of the replica before every turn; True raises
+        rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout)."""
 
     def close(self) -> None:
         ...
@@ -63,7 +66,8 @@ class EmbeddedRollout:
         self.tok = tokenizer
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None
+             sample_seed: int, opponent: Optional[str] = None,
+             should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
@@ -80,7 +84,8 @@ class EmbeddedRollout:
                                    max_action_tokens=sp.max_action_tokens,
                                    temperature=temperature, top_p=sp.top_p, seed=sample_seed)
         try:
-            episodes = run_episodes(engine, envs, [seeds[i] for i in block], self.tok, loop_cfg)
+            episodes = run_episodes(engine, envs, [seeds[i] for i in block], self.tok, loop_cfg,
+                                    should_stop=should_stop)
         finally:
             engine.close()
         return list(block), episodes

@@ -7,7 +7,7 @@
         [kl on] the reference scores them in its layout      (dispatched there and back)
         advantages                                           (global stats by all-reduce)
         switch the policy to TRAIN's layout; train           (dispatched point to point)
-        record; checkpoint (periodic, last, on SIGTERM); evaluate (periodic)
+        record; checkpoint (periodic, last, when stopping); evaluate (periodic)
 
 ``iteration`` is that loop body, in one screen; the machinery sits in named objects beside
 it: ``StagePlanner`` (trainer/planner.py), ``Models`` (trainer/models.py), the rollout engine
@@ -21,25 +21,33 @@ engine), so the policy is never re-scored; PPO epochs > 1 reuse them.
 
 Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
 and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
-same iterations as one that never stopped.
+same iterations as one that never stopped. On another world size (elastic resume) layouts are
+planned anew (auto) or taken from the config (static) and the selector state is reset
+(trainer/segments.py); the checkpoint reshards on load.
+
+Stopping (trainer/stop.py: SIGTERM, or the sbatch script's stop file): a rollout or an
+evaluation is abandoned at its next turn, a train stage that began is finished; the last
+completed iteration is checkpointed with the layout and selector state it ended with (so the
+resumed run replays an abandoned iteration exactly), evaluation is skipped, the process exits 0.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.losses import PolicyLossConfig
+from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.models import Models, build_models
 from earl_megatron.trainer.planner import StagePlanner
@@ -49,6 +57,7 @@ from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, adv
                                            kl_to_reference)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
+from earl_megatron.trainer.stop import StopControl
 
 
 class Trainer:
@@ -75,11 +84,18 @@ class Trainer:
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer)
         self.history: list[dict] = []
-        self.stop_requested = False
+        self.stop = StopControl.from_env()
+        self._completed: dict = {}
+        """The last completed iteration, its policy layout and selector state: what a
+        checkpoint holds when the next iteration is abandoned (``_mark_completed``)."""
+        self._saved = -1
+        """The iteration of the newest checkpoint this segment wrote or resumed from."""
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, it: int, models: Models) -> dict:
+    def iteration(self, it: int, models: Models) -> Optional[dict]:
+        """One iteration's record; None when told to stop during its rollout (abandoned before
+        anything trained)."""
         cfg, plan, t = self.cfg, self.planner, StageTimer()
         ref = models.reference
         with t("plan+switch"):
@@ -90,9 +106,15 @@ class Trainer:
         with t("rollout"):
             seeds = episode_seeds(cfg.run.seed, it, cfg.rollout.episodes_per_iteration,
                                   cfg.algorithm.group_size)
-            ids, episodes = self.rollout.play(policy, seeds,
-                                              temperature=cfg.rollout.temperature,
-                                              sample_seed=cfg.run.seed * 7919 + it)
+            try:
+                ids, episodes = self.rollout.play(policy, seeds,
+                                                  temperature=cfg.rollout.temperature,
+                                                  sample_seed=cfg.run.seed * 7919 + it,
+                                                  should_stop=self.stop.replica_should_stop)
+            except RolloutAbandoned:
+                ids, episodes = [], []
+        if self.stop.world_should_stop():  # every rank, abandoned or not: stop untrained
+            return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         if ref is not None:
@@ -123,7 +145,8 @@ class Trainer:
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                            cfg.algorithm.epochs)
         plan.last_lengths = lengths
-        metrics.update(loss=res.loss, grad_norm=res.grad_norm,
+        metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
+                       clip_fraction=res.clip_fraction,
                        dispatch_bytes=res.bytes_received + moved_lp,
                        **advantage_check(self.adv, policy, ids, samples, adv, len(seeds)))
         if res.entropy is not None:
@@ -140,37 +163,71 @@ class Trainer:
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
-        self.recorder.start()
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        evals: dict = {}
-        with view:
-            for line in messages:
-                view.message(line)
-            if start == 0:
-                evals["start"] = self.evaluate(models)
-            for it in range(start, cfg.run.iterations):
-                try:
-                    self.iteration(it, models)
-                except (NoLayoutFitsError, LayoutOverBudgetError):
-                    # contexts outgrew the budget: keep what was trained (the error says what
-                    # would fit; rerun with it to resume here)
-                    if it > start:
-                        self._checkpoint(models, it - 1)
-                    raise
-                stop = self._agree_stop()
-                last = it == cfg.run.iterations - 1
-                every = cfg.run.checkpoint_every
-                if stop or last or (every and (it + 1) % every == 0):
-                    self._checkpoint(models, it)
-                if stop:
-                    break
-                if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last:
-                    evals[f"iter{it + 1}"] = self.evaluate(models)
-            if not self.stop_requested:
-                evals["end"] = self.evaluate(models)
-            self.recorder.finish(evals)
-        self.rollout.close()
+        self.recorder.start(start)
+        self.stop.install()
+        self._mark_completed(models, start - 1)
+        try:
+            with view:
+                for line in messages:
+                    view.message(line)
+                if start >= cfg.run.iterations:
+                    view.message(f"the run is complete ({start} iterations): nothing to do; "
+                                 "raise run.iterations to train further")
+                    return self.history
+                self._run(start, models)
+        finally:
+            self.stop.close()
+            self.rollout.close()
         return self.history
+
+    def _run(self, start: int, models: Models) -> None:
+        cfg = self.cfg
+        if start == 0:
+            self._evaluate_into("start", models)
+        for it in range(start, cfg.run.iterations):
+            if self.stop.world_should_stop():
+                break
+            try:
+                rec = self.iteration(it, models)
+            except (NoLayoutFitsError, LayoutOverBudgetError):
+                # contexts outgrew the budget: keep what was trained (the error says what
+                # would fit; rerun with it to resume here)
+                if it > start:
+                    self._checkpoint(models, it - 1)
+                raise
+            if rec is None:
+                break  # abandoned: the last completed iteration is saved below
+            self._mark_completed(models, it)
+            stop = self.stop.world_should_stop()
+            last = it == cfg.run.iterations - 1
+            every = cfg.run.checkpoint_every
+            if stop or last or (every and (it + 1) % every == 0):
+                self._checkpoint(models, it)
+            if stop:
+                break
+            if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last:
+                self._evaluate_into(f"iter{it + 1}", models)
+        if self.stop.stopping:
+            done = self._completed["iteration"]
+            if done >= 0 and self._saved != done:
+                self._checkpoint(models, done)
+            self.recorder.view.message(
+                f"stopped at a safe point after iteration {done}: checkpoint saved, evaluation "
+                "skipped; rerun (or the requeued job) resumes there")
+        else:
+            self._evaluate_into("end", models)
+        self.recorder.finish()
+        if self.stop.stopping:
+            self.stop.mark_stopped(self._completed["iteration"])
+
+    def _evaluate_into(self, when: str, models: Models) -> None:
+        res = self.evaluate(models)
+        if res is not None:  # None: told to stop meanwhile, nothing recorded
+            self.recorder.evaluation(when, res)
+
+    def _mark_completed(self, models: Models, it: int) -> None:
+        self._completed = {"iteration": it, "layout": models.policy.layout,
+                           "selector": self.planner.state}
 
     def _start(self) -> tuple[int, Models, list[str]]:
         """(first iteration, models, messages): from the newest checkpoint, or fresh."""
@@ -178,14 +235,24 @@ class Trainer:
         ckpt = latest_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
         if ckpt is not None:
             state = json.loads((ckpt / "loop.json").read_text())
-            lay = self._parse(state["layout"])
-            ref_lay = self._parse(state["ref_layout"] or state["layout"]) if self.kl_on else None
-            models = build_models(cfg.model, lay, ref_lay, optimizer=self.optimizer,
-                                  seed=cfg.run.seed, init=cfg.run.init)
+            elastic = segments.resume_message(state, self.world, self.planner.auto)
+            if elastic is None:
+                self.planner.restore(state.get("selector"), state["last_lengths"])
+                lay = self._parse(state["layout"])
+                ref_lay = self._parse(state["ref_layout"] or state["layout"])
+            else:
+                # another world: the old layouts do not exist here; plan (auto) or take the
+                # config's (static) as a fresh run would, from the last episode lengths
+                self.planner.restore([], state["last_lengths"])
+                lay = ref_lay = self.planner.plan("rollout", self.planner.rollout_lengths(),
+                                                  None)
+            models = build_models(cfg.model, lay, ref_lay if self.kl_on else None,
+                                  optimizer=self.optimizer, seed=cfg.run.seed,
+                                  init=cfg.run.init)
             load_checkpoint(models.policy, ckpt)
             self.history.extend(state["history"])
-            self.planner.restore(state.get("selector"), state["last_lengths"])
-            return state["iteration"] + 1, models, [
+            self._saved = state["iteration"]
+            return state["iteration"] + 1, models, [elastic] * (elastic is not None) + [
                 f"resumed from {ckpt} at iteration {state['iteration'] + 1}"]
         if cfg.run.init:
             from earl_megatron.weights.convert import read_model_config
@@ -201,10 +268,11 @@ class Trainer:
     def _parse(self, text: str) -> ParallelLayout:
         return ParallelLayout.parse(text, world_size=self.world, model=self.cfg.model.shape)
 
-    def evaluate(self, models: Models) -> dict:
+    def evaluate(self, models: Models) -> Optional[dict]:
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
         "sampled" plays the stochastic policy at the rollout temperature (what training
-        optimises); "greedy" plays its argmax."""
+        optimises); "greedy" plays its argmax. None when told to stop meanwhile (abandoned at
+        a turn)."""
         cfg = self.cfg
         lay = models.policy.layout
         # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
@@ -213,8 +281,14 @@ class Trainer:
         out = {}
         for opp in cfg.env.eval_opponents:
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
-                ids, eps = self.rollout.play(policy, seeds, temperature=temp, sample_seed=424242,
-                                             opponent=opp)
+                try:
+                    ids, eps = self.rollout.play(policy, seeds, temperature=temp,
+                                                 sample_seed=424242, opponent=opp,
+                                                 should_stop=self.stop.replica_should_stop)
+                except RolloutAbandoned:
+                    ids, eps = [], []
+                if self.stop.world_should_stop():  # every rank: no evaluation once stopping
+                    return None
                 by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward) for e in eps])
                 out[f"{opp}/{mode}"] = {
                     "win_rate": sum(o == "win" for o, _ in by_id.values()) / len(by_id),
@@ -222,21 +296,18 @@ class Trainer:
         return out
 
     def _checkpoint(self, models: Models, it: int) -> None:
+        """Checkpoint iteration ``it``, the last completed one. The loop state records the
+        layout and selector state that iteration ended with (``_mark_completed``), even when the
+        policy has moved on into an abandoned iteration (its weights have not: nothing trained);
+        the weights save from whatever layout they are in (checkpoints load under any)."""
+        done = self._completed
+        assert done["iteration"] == it, (done["iteration"], it)
         policy = models.policy_in(models.policy.layout)
         ref = models.reference
-        state = {"iteration": it, "layout": str(policy.layout), "history": self.history,
-                 "last_lengths": self.planner.last_lengths,
+        state = {"iteration": it, "layout": str(done["layout"]), "world_size": self.world,
+                 "history": self.history, "last_lengths": self.planner.last_lengths,
                  "ref_layout": str(ref.layout) if ref is not None else None,
-                 "selector": self.planner.state_json()}
+                 "selector": self.planner.state_json(done["selector"])}
         save_checkpoint(policy, self.out / "checkpoints", it, state)
-
-    def _agree_stop(self) -> bool:
-        # ranks may see SIGTERM at different moments: agree before any collective save
-        flag = torch.tensor([int(self.stop_requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stop_requested = bool(flag.item())
-        return self.stop_requested
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.stop_requested = True  # finish the iteration, checkpoint, exit (Slurm preemption)
+        self._saved = it
 

@@ -102,6 +102,10 @@ class TrainResult:
     bytes_received: int
     entropy: Optional[float]
     """Mean entropy per policy token of the sampling policy (entropy bonus on), else None."""
+    ratio_mean: float
+    """Mean pi/pi_old over policy tokens in the last epoch's step (~1 on-policy, epoch 1)."""
+    clip_fraction: float
+    """Policy tokens whose ratio left [1 - clip_eps_low, 1 + clip_eps_high] (last epoch)."""
 
 
 def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -147,43 +151,65 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
         batches += microbatches({}, [[]], seq_lens=[shortest], cp=lay.cp,
                                 cp_rank=policy.coords.cp, rows=1, tensors=tensors)
     kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
-    r, entropy = None, None
+    r, entropy, ratio = None, None, torch.full((3,), math.nan, dtype=torch.float64)
     for epoch in range(epochs):
+        ratios: list = []
         if loss.entropy_coef:
             sums: list = []
-            r = train_step_logprobs(policy, batches, loss_fn=_entropy_loss_fn(loss, sums),
-                                    **kwargs)
+            r = train_step_logprobs(policy, batches,
+                                    loss_fn=_entropy_loss_fn(loss, sums, ratios), **kwargs)
             if epoch == 0:
-                # the sampling policy's entropy (before this batch's first update); the last
-                # pp_stage's tp rank 0 counts, cp chunks and dp ranks add up
-                acc = torch.zeros(2, dtype=torch.float64)
-                if policy.post_process and policy.coords.tp == 0:
-                    acc += sum(sums, torch.zeros(2, dtype=torch.float64))
-                acc = global_sum(acc)
+                # the sampling policy's entropy (before this batch's first update)
+                acc = _over_world(policy, sums, 2)
                 entropy = acc[0].item() / max(acc[1].item(), 1.0)
         else:
-            r = train_step(policy, batches, loss_fn=_loss_fn(loss), **kwargs)
+            r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
+        ratio = _over_world(policy, ratios, 3)
+    tokens = max(ratio[2].item(), 1.0)
     return TrainResult(loss=r.loss if r is not None else math.nan,
                        grad_norm=r.grad_norm if r is not None else math.nan,
-                       bytes_received=int(result.stats.bytes_received), entropy=entropy)
+                       bytes_received=int(result.stats.bytes_received), entropy=entropy,
+                       ratio_mean=ratio[0].item() / tokens,
+                       clip_fraction=ratio[1].item() / tokens)
 
 
-def _loss_fn(cfg: PolicyLossConfig):
-    """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy)."""
+def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
+    """Per-micro-batch sums added over the world: the last pp_stage's tp rank 0 counts (tp
+    ranks hold the same values), cp chunks and dp ranks add up. Collective."""
+    acc = torch.zeros(width, dtype=torch.float64)
+    if policy.post_process and policy.coords.tp == 0:
+        acc += sum(sums, torch.zeros(width, dtype=torch.float64))
+    return global_sum(acc)
+
+
+def _ratio_sums(logp: torch.Tensor, mb: dict, cfg: PolicyLossConfig) -> torch.Tensor:
+    """(sum of pi/pi_old, tokens outside the clip range, policy tokens) over policy tokens."""
+    m = mb["loss_mask"].double()
+    ratio = torch.exp(logp.detach().double() - mb["old_logprobs"].double())
+    out = ((ratio < 1.0 - cfg.clip_eps_low) | (ratio > 1.0 + cfg.clip_eps_high)).double()
+    return torch.stack([(ratio * m).sum(), (out * m).sum(), m.sum()])
+
+
+def _loss_fn(cfg: PolicyLossConfig, ratio_sums: list):
+    """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy).
+    Appends each micro-batch's ``_ratio_sums`` to ``ratio_sums``."""
     def loss_fn(output: torch.Tensor, mb: dict) -> torch.Tensor:
         logp = -output.float()  # Megatron returns the vocab-parallel cross entropy per token
+        ratio_sums.append(_ratio_sums(logp, mb, cfg))
         return policy_loss(logp, mb["old_logprobs"], mb["advantages"], cfg,
                            ref_logp=_ref_logp(mb, logp))
     return loss_fn
 
 
-def _entropy_loss_fn(cfg: PolicyLossConfig, entropy_sums: list):
+def _entropy_loss_fn(cfg: PolicyLossConfig, entropy_sums: list, ratio_sums: list):
     """Per-token loss on the logits path: TokenLogprobs -> loss with the entropy bonus. Appends
-    each micro-batch's (masked entropy sum, policy tokens) to ``entropy_sums``."""
+    each micro-batch's (masked entropy sum, policy tokens) to ``entropy_sums`` and its
+    ``_ratio_sums`` to ``ratio_sums``."""
     def loss_fn(tl, mb: dict) -> torch.Tensor:
         m = mb["loss_mask"].float()
         entropy_sums.append(torch.stack([(tl.entropy.detach().double() * m).sum(),
                                          m.double().sum()]))
+        ratio_sums.append(_ratio_sums(tl.logp, mb, cfg))
         return policy_loss(tl.logp, mb["old_logprobs"], mb["advantages"], cfg,
                            ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy)
     return loss_fn

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from earl_megatron.envs import make_env
-from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, run_episodes,
-                                              summarize)
+from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, RolloutAbandoned,
+                                              run_episodes, summarize)
 from earl_megatron.rollout.engine import SamplingParams
 from earl_megatron.rollout.hf_engine import HFEngine
 from earl_megatron.rollout.tokenizer import (chat_format, char_tokenizer, render_next_turn,
@@ -136,6 +136,24 @@ def test_max_turns_reported(always_three):
     ids, mask = rebuild(ep, make_env("connect_four"), 3)
     assert list(ep.token_ids) == ids and list(ep.loss_mask) == mask
     assert ids[ep.prompt_length + 3] == END  # the unfinished turn closed by a template token
+
+
+def test_should_stop_abandons_before_a_turn(always_three):
+    # called once before every turn; True on the 2nd call: one turn played, then abandoned
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return len(calls) == 2
+
+    cfg = AgentLoopConfig(max_turns=4, max_action_tokens=3, temperature=0.0)
+    with pytest.raises(RolloutAbandoned, match="before turn 1"):
+        run_episodes(HFEngine(always_three), [make_env("connect_four")], [0], TOK, cfg,
+                     should_stop=should_stop)
+    assert len(calls) == 2
+    ep, = run_episodes(HFEngine(always_three), [make_env("connect_four")], [0], TOK, cfg,
+                       should_stop=lambda: False)
+    assert ep.turns == 4  # never told: plays to the end as without the hook
 
 
 def test_max_context_reported(always_three):

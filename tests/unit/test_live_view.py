@@ -1,6 +1,5 @@
 """LiveView (plain lines off a terminal, rich Live on one, TensorBoard) and the report PNG."""
 
-import importlib.util
 import io
 import re
 
@@ -17,7 +16,8 @@ def record(it, train="TP2xDP2", logprob=None, memory=True):
     rec = {"iteration": it, "layouts": {"rollout": "DP4", "train": train},
            "reward": -0.5 + 0.25 * it, "win_rate": 0.1 * it, "illegal_rate": 0.05,
            "unparsable_rate": 0.3, "mean_context": 110.4 + it, "max_context": 300 + it,
-           "loss": 0.0123, "dispatch_bytes": 2**20 * (it + 1),
+           "loss": 0.0123, "dispatch_bytes": 2**20 * (it + 1), "grad_norm": 1.25 + it,
+           "entropy": 0.75, "clip_fraction": 0.125, "ratio_mean": 1.0005,
            "seconds": {"plan+switch": 0.2, "rollout": 12.3, "switch": 0.4, "train": 4.5,
                        "total": 17.4}}
     if logprob:
@@ -44,7 +44,10 @@ def test_plain_lines_off_a_terminal():
     first = lines[2].split()
     assert first[:9] == ["0", "DP4", "12.3s", "5.1G", "TP2xDP2", "4.5s", "3.2G", "110/300",
                          "-0.500"]
-    assert first[-3:-1] == ["+0.0123", "17.4"]
+    # the update's columns, not the ~0 loss: grad norm, entropy, KL (none here), clip, ratio
+    assert first[-7:-1] == ["1.250", "0.750", "-", "0.125", "1.0005", "17.4"]
+    assert "+0.0123" not in lines[2]
+    assert lines[1].split()[-7:] == ["gnorm", "ent", "kl", "clip", "ratio", "s/it", "eta"]
 
 
 def test_plain_header_repeats_when_a_stage_appears():
@@ -97,9 +100,12 @@ def test_tensorboard_scalars():
     assert "iteration" not in got and not any(k.startswith("layouts") for k in got)
 
 
-def test_tensorboard_missing_says_so_once(tmp_path):
-    if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed")
+def test_tensorboard_missing_says_so_once(tmp_path, monkeypatch):
+    # tensorboard is in the dev extra: make its import fail as it does where it is absent
+    # (a None entry in sys.modules makes ``import`` raise ImportError)
+    import sys
+    for name in ("tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)
     buf = io.StringIO()
     with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
                   console=Console(file=buf)) as view:
@@ -110,12 +116,19 @@ def test_tensorboard_missing_says_so_once(tmp_path):
 
 
 def test_tensorboard_writes_event_files(tmp_path):
-    pytest.importorskip("tensorboard")
+    # the dev extra installs tensorboard: read the event files back with its own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
                   console=Console(file=io.StringIO())) as view:
         view.update(record(0))
         view.update(record(1))
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    reward = [(e.step, e.value) for e in acc.Scalars("reward")]
+    assert reward == [(0, -0.5), (1, -0.25)]
+    assert [e.value for e in acc.Scalars("context/max")] == [300, 301]
 
 
 def test_eval_positions():
@@ -138,3 +151,19 @@ def test_write_report_png(tmp_path, history):
     assert path == tmp_path / "report.png"
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_tensorboard_resumed_segment_purges_later_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with LiveView(total=3, out_dir=tmp_path, tensorboard=True,
+                  console=Console(file=io.StringIO())) as view:
+        for it in range(3):       # iteration 2 was recorded, then the run died before its
+            view.update(record(it))   # checkpoint: the next segment starts at 2 again
+    with LiveView(total=4, start=2, out_dir=tmp_path, tensorboard=True,
+                  console=Console(file=io.StringIO())) as view:
+        view.update(record(2))
+        view.update(record(3))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward")] == [0, 1, 2, 3]

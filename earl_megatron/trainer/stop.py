@@ -1,0 +1,102 @@
+"""Stopping at a safe point when told to (Slurm preemption, scancel, a time limit's signal).
+
+Two ways to be told, both per rank and both cheap to poll:
+- SIGTERM to the worker (torchrun forwards its own TERM to its workers; Slurm sends one to the
+  job step when ``--signal`` has no ``B:``);
+- the stop file ``$EARL_STOP_FILE`` (recipes/slurm/train.sbatch sets it): the batch shell traps
+  TERM and writes ``requested`` there, so torchrun itself is never signalled and exits 0.
+When the trainer has stopped cleanly (its last completed iteration checkpointed) rank 0 writes
+``stopped <iteration>`` to the same file; the batch script reads it to requeue the job.
+
+Agreement (ranks see a signal or a file at different moments; a collective must never be
+skipped by some ranks only):
+- ``replica_should_stop()``: inside the rollout, at each turn, all ranks of ONE rollout replica
+  (its tp x pp ranks, which decode in lockstep) agree; a replica that agrees abandons its
+  episodes at once (rollout.agent_loop.RolloutAbandoned). Replicas never wait for each other.
+- ``world_should_stop()``: at a stage boundary, every rank of the world agrees (an all-reduce
+  MAX). Once true it stays true.
+
+Invariant: an iteration is either completed (trained, recorded, checkpointable) or abandoned
+before its first optimizer step; the trainer never records half an iteration. Policy: the
+rollout (and an evaluation) is abandoned at the next turn; a train stage that has begun is
+finished, then the iteration is recorded and checkpointed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+STOP_FILE_ENV = "EARL_STOP_FILE"
+
+
+class StopControl:
+    """One per trainer process; ``install()`` once before training, ``close()`` after."""
+
+    def __init__(self, stop_file: Optional[str] = None):
+        self.stop_file = Path(stop_file) if stop_file else None
+        self._signalled = False
+        self._agreed = False
+        self._previous = None
+
+    @classmethod
+    def from_env(cls) -> "StopControl":
+        return cls(os.environ.get(STOP_FILE_ENV) or None)
+
+    def install(self) -> "StopControl":
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._signalled = True  # acted on at the next safe point
+
+    @property
+    def stopping(self) -> bool:
+        """True once the world agreed to stop (no collective)."""
+        return self._agreed
+
+    def local(self) -> bool:
+        """This rank was told to stop (signal or stop file); no collective."""
+        if self._signalled or self._agreed:
+            return True
+        if self.stop_file is not None:
+            try:
+                return self.stop_file.read_text().startswith("requested")
+            except OSError:
+                return False
+        return False
+
+    def world_should_stop(self) -> bool:
+        """Collective over the world: does any rank want to stop?"""
+        flag = torch.tensor([int(self.local())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._agreed = self._agreed or bool(flag.item())
+        return self._agreed
+
+    def replica_should_stop(self) -> bool:
+        """Collective over this rank's rollout replica (tp then pp groups of the live layout)."""
+        from earl_megatron.runtime import groups
+
+        flag = torch.tensor([int(self.local())])
+        for group in (groups.tp_group(), groups.pp_group()):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def mark_stopped(self, last_completed: int) -> None:
+        """Rank 0, after the final checkpoint: tell the batch script the stop was clean."""
+        if self.stop_file is None or dist.get_rank() != 0:
+            return
+        tmp = self.stop_file.with_name(self.stop_file.name + ".tmp")
+        tmp.write_text(f"stopped {last_completed}\n")
+        os.replace(tmp, self.stop_file)

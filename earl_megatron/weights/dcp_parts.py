@@ -1,0 +1,193 @@
+"""Checkpoint-part surgery on torch distributed-checkpoint (DCP) files, below dist_checkpointing.
+
+Two operations Megatron-Core's ``dist_checkpointing`` does not offer in a one-rank process:
+
+- ``part_state_dict`` + ``merge_parts``: a checkpoint written as several independent saves
+  ("parts", each holding some tensors and, of a stacked ``decoder.layers.*`` key, a contiguous
+  layer range) becomes ONE checkpoint: the parts' ``.distcp`` files move into the output folder
+  (renamed ``__partKKKKK<name>``) and their DCP ``.metadata`` are merged (chunk lists per key
+  shifted to the part's first layer, storage index following the renamed files), as
+  Megatron-Core's own ``remove_sharded_tensors`` rewrites that file.
+- ``region_request`` + ``read_regions``: read regions of stored keys (one layer of a stacked key)
+  without reading the rest, with a DCP load planner that asks only for those regions.
+
+Invariants: a merged checkpoint is byte-for-byte the parts' data (no tensor is rewritten), and
+``dist_checkpointing.load`` reads it under any layout; a region read returns exactly the stored
+values of that region. Errors reading damaged files are the caller's to translate
+(weights/convert.py turns them into one-line CheckpointErrors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The global layer index of a ``decoder.layers.<i>.*`` name (None for other tensors)."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("decoder.layers.") else None
+
+
+def part_state_dict(pending: dict[str, tuple[str, Optional[int], torch.Tensor]]
+                     ) -> tuple[dict[str, Any], dict[str, int]]:
+    """One part's ShardedTensors, stacked keys cut to the part's own layer range.
+
+    A part holds layers [a, b) of a stacked key. It is saved as a (b - a, ...) tensor because in a
+    1-rank world Megatron-Core's save cannot describe chunks that no rank holds; ``merge_parts``
+    shifts the chunks by ``a`` (returned per key) into the full (num_layers, ...) tensor. Plain
+    chunks replace the SwiGLU factory: the stored global tensor [gate; up] is the same and
+    resharding on load reads any chunking.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    by_key: dict[str, list[int]] = {}
+    for key, layer, _ in pending.values():
+        if layer is not None:
+            by_key.setdefault(key, []).append(layer)
+    shift = {}
+    for key, layers in by_key.items():
+        a, b = min(layers), max(layers) + 1
+        if sorted(layers) != list(range(a, b)):
+            raise AssertionError(f"{key}: layers {layers} of one part are not contiguous")
+        shift[key] = a
+    sd = {}
+    for name, (key, layer, t) in pending.items():
+        if layer is None:
+            sd[name] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
+        else:
+            a = shift[key]
+            n = len(by_key[key])
+            sd[name] = ShardedTensor.from_rank_offsets(key, t, (0, layer - a, n), replica_id=0,
+                                                       prepend_axis_num=1)
+    return sd, shift
+
+
+def merge_parts(part_dirs: list[Path], shifts: list[dict[str, int]], num_layers: int,
+                out: Path) -> None:
+    """Merge the parts' torch_dist checkpoints into one (files moved, DCP .metadata rewritten).
+
+    Part k's chunks of a stacked key move by ``shifts[k][key]`` layers along dim 0 and the key's
+    size becomes (num_layers, ...); every chunk's storage entry follows its file's new name.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorStorageMetadata)
+
+    def moved(offsets, by: int) -> torch.Size:
+        return torch.Size((offsets[0] + by, *offsets[1:]))
+
+    state_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, Any] = {}
+    first: Optional[Metadata] = None
+    for k, (d, shift) in enumerate(zip(part_dirs, shifts)):
+        md = FileSystemReader(str(d)).read_metadata()
+        first = first or md
+        renamed = {}
+        for f in sorted(d.glob("*.distcp")):
+            renamed[f.name] = f"__part{k:05d}{f.name}"
+            os.replace(f, out / renamed[f.name])
+        for key, m in md.state_dict_metadata.items():
+            if isinstance(m, TensorStorageMetadata):
+                by = shift.get(key)
+                chunks = m.chunks if by is None else [
+                    ChunkStorageMetadata(moved(c.offsets, by), c.sizes) for c in m.chunks]
+                size = m.size if by is None else torch.Size((num_layers, *m.size[1:]))
+                if key in state_meta:
+                    prev = state_meta[key]
+                    if prev.size != size or prev.properties.dtype != m.properties.dtype:
+                        raise ValueError(f"parts disagree on {key}: {prev.size} vs {size}")
+                    prev.chunks.extend(chunks)
+                else:
+                    state_meta[key] = TensorStorageMetadata(m.properties, size, list(chunks))
+            elif key in state_meta:
+                raise ValueError(f"object {key} saved in two parts")
+            else:
+                state_meta[key] = m
+        for idx, info in (md.storage_data or {}).items():
+            by = shift.get(idx.fqn)
+            if by is not None:
+                idx = MetadataIndex(idx.fqn, moved(idx.offset, by), idx.index)
+            storage[idx] = dataclasses.replace(info, relative_path=renamed[info.relative_path])
+        planner.update(md.planner_data or {})
+    assert first is not None, "no parts to merge"
+    merged = dataclasses.replace(first, state_dict_metadata=state_meta, storage_data=storage,
+                                 planner_data=planner)
+    with open(out / ".metadata", "wb") as f:
+        pickle.dump(merged, f)
+    for name in ("metadata.json", "common.pt"):
+        shutil.copy2(part_dirs[0] / name, out / name)
+
+
+def region_request(entry, name: str, stored: dict, src: Path):
+    """(checkpoint key, offsets, empty destination) for one Megatron tensor (layer i of a
+    stacked key is the (1, ...) region at offset i)."""
+    if entry.key not in stored:
+        raise KeyError(f"{src} has no tensor {entry.key!r}; it was not written for this model "
+                       "config (earl_model_config.json)")
+    meta = stored[entry.key]
+    shape = tuple(entry.data.shape)
+    layer = layer_of(name)
+    if layer is None:
+        offsets, shape = (0,) * len(shape), shape
+    else:
+        offsets, shape = (layer,) + (0,) * len(shape), (1,) + shape
+    if any(o + n > m for o, n, m in zip(offsets, shape, meta.size)):
+        raise ValueError(f"{src}: {entry.key} has shape {tuple(meta.size)}, too small for "
+                         f"{name} of this model config")
+    return entry.key, offsets, torch.empty(shape, dtype=meta.properties.dtype)
+
+
+def read_regions(path: str | os.PathLike,
+                 requests: dict[str, tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
+    """Fill each destination with a region of a stored key: {name: (key, offsets, dest)}.
+
+    Torch DCP's load with a planner that asks for regions (``create_read_items_for_chunk_list``
+    finds the stored chunks that overlap each region): one layer of a stacked key is read
+    without the others, in a 1-rank process, which dist_checkpointing.load cannot do there.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp.load({name: dest for name, (_, _, dest) in requests.items()},
+             storage_reader=FileSystemReader(str(path)), planner=_region_planner()(requests),
+             no_dist=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _region_planner():
+    """The planner class, defined once: a class built per call (closing over the requests) sits
+    in a reference cycle and kept every part's tensors alive until the cyclic GC ran."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionPlanner(DefaultLoadPlanner):
+        def __init__(self, requests):
+            super().__init__()
+            self.requests = requests
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for name, (key, offsets, dest) in self.requests.items():
+                chunk = ChunkStorageMetadata(torch.Size(offsets), dest.shape)
+                for it in create_read_items_for_chunk_list(
+                        key, self.metadata.state_dict_metadata[key], [chunk]):
+                    # destination named by the Megatron name: several layers of one key differ
+                    items.append(dataclasses.replace(
+                        it, dest_index=dataclasses.replace(it.dest_index, fqn=name)))
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index) -> torch.Tensor:
+            return self.requests[index.fqn][2]
+
+    return RegionPlanner
