@@ -253,3 +253,18 @@ class CalculatorEnv(Env):
                                "tool_calls": self.tool_calls})
         return StepResult(f"<result>{format_number(value)}</result>", 0.0, False,
                           {"tool_calls": self.tool_calls})
+
+
+def tool_metrics(rows) -> dict:
+    """Per-iteration tool-use metrics from one row per episode:
+    (correct, tool calls, tool error, unparsable, sampled turns).
+
+    accuracy: episodes answered right; tool_calls: calculator calls per episode; tool_error_rate:
+    episodes with a refused or failed call; unparsable_turn_rate: unparsable turns over all
+    sampled turns (an unparsable turn ends its episode, so at most one per episode)."""
+    rows = list(rows)
+    n, turns = max(len(rows), 1), max(sum(r[4] for r in rows), 1)
+    return {"accuracy": sum(bool(r[0]) for r in rows) / n,
+            "tool_calls": sum(r[1] for r in rows) / n,
+            "tool_error_rate": sum(bool(r[2]) for r in rows) / n,
+            "unparsable_turn_rate": sum(bool(r[3]) for r in rows) / turns}

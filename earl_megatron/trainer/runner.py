@@ -48,11 +48,21 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.build import build_on_layout
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from earl_megatron.trainer import loop
 from earl_megatron.trainer.data import episode_tensors
+
+
+def _tool_row(e) -> Optional[tuple]:
+    """An episode's (correct, tool calls, tool error, unparsable, turns) for tool_metrics; None
+    for environments without tools (no "tool_calls" in their info)."""
+    if "tool_calls" not in e.info:
+        return None
+    return (bool(e.info.get("correct")), int(e.info["tool_calls"]),
+            bool(e.info.get("tool_error")), bool(e.info.get("unparsable")), e.turns)
 
 
 class Runner:
@@ -77,6 +87,8 @@ class Runner:
         """The reference policy (ModelOnLayout without optimizer) when kl_mode is not off."""
         self._live = "policy"
         """Whose process groups are live: "policy" or "ref" (see the module docstring)."""
+        self._sft_start, self._sft_history = 0, []
+        """The warm start's next step and its records (resumed from its checkpoint)."""
         from earl_megatron.runtime import groups
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
 
@@ -182,6 +194,13 @@ class Runner:
         with self.view:
             for line in self._pending:
                 self.view.message(line)
+            if start == 0 and cfg.sft.steps:
+                from earl_megatron.trainer.warm_start import WarmStart
+                warm = WarmStart(self, self._sft_start, self._sft_history)
+                mol = warm.run(mol)
+                self._sft_history = warm.history
+                if self._stop:  # SIGTERM during the warm start: checkpointed, resume later
+                    return self.history
             return self._train(start, mol)
 
     def _train(self, start: int, mol) -> list[dict]:
@@ -266,9 +285,11 @@ class Runner:
             (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
             for when, res in evals.items():
                 self._log_line(f"evaluation {when}: " + ", ".join(
-                    f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
+                    f"{k} accuracy {v['accuracy']:.2f}, tool calls {v['tool_calls']:.2f}"
+                    if "accuracy" in v else f"{k} win {v['win_rate']:.2f}"
+                    for k, v in res.items()))
             from earl_megatron.trainer.report import write_report
-            write_report(self.out, self.history, evals)
+            write_report(self.out, self.history, evals, sft=self._sft_history)
         return self.history
 
     # ------------------------------------------------------------------ pieces
@@ -292,6 +313,18 @@ class Runner:
             if self.rank == 0:
                 self._log_line(f"resumed from {ckpt} at iteration {state['iteration'] + 1}")
             return state["iteration"] + 1, mol
+        from earl_megatron.trainer.warm_start import resume_layout, warm_start_state
+        warm = warm_start_state(cfg, self.out)
+        if warm is not None:
+            # killed during (or right after) the warm start: its weights, Adam state and step
+            mol = build_on_layout(cfg.model, resume_layout(warm, self.world, cfg),
+                                  optimizer=loop.optimizer_spec(cfg), seed=cfg.run.seed)
+            load_checkpoint(mol, warm["path"])
+            self._sft_start, self._sft_history = warm["sft_step"] + 1, warm["sft_history"]
+            if self.rank == 0:
+                self._log_line(f"resumed the warm start from {warm['path']} at step "
+                               f"{self._sft_start}")
+            return 0, mol
         first = self.plan_stage("rollout", self._predicted_lengths(), None)
         self.ref = self._build_reference(first)
         if cfg.run.init:
@@ -368,24 +401,29 @@ class Runner:
             mol = self._switch(mol, ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
         n = cfg.run.eval_episodes
         seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(n)]
-        for opp in cfg.env.eval_opponents:
+        # games: one evaluation per opponent; an environment without opponents (the
+        # calculator) is evaluated as configured, under its own name
+        for opp in cfg.env.eval_opponents or (None,):
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
                 block, eps = loop.play(mol, cfg, self.tok, seeds, temperature=temp,
                                        sample_seed=424242, opponent=opp)
                 parts: list = [None] * self.world
-                dist.all_gather_object(parts, [(s, e.info.get("outcome"), e.reward)
-                                               for s, e in zip(block, eps)])
-                by_id = {s: (o, r) for part in parts for s, o, r in part}
-                wins = sum(1 for o, _ in by_id.values() if o == "win")
-                out[f"{opp}/{mode}"] = {
-                    "win_rate": wins / len(by_id),
-                    "mean_reward": sum(r for _, r in by_id.values()) / len(by_id)}
+                dist.all_gather_object(parts, [(s, e.info.get("outcome"), e.reward,
+                                                _tool_row(e)) for s, e in zip(block, eps)])
+                by_id = {s: (o, r, t) for part in parts for s, o, r, t in part}
+                wins = sum(1 for o, _, _ in by_id.values() if o == "win")
+                res = {"win_rate": wins / len(by_id),
+                       "mean_reward": sum(r for _, r, _ in by_id.values()) / len(by_id)}
+                tool = [t for _, _, t in by_id.values() if t is not None]
+                if tool:
+                    res.update(tool_metrics(tool))
+                out[f"{opp or cfg.env.name}/{mode}"] = res
         return out, mol
 
     def _record(self, it, layouts, episodes, lengths, loss, moved, seconds, extra) -> dict:
         parts: list = [None] * self.world
         mine = [(e.reward, e.info.get("outcome"), bool(e.info.get("illegal")),
-                 bool(e.info.get("unparsable"))) for e in episodes]
+                 bool(e.info.get("unparsable")), _tool_row(e)) for e in episodes]
         dist.all_gather_object(parts, (self.rank, mine))
         # every rank of a replica reports the same episodes: count each replica once
         seen, rows = set(), []
@@ -401,6 +439,7 @@ class Runner:
                "win_rate": sum(r[1] == "win" for r in rows) / n,
                "illegal_rate": sum(r[2] for r in rows) / n,
                "unparsable_rate": sum(r[3] for r in rows) / n,
+               **(tool_metrics([r[4] for r in rows]) if any(r[4] for r in rows) else {}),
                "mean_context": sum(lengths) / len(lengths), "max_context": max(lengths),
                "loss": loss, "seconds": seconds, "dispatch_bytes": moved}
         rec.update(extra)  # kl, ref_log_ratio_max (kl on), entropy (entropy_coef > 0)

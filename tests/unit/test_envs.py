@@ -266,3 +266,12 @@ def test_a_failing_tool_ends_the_episode_with_a_penalty(tool, why):
     # the environment is usable for the next episode
     env.reset(1)
     assert env.step("<answer>1</answer>").done
+
+
+def test_tool_metrics():
+    from earl_megatron.envs.tool_env import tool_metrics
+
+    rows = [(True, 1, False, False, 2), (False, 0, False, False, 1), (False, 2, True, True, 3),
+            (True, 1, False, False, 2)]
+    assert tool_metrics(rows) == {"accuracy": 0.5, "tool_calls": 1.0, "tool_error_rate": 0.25,
+                                  "unparsable_turn_rate": 1 / 8}
