@@ -4,7 +4,7 @@
         layout=static layout.train=tp2
 
 Hydra composes recipes/config.yaml with the command-line overrides; the result is converted once
-to ``TrainConfig`` (frozen) and saved with the run as resolved.yaml. Bad configuration (unknown
+to ``TrainConfig`` (frozen) and saved with the run as resolved.json. Bad configuration (unknown
 keys, an unknown environment, a layout the model cannot take, a model that fits no layout, a
 node count that does not match the world) stops here, before any model is built.
 """
@@ -53,7 +53,15 @@ def validate(cfg: TrainConfig, world: int) -> None:
     if cfg.env.name not in list_envs():
         raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment; known: "
                           f"{list(list_envs())}")
+    if cfg.rollout.engine != "embedded":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: the trainer drives only the "
+                          "embedded engine so far; use rollout.engine=embedded")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = cfg.cluster.devices_per_node
+    if per_node is not None and per_node != local:
+        raise ConfigError(f"cluster.devices_per_node={per_node} but torchrun started {local} "
+                          "ranks per node; pass --nproc-per-node "
+                          f"{per_node} or cluster.devices_per_node=null")
     if cfg.cluster.nodes * local != world:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
@@ -84,7 +92,7 @@ def _quiet_known_warnings() -> None:
 
 def run(cfg: TrainConfig) -> list[dict]:
     from earl_megatron.runtime.dist import init_distributed
-    from earl_megatron.trainer.runner import Runner
+    from earl_megatron.trainer.runner import Trainer
 
     rank, world = init_distributed()
     validate(cfg, world)
@@ -102,7 +110,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
     with backend:
-        return Runner(cfg, make_tokenizer(cfg)).train()
+        return Trainer(cfg, make_tokenizer(cfg)).train()
 
 
 def main() -> None:

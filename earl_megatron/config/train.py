@@ -40,6 +40,13 @@ class LayoutConfig:
     max_pp: Optional[int] = None
 
     def __post_init__(self):
+        _at_least(self, "layout", 1, "max_tp", "max_cp", "max_pp")
+        if not 0.0 <= self.memory_margin < 1.0 or self.hysteresis < 0:
+            raise ConfigError(f"layout.memory_margin={self.memory_margin} must be in [0, 1) and "
+                              f"layout.hysteresis={self.hysteresis} >= 0")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ConfigError(f"layout.memory_budget_gb={self.memory_budget_gb} must be > 0 "
+                              "(null: the device's memory)")
         if self.mode not in ("auto", "static"):
             raise ConfigError(f"layout.mode={self.mode!r}: use 'auto' or 'static'")
         if self.mode == "static":
@@ -80,8 +87,14 @@ class RolloutConfig:
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
             raise ConfigError(f"rollout.engine={self.engine!r}: use 'embedded' or 'sglang'")
-        if self.episodes_per_iteration < 1:
-            raise ConfigError("rollout.episodes_per_iteration must be >= 1")
+        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
+                              f"rollout.top_p={self.top_p} in (0, 1]")
+        if self.max_context_tokens is not None and \
+                self.max_context_tokens <= self.max_action_tokens:
+            raise ConfigError(f"rollout.max_context_tokens={self.max_context_tokens} leaves no "
+                              f"room for a prompt before a {self.max_action_tokens}-token turn")
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,11 @@ class AlgorithmConfig:
     use_distributed_optimizer: bool = False
 
     def __post_init__(self):
+        _at_least(self, "algorithm", 1, "group_size", "epochs", "micro_batch_size",
+                  "micro_batch_tokens")
+        if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:
+            raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
+                              "clip_eps >= 0")
         if self.name not in ("reinforce_pp", "grpo", "ppo"):
             raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp, grpo or ppo")
         if self.kl_mode not in ("off", "loss", "reward"):
@@ -141,6 +159,9 @@ class ClusterConfig:
     None: the default, 4 (rollout, logprob and train layouts, and one more)."""
 
     def __post_init__(self):
+        _at_least(self, "cluster", 1, "nodes", "devices_per_node")
+        if self.inter_node_gbps <= 0:
+            raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} must be > 0")
         if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
             raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
                               "null (the default, 4), 0 or 1 (no cache) or more")
@@ -164,6 +185,10 @@ class RunConfig:
     """Mirror the metrics to <output_dir>/tensorboard (needs the tensorboard package)."""
     init: Optional[str] = None
     """HF directory or converted checkpoint to start from; None: random init from the seed."""
+
+    def __post_init__(self):
+        _at_least(self, "run", 1, "iterations", "eval_episodes")
+        _at_least(self, "run", 0, "checkpoint_every", "eval_every")
 
 
 @dataclass(frozen=True)
@@ -197,6 +222,14 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _at_least(section, name: str, low: int, *fields: str) -> None:
+    """Range check of integer fields (None passes: "not set")."""
+    for f in fields:
+        v = getattr(section, f)
+        if v is not None and v < low:
+            raise ConfigError(f"{name}.{f}={v} must be >= {low}")
 
 
 def _build(cls, d: Any, path: str):

@@ -82,7 +82,12 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        variable_seq_lengths=False,
+        # micro-batches differ in length and rows (length-grouped): pipeline stages exchange
+        # each one's shape
+        variable_seq_lengths=layout.pp > 1,
+        # 0.16 refuses variable_seq_lengths with the default (allgather) MoE token dispatcher
+        # even when there are no experts; a dense model never builds a dispatcher
+        moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=calculate_per_token_loss,
         deallocate_pipeline_outputs=False,
         cross_entropy_loss_fusion=False,

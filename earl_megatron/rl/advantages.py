@@ -1,170 +1,149 @@
-"""Advantage estimators over per-token tensors (pure tensor math, no communication).
+"""Returns, advantages and their normalisation: the one place the trainer's RL math lives.
 
-All tensors are [B, T] aligned with the token ids of an episode: ``mask`` is 1 on policy tokens
-(the ones the loss trains) and 0 on prompt, environment and tool tokens; ``rewards`` is one
-scalar per episode, credited at the episode's last policy token.
+Pure tensor math, no communication. Normalisation statistics come in already reduced over the
+whole (global) batch: the trainer computes this rank's ``moment_sums`` on what it OWNS (each
+sample counted once, by one rank of its rollout replica), runtime/reduce.py all-reduces them
+(mean first, then squared deviations about the global mean: one pass of sum and sum of squares
+loses digits when the mean is large), and the functions here apply the result. On one process
+``local_moments`` is the same computation without the all-reduces, so a distributed run equals
+the single-process one.
 
-- REINFORCE++ (Hu et al. 2025, the EARL paper's estimator): per-token return
-  ``G_t = r * [t is last policy token] - beta * sum_{t' >= t} kl_t'`` (the KL-in-reward form;
-  beta = 0 gives the plain episode reward on every policy token), then advantages normalised by
-  the mean and std over ALL policy tokens of the global batch. No critic, no group structure.
-- Per-turn credit (multi-turn episodes): ``turn_returns`` takes the environment's reward of each
-  turn at that turn's last policy token and discounts by ``gamma`` per turn,
-  ``G_k = r_k + gamma * G_{k+1}`` over the turns k (runs of policy tokens), each turn's tokens
-  sharing its ``G_k``. ``gamma = 1`` with only a final reward is the plain REINFORCE++ return.
-- GRPO (Shao et al. 2024): ``A_i = (r_i - mean_group(r)) / (std_group(r) + eps)`` per prompt
-  group, broadcast over the episode's policy tokens ("Dr. GRPO"-style ``scale=False`` skips the
-  std division).
-- ``batch_statistics`` returns the sums the normalisations need, so a distributed run can
-  all-reduce them over the owners of the samples (runtime/dispatcher group reductions) and then
-  call ``normalize`` with the global values: the result equals the single-process one.
+Per-sample tensors are label-aligned [T] rows (trainer/data.py): ``mask`` is 1 on policy
+tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding tokens;
+``token_rewards`` holds each turn's reward on the turn's last policy token.
 
-Invariant: advantages are exactly 0 where mask == 0.
+- Returns (REINFORCE++ and PPO without a critic; Hu et al. 2025, the EARL paper's estimator):
+  ``token_returns``. Per-turn credit: every token of turn k gets
+  ``G_k = r_k + gamma * G_{k+1}`` (the turn is the action). KL in the reward (k1, weight beta):
+  with gamma = 1 each token pays its own and every later token's KL (REINFORCE++'s per-token
+  form: ``G_t = sum_{t' >= t} r_t' - beta * kl_t'``); with gamma < 1 each turn's summed KL joins
+  that turn's reward. gamma = 1, one final reward, no KL: the plain episode reward everywhere.
+- REINFORCE++ advantage: ``(G - mean) / (std + eps)`` with mean and std over ALL policy tokens
+  of the global batch (population std), ``normalize``.
+- GRPO (Shao et al. 2024): ``A_i = (r_i - mean_g) / (std_g + eps)`` over the episodes of prompt
+  group g (unbiased std within the group, as GRPO implementations use; 0 for a singleton group),
+  broadcast over the episode's policy tokens, ``grpo_advantages``. With KL in the reward the
+  episode's summed k1 comes off r_i first (a sequence-level penalty).
+
+Invariants: advantages are exactly 0 where mask == 0; GRPO's advantages have mean 0 in every
+group of non-identical rewards; REINFORCE++'s have mean 0 over the batch's policy tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+EPS = 1e-6
+
 
 @dataclass(frozen=True)
-class TokenStats:
-    """Sums over policy tokens: enough for a global mean and std after an all-reduce."""
+class Moments:
+    """Global statistics per group ([G] float64 each): count, mean and std."""
 
-    count: float
-    total: float
-    total_sq: float
-
-    def mean(self) -> float:
-        return self.total / max(self.count, 1.0)
-
-    def std(self) -> float:
-        m = self.mean()
-        var = self.total_sq / max(self.count, 1.0) - m * m
-        return max(var, 0.0) ** 0.5
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.count, self.total, self.total_sq], dtype=torch.float64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "TokenStats":
-        c, s, sq = t.double().tolist()
-        return cls(c, s, sq)
+    count: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
 
 
-def last_policy_token(mask: torch.Tensor) -> torch.Tensor:
-    """One-hot [B, T] of each row's last masked position (all zeros for rows with no policy token)."""
-    idx = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    last = torch.where(mask > 0, idx, torch.full_like(idx, -1)).max(dim=1).values
-    onehot = torch.zeros_like(mask, dtype=torch.float32)
-    rows = torch.nonzero(last >= 0).flatten()
-    onehot[rows, last[rows]] = 1.0
-    return onehot
+def moment_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[2, G] float64: sum and count of ``values`` per group (this rank's share)."""
+    v = values.double().flatten()
+    idx = group_ids.long().flatten()
+    out = torch.zeros(2, num_groups, dtype=torch.float64)
+    out[0].index_add_(0, idx, v)
+    out[1].index_add_(0, idx, torch.ones_like(v))
+    return out
 
 
-def reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor,
-                         kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
-    """Per-token returns for REINFORCE++ (undiscounted, KL-in-reward when kl_coef > 0)."""
-    mask = mask.float()
-    token_rewards = rewards.float()[:, None] * last_policy_token(mask)
-    if kl is not None and kl_coef:
-        token_rewards = token_rewards - kl_coef * kl.float() * mask
-    # reverse cumulative sum: G_t = sum_{t' >= t} r_t'
-    returns = token_rewards.flip(1).cumsum(1).flip(1)
-    return returns * mask
+def squared_deviations(values: torch.Tensor, group_ids: torch.Tensor,
+                       mean: torch.Tensor) -> torch.Tensor:
+    """[G] float64: sum of (value - its group's global mean)^2 (this rank's share)."""
+    v = values.double().flatten()
+    idx = group_ids.long().flatten()
+    return torch.zeros_like(mean).index_add_(0, idx, (v - mean[idx]) ** 2)
+
+
+def moments_from(sums: torch.Tensor, sq_dev: torch.Tensor, *, unbiased: bool) -> Moments:
+    """Moments from GLOBAL ``moment_sums`` and ``squared_deviations``."""
+    total, count = sums[0], sums[1]
+    mean = total / count.clamp(min=1)
+    denom = (count - 1 if unbiased else count).clamp(min=1)
+    return Moments(count=count, mean=mean, std=(sq_dev / denom).sqrt())
+
+
+def group_means(sums: torch.Tensor) -> torch.Tensor:
+    """[G] means from global ``moment_sums`` (the first pass)."""
+    return sums[0] / sums[1].clamp(min=1)
+
+
+def local_moments(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int, *,
+                  unbiased: bool) -> Moments:
+    """The statistics of one process's values (what runtime/reduce.py computes globally)."""
+    sums = moment_sums(values, group_ids, num_groups)
+    return moments_from(sums, squared_deviations(values, group_ids, group_means(sums)),
+                        unbiased=unbiased)
 
 
 def turn_ids(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] index of the turn (run of policy tokens) each position belongs to; -1 off-policy."""
+    """[..., T] index of the turn (run of policy tokens) each position belongs to; -1 off-policy."""
     m = mask > 0
     prev = torch.zeros_like(m)
-    prev[:, 1:] = m[:, :-1]
+    prev[..., 1:] = m[..., :-1]
     starts = (m & ~prev).long()
-    return torch.where(m, starts.cumsum(1) - 1, torch.full_like(starts, -1))
+    return torch.where(m, starts.cumsum(-1) - 1, torch.full_like(starts, -1))
 
 
 def turn_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
                  ) -> torch.Tensor:
-    """Per-token returns with the reward of each turn and a per-turn discount ``gamma``.
+    """[T] per-token returns of one episode with the reward of each turn and a per-turn
+    discount ``gamma``: every token of turn k gets ``G_k = sum_{j >= k} gamma^(j - k) r_j``.
 
-    ``token_rewards`` [B, T] holds each turn's reward (anywhere inside the turn; conventionally
-    its last policy token; rewards off the policy tokens are ignored). Every token of turn k gets
-    ``G_k = sum_{j >= k} gamma^(j - k) r_j``: the turn is the action, its tokens share the credit.
+    ``token_rewards`` holds each turn's reward anywhere inside the turn (conventionally its
+    last policy token); rewards off the policy tokens are ignored.
     """
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma={gamma} must be in [0, 1]")
     ids = turn_ids(mask)
     k = int(ids.max().item()) + 1 if ids.numel() else 0
-    if k == 0:
+    if k <= 0:
         return torch.zeros_like(token_rewards, dtype=torch.float32)
     on = ids >= 0
-    per_turn = torch.zeros(mask.shape[0], k, dtype=torch.float64)
-    per_turn.scatter_add_(1, ids.clamp(min=0), torch.where(on, token_rewards.double(),
-                                                             torch.zeros_like(per_turn[:, :1])
-                                                             .expand_as(ids)))
-    g = torch.zeros(mask.shape[0], dtype=torch.float64)
+    per_turn = torch.zeros(k, dtype=torch.float64)
+    per_turn.index_add_(0, ids[on], token_rewards.double()[on])
+    g = torch.zeros((), dtype=torch.float64)
     for j in range(k - 1, -1, -1):
-        g = per_turn[:, j] + gamma * g
-        per_turn[:, j] = g
-    out = torch.gather(per_turn, 1, ids.clamp(min=0))
-    return (out * on).float()
+        g = per_turn[j] + gamma * g
+        per_turn[j] = g
+    return (per_turn[ids.clamp(min=0)] * on).float()
 
 
-def batch_statistics(values: torch.Tensor, mask: torch.Tensor) -> TokenStats:
-    m = mask.double()
-    v = values.double() * m
-    return TokenStats(count=float(m.sum()), total=float(v.sum()), total_sq=float((v * v).sum()))
+def token_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
+                  kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0) -> torch.Tensor:
+    """[T] returns of one episode with ``kl_coef * kl`` (k1, KL in the reward) off the policy
+    tokens' rewards (see the module docstring for gamma = 1 vs gamma < 1)."""
+    if kl is None or not kl_coef:
+        return turn_returns(token_rewards, mask, gamma)
+    r = token_rewards - kl_coef * kl * mask
+    if gamma == 1.0:
+        return r.flip(0).cumsum(0).flip(0) * mask
+    return turn_returns(r, mask, gamma)
 
 
-def normalize(values: torch.Tensor, mask: torch.Tensor, stats: TokenStats,
-              eps: float = 1e-6) -> torch.Tensor:
-    """(values - mean) / (std + eps) on policy tokens, 0 elsewhere."""
-    return ((values.float() - stats.mean()) / (stats.std() + eps)) * mask.float()
+def normalize(values: torch.Tensor, mask: torch.Tensor, moments: Moments,
+              eps: float = EPS) -> torch.Tensor:
+    """REINFORCE++: (values - mean) / (std + eps) on policy tokens, 0 elsewhere (one group)."""
+    mean, std = moments.mean[0].item(), moments.std[0].item()
+    return (values - mean) / (std + eps) * mask
 
 
-def reinforce_pp_advantages(rewards, mask, kl=None, kl_coef: float = 0.0,
-                            stats: TokenStats | None = None) -> torch.Tensor:
-    """REINFORCE++ advantages; pass global ``stats`` in a distributed run."""
-    returns = reinforce_pp_returns(rewards, mask, kl, kl_coef)
-    return normalize(returns, mask, stats or batch_statistics(returns, mask))
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    """Per-group sums of rewards: count, sum, sum of squares ([G] each)."""
-
-    count: torch.Tensor
-    total: torch.Tensor
-    total_sq: torch.Tensor
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.stack([self.count, self.total, self.total_sq]).double()
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "GroupStats":
-        return cls(t[0], t[1], t[2])
-
-
-def group_statistics(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> GroupStats:
-    r = rewards.double()
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(r))
-    total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, r)
-    total_sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, r * r)
-    return GroupStats(count, total, total_sq)
-
-
-def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
-                    num_groups: int, *, scale: bool = True, eps: float = 1e-6,
-                    stats: GroupStats | None = None) -> torch.Tensor:
-    """Group-normalised episode advantages broadcast over policy tokens."""
-    s = stats or group_statistics(rewards, group_ids, num_groups)
-    count = s.count.clamp(min=1.0)
-    mean = s.total / count
-    # unbiased std within the group, as GRPO implementations use; 0 for singleton groups
-    var = ((s.total_sq - count * mean * mean) / (count - 1).clamp(min=1.0)).clamp(min=0.0)
-    adv = rewards.double() - mean[group_ids]
+def grpo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Moments, *,
+                   scale: bool = True, eps: float = EPS) -> torch.Tensor:
+    """GRPO: one episode's group-normalised reward on its policy tokens (``scale=False``:
+    Dr. GRPO's unscaled ``r - mean``)."""
+    a = reward - moments.mean[group].item()
     if scale:
-        adv = adv / (var.sqrt()[group_ids] + eps)
-    return adv.float()[:, None] * mask.float()
+        a = a / (moments.std[group].item() + eps)
+    return a * mask

@@ -15,10 +15,9 @@ Local tensors, in and out, are ``{tensor name: {sample_id: 1-D tensor}}`` where 
 this rank's pieces of that sample concatenated in ascending token order (for CP: chunk i then
 chunk 2*cp-1-i, Megatron's order).
 
-Advantage statistics are reduced with all_reduce over sums (never by gathering samples): each
-element is counted once, by its owner (``Placement.owned_intervals``: the lowest rank holding it).
-Means come first, then sums of squared deviations about the global mean (two small all_reduces;
-one pass of sum and sum of squares loses digits when the mean is large).
+``owned_slices`` cuts, from what a rank received, the elements it owns
+(``Placement.owned_intervals``: the lowest rank holding each element), so a reduction over
+dispatched tensors (runtime/reduce.py) counts every element once.
 
 Only the default (world) process group is supported: shard-map ranks are global ranks.
 """
@@ -234,56 +233,3 @@ def owned_slices(placement: Placement, name: str,
         if parts:
             out[s] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out
-
-
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(t)
-    return t
-
-
-def group_mean_std(values: Mapping[int, float], group_of: Mapping[int, int], num_groups: int,
-                   *, unbiased: bool = True, device=None) -> tuple[torch.Tensor, ...]:
-    """GRPO statistics per prompt group: (mean, std, count), float64 of shape [num_groups].
-
-    ``values`` are the per-sample scalars (rewards) this rank OWNS; ``group_of`` maps every
-    sample id to a group in ``[0, num_groups)``. Two all_reduces of ``num_groups`` numbers.
-    """
-    dev = device or torch.device("cpu")
-    idx = torch.tensor([group_of[s] for s in values], dtype=torch.long, device=dev)
-    v = torch.tensor([float(x) for x in values.values()], dtype=torch.float64, device=dev)
-    acc = torch.zeros(2, num_groups, dtype=torch.float64, device=dev)
-    acc[0].index_add_(0, idx, v)
-    acc[1].index_add_(0, idx, torch.ones_like(v))
-    total, count = _all_reduce(acc)
-    mean = total / count.clamp(min=1)
-    sq = torch.zeros(num_groups, dtype=torch.float64, device=dev)
-    sq.index_add_(0, idx, (v - mean[idx]) ** 2)
-    _all_reduce(sq)
-    denom = (count - 1 if unbiased else count).clamp(min=1)
-    return mean, (sq / denom).sqrt(), count
-
-
-def masked_mean_std(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], *,
-                    unbiased: bool = False, device=None) -> tuple[float, float, int]:
-    """REINFORCE++ batch normalisation: mean and std over all masked tokens of the global
-    batch. Pass only OWNED tokens (``owned_slices``). Returns (mean, std, token count)."""
-    dev = device or torch.device("cpu")
-    acc = torch.zeros(2, dtype=torch.float64, device=dev)
-    for v, m in zip(values, masks):
-        acc[0] += v.to(torch.float64)[m.bool()].sum()
-        acc[1] += m.bool().sum()
-    total, count = _all_reduce(acc).tolist()
-    mean = total / max(count, 1)
-    sq = torch.zeros(1, dtype=torch.float64, device=dev)
-    for v, m in zip(values, masks):
-        sq += ((v.to(torch.float64)[m.bool()] - mean) ** 2).sum()
-    var = _all_reduce(sq).item() / max(count - (1 if unbiased else 0), 1)
-    return mean, var ** 0.5, int(count)
-
-
-def token_count(masks: Sequence[torch.Tensor], *, device=None) -> int:
-    """Masked tokens in the global batch (pass OWNED masks)."""
-    t = torch.zeros(1, dtype=torch.int64, device=device or torch.device("cpu"))
-    for m in masks:
-        t += m.bool().sum()
-    return int(_all_reduce(t).item())

@@ -30,17 +30,15 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.sft import SFTConfig
-from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.rollout.trajectories import (Trajectory, expert_trajectories, read_jsonl,
                                                 trajectory_tokens)
 from earl_megatron.trainer.data import TRAIN_TENSORS, microbatches, shifted_ids
+from earl_megatron.trainer.stages import BatchShape, micro_batch_plan
 
 SFT_TENSORS = TRAIN_TENSORS[:3]
 """input_ids (first pp_stage), labels and loss_mask (last): all the cross entropy reads."""
-CP_MULTIPLE = 8
-"""Padded prediction lengths are multiples of this, as in RL (trainer/loop.py)."""
 
 Sample = tuple[list[int], list[int]]
 """(token ids, loss mask) of one trace."""
@@ -96,13 +94,6 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def micro_batch_plan(layout: ParallelLayout, lengths: dict[int, int], micro_batch_size: int,
-                     micro_batch_tokens: Optional[int]) -> MicroBatchPlan:
-    """Length-grouped micro-batches of one step's samples (``lengths``: tokens per sample)."""
-    return plan_micro_batches({s: n - 1 for s, n in lengths.items()}, layout.dp,
-                              micro_batch_size, CP_MULTIPLE, micro_batch_tokens)
-
-
 def sample_tensors(ids: Sequence[int], mask: Sequence[int], length: int, pad_id: int) -> dict:
     """input_ids, labels and label-aligned loss_mask of ``length`` predictions."""
     input_ids, labels = shifted_ids(ids, length, pad_id)
@@ -112,20 +103,20 @@ def sample_tensors(ids: Sequence[int], mask: Sequence[int], length: int, pad_id:
 
 
 def sft_step(mol, samples: Sequence[Sample], batch: Sequence[int], *, lr: float, pad_id: int,
-             micro_batch_size: int, micro_batch_tokens: Optional[int] = None):
+             shape: BatchShape):
     """One optimizer step on the traces ``batch`` (indices into ``samples``), in ``mol``'s layout.
 
     Sample ids are positions in ``batch``; rank r of the producer layout DP(world) builds the
     tensors of its block ``split_evenly(len(batch), world)[r]`` and the dispatcher moves them to
-    the train layout. Returns (TrainStepResult, bytes this rank received).
+    the train layout, in RL's length-grouped micro-batches (trainer/stages.micro_batch_plan:
+    ``shape``, padding to a multiple of 2 * cp). Returns (TrainStepResult, bytes received here).
     """
     from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
     from earl_megatron.runtime.step import train_step
 
     world, rank = dist.get_world_size(), dist.get_rank()
     lay = mol.layout
-    lengths = {s: len(samples[i][0]) for s, i in enumerate(batch)}
-    plan = micro_batch_plan(lay, lengths, micro_batch_size, micro_batch_tokens)
+    plan = micro_batch_plan(lay, {s: len(samples[i][0]) for s, i in enumerate(batch)}, shape)
     length_of = plan.length_of
     producer = ParallelLayout(dp=world)
     mine = split_evenly(len(batch), world)[rank]
@@ -148,27 +139,24 @@ def sft_step(mol, samples: Sequence[Sample], batch: Sequence[int], *, lr: float,
     while len(batches) < count:
         batches += microbatches({}, [[]], seq_lens=[shortest], cp=lay.cp,
                                 cp_rank=mol.coords.cp, rows=1, tensors=SFT_TENSORS)
-    mol.tcfg.variable_seq_lengths = lay.pp > 1
     set_lr(mol.optimizer, lr)
     res = train_step(mol, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
     return res, int(result.stats.bytes_received)
 
 
 def train_sft(mol, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, seed: int,
-              pad_id: int, micro_batch_size: int, micro_batch_tokens: Optional[int] = None,
-              start: int = 0, on_step: Optional[Callable[[int, object], None]] = None
+              pad_id: int, shape: BatchShape, start: int = 0,
+              on_step: Optional[Callable[[int, object], None]] = None
               ) -> list[float]:
     """Steps ``start .. scfg.steps - 1`` in ``mol``'s layout; the loss of each step.
 
     ``on_step(step, TrainStepResult)`` runs after every step (metrics, checkpoints). The trainer
-    (trainer/runner.py) drives its own loop over ``sft_step`` to plan a layout per step.
+    (trainer/warm_start.py) drives its own loop over ``sft_step`` to plan a layout per step.
     """
     losses = []
     for step in range(start, scfg.steps):
         batch = step_batch(len(samples), scfg.batch_size, seed, step)
-        res, _ = sft_step(mol, samples, batch, lr=lr, pad_id=pad_id,
-                          micro_batch_size=micro_batch_size,
-                          micro_batch_tokens=micro_batch_tokens)
+        res, _ = sft_step(mol, samples, batch, lr=lr, pad_id=pad_id, shape=shape)
         losses.append(res.loss)
         if on_step is not None:
             on_step(step, res)

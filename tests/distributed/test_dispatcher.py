@@ -56,9 +56,8 @@ def _run_cases(cases, seed):
     import torch.distributed as dist
 
     from earl_megatron.runtime.dispatcher import (SampleMeta, dispatch, dispatch_centralized,
-                                                  execute_shard_map, group_mean_std,
-                                                  masked_mean_std, owned_slices, plan_dispatch,
-                                                  token_count)
+                                                  execute_shard_map, owned_slices, plan_dispatch)
+    from earl_megatron.runtime.reduce import global_moments
     rank, world = dist.get_rank(), dist.get_world_size()
     report = []
     for i, (prod, cons, mbs, rpn, lat, pp_stages) in enumerate(cases):
@@ -100,21 +99,26 @@ def _run_cases(cases, seed):
                 checked += 1
         # reductions over owners equal the single-process result
         num_groups = max(m.group_id for r in gathered for m in r) + 1
-        rewards = {s: float(x) for s, x in
-                   owned_slices(consumer, "rewards", result.tensors.get("rewards", {})).items()}
-        mean, std, count = group_mean_std(rewards, {s: s // 4 for s in lengths}, num_groups)
+        rewards = owned_slices(consumer, "rewards", result.tensors.get("rewards", {}))
+        ids = sorted(rewards)
+        got = global_moments(torch.tensor([float(rewards[s]) for s in ids], dtype=torch.float64),
+                             torch.tensor([s // 4 for s in ids], dtype=torch.long), num_groups,
+                             unbiased=True)
         allr = torch.stack([full["rewards", s][0].double() for s in sorted(lengths)]).view(-1, 4)
-        assert torch.allclose(mean, allr.mean(1), rtol=1e-12, atol=1e-12)
-        assert torch.allclose(std, allr.std(1), rtol=1e-10, atol=1e-12)
-        assert count.tolist() == [4.0] * num_groups
+        assert torch.allclose(got.mean, allr.mean(1), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(got.std, allr.std(1), rtol=1e-10, atol=1e-12)
+        assert got.count.tolist() == [4.0] * num_groups
         adv = owned_slices(consumer, "advantages", result.tensors.get("advantages", {}))
         msk = owned_slices(consumer, "loss_mask", result.tensors.get("loss_mask", {}))
-        m, sd, n = masked_mean_std([adv[s] for s in sorted(adv)], [msk[s] for s in sorted(adv)])
+        mine = [adv[s].double()[msk[s].bool()] for s in sorted(adv)]
+        vals = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.float64)
+        tok = global_moments(vals, torch.zeros(vals.numel(), dtype=torch.long), 1,
+                             unbiased=False)
         ref = torch.cat([full["advantages", s].double()[full["loss_mask", s]]
                          for s in sorted(lengths)])
-        assert n == ref.numel() == token_count([msk[s] for s in sorted(msk)])
-        assert abs(m - ref.mean().item()) < 1e-12
-        assert abs(sd - ref.std(unbiased=False).item()) < 1e-12
+        assert tok.count.item() == ref.numel()
+        assert abs(tok.mean.item() - ref.mean().item()) < 1e-12
+        assert abs(tok.std.item() - ref.std(unbiased=False).item()) < 1e-12
         # a local tensor of the wrong size is refused before any message is posted
         if local:
             name = sorted(local)[0]

@@ -22,6 +22,7 @@ def _sft_losses(path, layouts):
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.trainer.sft import tokenize_traces, train_sft
+    from earl_megatron.trainer.stages import BatchShape
     from earl_megatron.weights.sharding import reference_weights
 
     tok = tool_tokenizer()
@@ -37,8 +38,8 @@ def _sft_losses(path, layouts):
                                   optimizer=OptimizerSpec(lr=1.0))
             # lr=1.0 in the spec, 1e-2 set per step: the step's rate is the one that counts
             out[name] = train_sft(mol, samples, scfg, lr=1e-2, seed=0,
-                                  pad_id=tok.pad_token_id, micro_batch_size=4,
-                                  micro_batch_tokens=128)
+                                  pad_id=tok.pad_token_id,
+                                  shape=BatchShape(micro_batch_size=4, micro_batch_tokens=128))
             out[name + "/lr"] = [g["lr"] for g in mol.optimizer.param_groups]
             groups.destroy_groups()
     return out

@@ -43,8 +43,10 @@ def _check_kl(hist):
     # iteration 0: the policy that sampled IS the reference (same seed init): the reference
     # logprobs, computed in another layout, equal the engine's on every policy token
     assert abs(hist[0]["kl"]) < 1e-6 and hist[0]["ref_log_ratio_max"] < 1e-4
-    # after an optimizer step the policy has moved away from the reference
-    assert hist[1]["ref_log_ratio_max"] > 1e-4
+    # once an optimizer step had a signal, the policy has moved away from the reference (a
+    # batch whose rewards are all equal and whose KL is exactly 0 has none: every advantage is
+    # 0, so without an entropy bonus the first step may not move it)
+    assert max(h["ref_log_ratio_max"] for h in hist[1:]) > 1e-4
 
 
 KILL_RUN = ["model.vocab_size=32", "layout=static", "layout.rollout=dp2", "layout.logprob=dp2",
@@ -122,7 +124,7 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
 
 def test_kl_in_the_reward_with_auto_layouts(tmp_path):
     # no group cache: the policy and the reference are rebuilt by same-layout switches
-    cfg = _cfg(str(tmp_path / "klr"), 2, {"kl_mode": "reward", "kl_coef": 0.1},
+    cfg = _cfg(str(tmp_path / "klr"), 3, {"kl_mode": "reward", "kl_coef": 0.1},
                {"group_cache_layouts": 1}, mode="auto")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert set(hist[0]["layouts"]) == {"rollout", "logprob", "train"}
@@ -192,3 +194,11 @@ def test_bad_config_stops_before_training(tmp_path):
     msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
         "cluster": {"nodes": 2}, "run": {"output_dir": str(tmp_path / "z")}}), timeout=120)
     assert "cluster.nodes=2" in msgs[0]
+    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
+        "rollout": {"engine": "sglang"}, "run": {"output_dir": str(tmp_path / "w")}}),
+        timeout=120)
+    assert "rollout.engine=sglang" in msgs[0] and "embedded" in msgs[0]
+    with pytest.raises(ConfigError, match="run.iterations=0 must be >= 1"):
+        TrainConfig.from_dict({"run": {"iterations": 0}})
+    with pytest.raises(ConfigError, match="rollout.top_p"):
+        TrainConfig.from_dict({"rollout": {"top_p": 0.0}})

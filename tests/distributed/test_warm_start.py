@@ -1,7 +1,9 @@
 """The trainer's supervised warm start on 2 ranks, then RL on the calculator: sft.jsonl and the
-tool metrics are recorded, the loss falls, and a warm start resumed from its checkpoint (killed
-after step 1 of 4, here: a run of 2 steps and no RL, then the same directory with 4) gives the
-same losses and the same first RL iteration as a run that never stopped."""
+tool metrics are recorded, the loss falls, and a warm start resumed from its checkpoint gives
+the same losses and the same first RL iteration as a run that never stopped. The kill after
+step 1 of 4 is staged on disk: a run of 2 warm-start steps, its RL checkpoint removed (what a
+run killed right after the warm start's step-1 checkpoint leaves), then the same directory
+with 4 steps."""
 
 import json
 from pathlib import Path
@@ -58,8 +60,12 @@ def test_warm_start_then_rl_and_resume(tmp_path):
     assert (tmp_path / "full" / "checkpoints" / "sft" / "iter_000003").is_dir()
 
     part = tmp_path / "part"
-    run_distributed(_train, 2, _cfg(part, 2, 0), timeout=400)
+    run_distributed(_train, 2, _cfg(part, 2, 1), timeout=400)
     assert [r["step"] for r in _sft_lines(part)] == [0, 1]
+    import shutil
+    for p in (part / "checkpoints").iterdir():
+        if p.name != "sft":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     resumed = run_distributed(_train, 2, _cfg(part, 4, 1), timeout=400)[0]
     again = _sft_lines(part)
     assert [r["step"] for r in again] == [0, 1, 2, 3]

@@ -1,4 +1,5 @@
-"""Advantages and losses: values a reader can check by hand, and masking invariants."""
+"""Returns, advantages and losses (rl/): values a reader can check by hand, and masking
+invariants."""
 
 import math
 
@@ -6,46 +7,50 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from earl_megatron.rl.advantages import (TokenStats, batch_statistics, group_statistics,
-                                         grpo_advantages, last_policy_token, normalize,
-                                         reinforce_pp_advantages, reinforce_pp_returns,
-                                         turn_ids, turn_returns)
+from earl_megatron.rl.advantages import (grpo_advantage, local_moments, moment_sums,
+                                         moments_from, normalize, squared_deviations,
+                                         token_returns, turn_ids, turn_returns)
 from earl_megatron.rl.losses import PolicyLossConfig, clipped_surrogate, k3_kl, policy_loss
 
-MASK = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.float32)
-
-
-def test_last_policy_token():
-    assert last_policy_token(MASK).tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]]
-    assert last_policy_token(torch.zeros(1, 3)).sum() == 0
-
-
-def test_reinforce_returns_and_kl_in_reward():
-    r = torch.tensor([1.0, -1.0])
-    assert reinforce_pp_returns(r, MASK).tolist() == [[0, 1, 1, 0, 1, 0], [0, 0, -1, -1, 0, 0]]
-    kl = torch.full_like(MASK, 0.5)
-    g = reinforce_pp_returns(r, MASK, kl, kl_coef=0.1)
-    # row 0: tokens 1,2,4 each pay 0.05; G_1 = 1 - 3*0.05
-    assert g[0, 1].item() == pytest.approx(1 - 0.15)
-    assert g[0, 4].item() == pytest.approx(1 - 0.05)
-    assert g[0, 0].item() == 0.0  # prompt token
+# two turns: tokens 1-2 (reward 0.5 at 2) and 4-5 (reward 1 at 5); 0, 3 are env tokens
+MASK = torch.tensor([0., 1., 1., 0., 1., 1.])
+REWARDS = torch.tensor([0., 0., .5, 0., 0., 1.])
+KL = torch.tensor([0., .1, .2, 0., .3, .4])
 
 
 def test_turn_returns_credit_each_turn_and_discount_per_turn():
-    # two turns (tokens 1-2 and 4-5), env tokens between; rewards on each turn's last token
-    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0]], dtype=torch.float32)
-    rew = torch.tensor([[0, 0, 0.1, 0, 0, -1.0, 0]])
-    assert turn_ids(mask).tolist() == [[-1, 0, 0, -1, 1, 1, -1]]
-    g1 = turn_returns(rew, mask, 1.0)[0].tolist()
-    assert g1 == pytest.approx([0, -0.9, -0.9, 0, -1, -1, 0])
-    g = turn_returns(rew, mask, 0.5)[0].tolist()
-    assert g == pytest.approx([0, 0.1 - 0.5, 0.1 - 0.5, 0, -1, -1, 0])
-    # one final reward and gamma = 1 is the plain REINFORCE++ return
-    r = torch.tensor([1.0, -1.0])
-    assert torch.equal(turn_returns(r[:, None] * last_policy_token(MASK), MASK, 1.0),
-                       reinforce_pp_returns(r, MASK))
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 0], dtype=torch.float32)
+    rew = torch.tensor([0, 0, 0.1, 0, 0, -1.0, 0])
+    assert turn_ids(mask).tolist() == [-1, 0, 0, -1, 1, 1, -1]
+    assert turn_returns(rew, mask, 1.0).tolist() == pytest.approx([0, -0.9, -0.9, 0, -1, -1, 0])
+    assert turn_returns(rew, mask, 0.5).tolist() == pytest.approx(
+        [0, 0.1 - 0.5, 0.1 - 0.5, 0, -1, -1, 0])
+    # one final reward and gamma = 1: the plain episode reward on every policy token
+    final = torch.tensor([0, 0, 0, 0, 0, 2.0, 0])
+    assert turn_returns(final, mask, 1.0).tolist() == [0, 2, 2, 0, 2, 2, 0]
+    assert turn_returns(torch.zeros(3), torch.zeros(3)).tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="gamma"):
         turn_returns(rew, mask, 1.5)
+
+
+def test_no_kl_is_the_turn_return():
+    assert torch.equal(token_returns(REWARDS, MASK, 1.0), turn_returns(REWARDS, MASK, 1.0))
+    # gamma = 1 reverse cumulative sum == turn returns when kl = 0
+    zero = token_returns(REWARDS, MASK, 1.0, torch.zeros(6), 0.5)
+    assert torch.allclose(zero, turn_returns(REWARDS, MASK, 1.0))
+
+
+def test_gamma_one_pays_own_and_later_kl_per_token():
+    got = token_returns(REWARDS, MASK, 1.0, KL, 0.5)
+    want = torch.tensor([0., 1.5 - .5 * 1.0, 1.5 - .5 * .9, 0., 1. - .5 * .7, 1. - .5 * .4])
+    assert torch.allclose(got, want)
+
+
+def test_gamma_below_one_puts_each_turns_kl_in_its_reward():
+    got = token_returns(REWARDS, MASK, 0.5, KL, 0.5)
+    turn2 = 1. - .5 * (.3 + .4)
+    turn1 = .5 - .5 * (.1 + .2) + .5 * turn2
+    assert torch.allclose(got, torch.tensor([0., turn1, turn1, 0., turn2, turn2]))
 
 
 def test_episode_tensors_put_turn_rewards_on_turn_ends():
@@ -64,37 +69,49 @@ def test_episode_tensors_put_turn_rewards_on_turn_ends():
 
 
 def test_reinforce_advantages_normalised_over_policy_tokens():
-    r = torch.tensor([1.0, -1.0])
-    a = reinforce_pp_advantages(r, MASK)
-    vals = a[MASK > 0]
-    assert vals.mean().item() == pytest.approx(0.0, abs=1e-6)
-    assert vals.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
-    assert torch.all(a[MASK == 0] == 0)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.float32)
+    returns = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, -1, -1, 0, 0]], dtype=torch.float32)
+    vals = returns[mask > 0]
+    m = local_moments(vals, torch.zeros(vals.numel(), dtype=torch.long), 1, unbiased=False)
+    assert m.count.item() == 5 and m.mean.item() == pytest.approx(0.2)
+    a = torch.stack([normalize(returns[i], mask[i], m) for i in range(2)])
+    assert a[mask > 0].mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert a[mask > 0].std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    assert torch.all(a[mask == 0] == 0)
 
 
 def test_split_statistics_equal_whole():
+    # what runtime/reduce.py does across ranks: sums add, then deviations about the global mean
     g = torch.Generator().manual_seed(0)
-    vals = torch.randn(8, 10, generator=g)
-    mask = (torch.rand(8, 10, generator=g) > 0.5).float()
-    whole = batch_statistics(vals, mask)
-    parts = [batch_statistics(vals[i:i + 2], mask[i:i + 2]) for i in range(0, 8, 2)]
-    summed = TokenStats.from_tensor(sum(p.as_tensor() for p in parts))
-    assert torch.allclose(normalize(vals, mask, whole), normalize(vals, mask, summed), atol=1e-6)
+    vals = torch.randn(40, generator=g, dtype=torch.float64) + 100.0
+    groups = torch.randint(0, 3, (40,), generator=g)
+    whole = local_moments(vals, groups, 3, unbiased=True)
+    parts = [slice(0, 7), slice(7, 30), slice(30, 40)]
+    sums = sum(moment_sums(vals[p], groups[p], 3) for p in parts)
+    mean = sums[0] / sums[1]
+    sq = sum(squared_deviations(vals[p], groups[p], mean) for p in parts)
+    split = moments_from(sums, sq, unbiased=True)
+    for gi in range(3):
+        sel = vals[groups == gi]
+        assert split.mean[gi].item() == pytest.approx(sel.mean().item(), rel=1e-14)
+        assert split.std[gi].item() == pytest.approx(sel.std().item(), rel=1e-12)
+        assert split.count[gi].item() == sel.numel()
+    assert torch.allclose(whole.std, split.std, rtol=1e-12)
 
 
 def test_grpo_by_hand():
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
     groups = torch.tensor([0, 0, 1, 1])
-    mask = torch.ones(4, 2)
-    a = grpo_advantages(r, mask, groups, 2)
+    m = local_moments(r, groups, 2, unbiased=True)
+    assert m.count.tolist() == [2, 2] and m.mean.tolist() == [0.5, 1.0]
+    mask = torch.ones(2)
     std0 = math.sqrt(0.5)  # unbiased std of {1, 0}
-    assert a[0, 0].item() == pytest.approx(0.5 / std0, rel=1e-5)
-    assert a[1, 1].item() == pytest.approx(-0.5 / std0, rel=1e-5)
-    assert torch.all(a[2:] == 0)  # identical rewards: no signal
-    unscaled = grpo_advantages(r, mask, groups, 2, scale=False)
-    assert unscaled[0, 0].item() == pytest.approx(0.5)
-    st_ = group_statistics(r, groups, 2)
-    assert st_.count.tolist() == [2, 2] and st_.total.tolist() == [1, 2]
+    assert grpo_advantage(1.0, 0, mask, m)[0].item() == pytest.approx(0.5 / std0, rel=1e-5)
+    assert grpo_advantage(0.0, 0, mask, m)[1].item() == pytest.approx(-0.5 / std0, rel=1e-5)
+    assert torch.all(grpo_advantage(1.0, 1, mask, m) == 0)  # identical rewards: no signal
+    assert grpo_advantage(1.0, 0, mask, m, scale=False)[0].item() == pytest.approx(0.5)
+    # a singleton group has std 0, not nan
+    assert local_moments(r[:1], groups[:1], 1, unbiased=True).std.item() == 0.0
 
 
 def test_k3_kl_nonnegative_and_zero_at_equality():
@@ -130,9 +147,20 @@ def test_policy_loss_requires_ref_for_kl():
 
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 12), st.integers(0, 10_000))
-def test_advantages_zero_off_mask(b, t, seed):
+def test_advantages_zero_off_mask_and_mean_zero(b, t, seed):
     g = torch.Generator().manual_seed(seed)
     mask = (torch.rand(b, t, generator=g) > 0.5).float()
     r = torch.randn(b, generator=g)
-    assert torch.all(reinforce_pp_advantages(r, mask)[mask == 0] == 0)
-    assert torch.all(grpo_advantages(r, mask, torch.zeros(b, dtype=torch.long), 1)[mask == 0] == 0)
+    rew = torch.zeros(b, t)
+    rew[:, -1] = r
+    returns = torch.stack([token_returns(rew[i], mask[i], 1.0) for i in range(b)])
+    vals = returns[mask > 0]
+    m = local_moments(vals, torch.zeros(vals.numel(), dtype=torch.long), 1, unbiased=False)
+    a = torch.stack([normalize(returns[i], mask[i], m) for i in range(b)])
+    assert torch.all(a[mask == 0] == 0)
+    if vals.numel():
+        assert abs(a[mask > 0].mean().item()) < 1e-5
+    gm = local_moments(r, torch.zeros(b, dtype=torch.long), 1, unbiased=True)
+    ga = torch.stack([grpo_advantage(r[i].item(), 0, torch.ones(1), gm) for i in range(b)])
+    assert abs(ga.mean().item()) < 1e-5
+    assert torch.all(grpo_advantage(r[0].item(), 0, mask[0], gm)[mask[0] == 0] == 0)

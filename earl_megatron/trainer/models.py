@@ -1,0 +1,70 @@
+"""The trainer's models: the policy and, with KL on, the frozen reference, and whose process
+groups are live.
+
+A Megatron model keeps the groups it was built under and reads parallel_state's globals while
+it runs, so only one model's layout can be current at a time. ``policy_in(layout)`` and
+``reference_in(layout)`` return the model in ``layout`` with its groups current:
+
+- same layout, its groups already live: nothing to do;
+- same layout, the other model's groups live: re-activated in place when runtime/groups still
+  caches the layout (``groups.activate``), else switched to the same layout (a rebuild under
+  fresh groups: local copies only);
+- another layout: the switcher moves weights (and the policy's optimizer state) in memory.
+
+The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer.
+It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
+any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.runtime import groups
+from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.runtime.switcher import switch_layout
+
+
+class Models:
+    def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout]):
+        self.policy = policy
+        self.reference = reference
+        self._live = "policy"
+        """Whose process groups are current: "policy" or "reference"."""
+
+    def policy_in(self, layout: ParallelLayout) -> ModelOnLayout:
+        self.policy = self._live_in(self.policy, layout, "policy")
+        return self.policy
+
+    def reference_in(self, layout: ParallelLayout) -> ModelOnLayout:
+        self.reference = self._live_in(self.reference, layout, "reference")
+        return self.reference
+
+    def _live_in(self, model: ModelOnLayout, layout: ParallelLayout, who: str) -> ModelOnLayout:
+        if not (layout == model.layout and (self._live == who or groups.activate(layout))):
+            model = switch_layout(model, layout)
+        self._live = who
+        return model
+
+
+def build_models(model: ModelConfig, policy_layout: ParallelLayout,
+                 reference_layout: Optional[ParallelLayout], *, optimizer: OptimizerSpec,
+                 seed: int, init: Optional[str] = None) -> Models:
+    """The policy (from ``init``, an HF directory or converted checkpoint, or Megatron's seeded
+    init) and the reference in its own layout (None: KL off). The reference is built first: the
+    model built last owns the live process groups."""
+    reference = None
+    if reference_layout is not None:
+        reference = _initial(model, reference_layout, None, seed, init)
+    return Models(_initial(model, policy_layout, optimizer, seed, init), reference)
+
+
+def _initial(model: ModelConfig, layout: ParallelLayout, optimizer: Optional[OptimizerSpec],
+             seed: int, init: Optional[str]) -> ModelOnLayout:
+    ddp = optimizer is not None
+    if init:
+        from earl_megatron.weights.convert import load_policy
+        return load_policy(init, layout, ddp=ddp, optimizer=optimizer, seed=seed)
+    return build_on_layout(model, layout, ddp=ddp, optimizer=optimizer, seed=seed)

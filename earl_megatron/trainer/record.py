@@ -1,0 +1,115 @@
+"""What the trainer records: stage timers, one metrics line per iteration, the evaluations.
+
+Every rank calls ``Recorder.record`` (it gathers episode outcomes); rank 0 appends the line to
+``metrics.jsonl`` and shows it in the live view. Invariant: metrics.jsonl holds exactly one
+line per iteration the run's history knows: ``start`` rewrites it from the (checkpointed)
+history, so a run killed between its metrics line and its checkpoint, or an earlier run
+(run.resume=false), never leaves a repeated or stale iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from earl_megatron.envs.tool_env import tool_metrics
+
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.rollout.agent_loop import Episode
+
+
+def tool_row(e: Episode) -> Optional[tuple]:
+    """An episode's (correct, tool calls, tool error, unparsable, turns) for
+    envs.tool_env.tool_metrics; None for environments without tools (no "tool_calls" info)."""
+    if "tool_calls" not in e.info:
+        return None
+    return (bool(e.info.get("correct")), int(e.info["tool_calls"]),
+            bool(e.info.get("tool_error")), bool(e.info.get("unparsable")), e.turns)
+
+
+class StageTimer:
+    """Wall seconds per named stage of one iteration, in the order they ran."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+
+    def total(self) -> dict[str, float]:
+        return {**self.seconds, "total": time.perf_counter() - self.t0}
+
+
+def gather_by_sample(ids: list[int], values: list) -> dict:
+    """{sample id: value} of every rank's samples (every rank of a replica holds the same
+    ones: each sample appears once)."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(zip(ids, values)))
+    return {s: v for part in parts for s, v in part}
+
+
+class Recorder:
+    def __init__(self, out: Path, history: list[dict], view, rank: int):
+        self.out, self.history, self.view, self.rank = out, history, view, rank
+
+    def start(self) -> None:
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "metrics.jsonl").write_text(
+                "".join(json.dumps(h) + "\n" for h in self.history))
+
+    def record(self, it: int, layouts: dict[str, ParallelLayout], ids: list[int],
+               episodes: list[Episode], lengths: list[int], seconds: dict[str, float],
+               metrics: dict, planner) -> dict:
+        rows = gather_by_sample(ids, [(e.reward, e.info.get("outcome"),
+                                       bool(e.info.get("illegal")),
+                                       bool(e.info.get("unparsable")), tool_row(e))
+                                      for e in episodes])
+        rows = [rows[s] for s in sorted(rows)]
+        n = max(len(rows), 1)
+        rec = {"iteration": it,
+               "layouts": {k: str(v) for k, v in layouts.items()},
+               "reward": sum(r[0] for r in rows) / n,
+               "win_rate": sum(r[1] == "win" for r in rows) / n,
+               "illegal_rate": sum(r[2] for r in rows) / n,
+               "unparsable_rate": sum(r[3] for r in rows) / n,
+               # tool environments: accuracy, tool calls per episode, tool errors, unparsable
+               **(tool_metrics([r[4] for r in rows]) if any(r[4] for r in rows) else {}),
+               "mean_context": sum(lengths) / len(lengths), "max_context": max(lengths),
+               **metrics, "seconds": seconds}
+        rec["predicted_memory_gb"] = {k: v / 2**30 for k, v in planner.predicted_memory.items()}
+        if planner.reasons:
+            rec["layout_reasons"] = dict(planner.reasons)
+        if self.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.view.update(rec)
+        self.history.append(rec)
+        return rec
+
+    def finish(self, evals: dict) -> None:
+        if self.rank != 0:
+            return
+        (self.out / "eval.json").write_text(json.dumps(evals, indent=1))
+        for when, res in evals.items():
+            self.view.message(f"evaluation {when}: " + ", ".join(
+                f"{k} accuracy {v['accuracy']:.2f}, tool calls {v['tool_calls']:.2f}"
+                if "accuracy" in v else f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
+        from earl_megatron.trainer.report import write_report
+        # the warm start's records (trainer/warm_start.py), also when RL resumed after it
+        sft_file = self.out / "sft.jsonl"
+        sft = [json.loads(x) for x in sft_file.read_text().splitlines()] \
+            if sft_file.exists() else []
+        write_report(self.out, self.history, evals, sft=sft)

@@ -1,0 +1,96 @@
+"""The ROLLOUT stage's seam: which engine plays an iteration's episodes, chosen once from
+``rollout.engine``.
+
+Every rank calls ``play`` with the policy in the rollout layout. The iteration's episodes are
+split into contiguous blocks, one per rollout dp replica, and every rank of replica d returns
+block d's sample ids and Episodes (the dispatcher's producer placement: replicas hold whole
+episodes). The sample id of the i-th episode of an iteration is i; GRPO groups are runs of
+``group_size`` ids sharing an environment seed.
+
+    seeds   s0 s0 s1 s1 | s2 s2 s3 s3      (group_size 2, 8 episodes, rollout DP2)
+    replica       0     |       1          every rank of a replica plays its block
+
+Engines: ``embedded`` (EmbeddedRollout: Megatron-Core's own model, KV cache, in the rollout
+layout; the default and the CPU path). Other engines plug in here with the same ``play``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+from earl_megatron.envs import make_env
+from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
+from earl_megatron.rollout.engine import split_evenly
+from earl_megatron.runtime.build import ModelOnLayout
+
+
+def episode_seeds(seed: int, iteration: int, count: int, group_size: int) -> list[int]:
+    """Environment seeds of one iteration, from (run seed, iteration) only (GRPO groups of
+    ``group_size`` consecutive episodes share a seed): a resumed run replays the same games."""
+    base = seed * 1_000_003 + iteration * 10_007
+    return [base + i // group_size for i in range(count)]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What one episode is: the environment, and the agent loop's bounds."""
+
+    env: str
+    env_kwargs: dict
+    max_turns: int
+    max_context_tokens: int
+    max_action_tokens: int
+    top_p: float
+
+
+class Rollout(Protocol):
+    def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
+             sample_seed: int, opponent: Optional[str] = None
+             ) -> tuple[list[int], list[Episode]]:
+        """This replica's (sample ids, episodes) of the episodes of ``seeds``."""
+
+    def close(self) -> None:
+        ...
+
+
+class EmbeddedRollout:
+    """Episodes decoded by the policy itself (rollout/embedded_engine.py) in its current
+    layout; replicas never communicate while decoding."""
+
+    def __init__(self, spec: EpisodeSpec, tokenizer):
+        self.spec = spec
+        self.tok = tokenizer
+
+    def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
+             sample_seed: int, opponent: Optional[str] = None
+             ) -> tuple[list[int], list[Episode]]:
+        from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+
+        sp = self.spec
+        block = split_evenly(len(seeds), policy.layout.dp)[policy.coords.dp]
+        kwargs = dict(sp.env_kwargs)
+        if opponent is not None:
+            kwargs["opponent"] = opponent
+        envs = [make_env(sp.env, **kwargs) for _ in block]
+        engine = EmbeddedEngine(policy, pad_token_id=self.tok.pad_token_id, prompts="replica",
+                                reuse_prefix=True)
+        loop_cfg = AgentLoopConfig(max_turns=sp.max_turns,
+                                   max_context_tokens=sp.max_context_tokens,
+                                   max_action_tokens=sp.max_action_tokens,
+                                   temperature=temperature, top_p=sp.top_p, seed=sample_seed)
+        try:
+            episodes = run_episodes(engine, envs, [seeds[i] for i in block], self.tok, loop_cfg)
+        finally:
+            engine.close()
+        return list(block), episodes
+
+    def close(self) -> None:
+        pass
+
+
+def make_rollout(engine: str, spec: EpisodeSpec, tokenizer) -> Rollout:
+    """The engine of ``rollout.engine`` (validated by the config)."""
+    if engine == "embedded":
+        return EmbeddedRollout(spec, tokenizer)
+    raise NotImplementedError(f"rollout.engine={engine!r} has no trainer backend")

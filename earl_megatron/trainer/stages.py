@@ -1,0 +1,189 @@
+"""The LOGPROB and TRAIN stages: dispatch point to point, then Megatron's schedules.
+
+Both take the episodes where the rollout left them (every rank of rollout replica d holds its
+block, see trainer/rollout.py) and the micro-batch plan of their own layout:
+
+    rollout layout R (replica d holds its block)    logprob layout L (the reference model)
+      every rank of replica d: input_ids, labels ──► dp rank of L: micro-batches, cp chunks
+      every rank of replica d: ref_logprobs      ◄── last pp_stage of L: logp of each label
+
+    rollout layout R                                 train layout T
+      every rank of replica d: TRAIN_TENSORS     ──► dp rank of T: micro-batches, cp chunks
+
+Lengths: each sample is padded to its micro-batch's length, a multiple of 2 * cp of the
+consuming layout (so a cp zigzag split is even; 1 when cp = 1), plan/batching.py.
+Invariant: every policy token of every episode is in exactly one micro-batch of exactly one dp
+rank of the consuming layout (the dispatcher's exactly-once guarantee).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.rl.losses import PolicyLossConfig, policy_loss
+from earl_megatron.rollout.engine import split_evenly
+from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
+from earl_megatron.runtime.reduce import global_sum
+from earl_megatron.trainer.data import (LOGPROB_TENSORS, REF_LOGPROBS, microbatches,
+                                        shifted_ids, train_tensors)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    micro_batch_size: int
+    """Samples per micro-batch at most."""
+    micro_batch_tokens: Optional[int] = None
+    """Padded tokens per micro-batch at most (None: no limit)."""
+
+
+def micro_batch_plan(layout: ParallelLayout, tokens: dict[int, int],
+                     shape: BatchShape) -> MicroBatchPlan:
+    """Length-grouped micro-batches of ``layout`` for episodes of ``tokens`` tokens each (one
+    prediction fewer than tokens), padded to a multiple of 2 * cp."""
+    multiple = 2 * layout.cp if layout.cp > 1 else 1
+    return plan_micro_batches({s: n - 1 for s, n in tokens.items()}, layout.dp,
+                              shape.micro_batch_size, multiple, shape.micro_batch_tokens)
+
+
+def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[int],
+                       token_ids: dict[int, list[int]], tokens: dict[int, int], pad_id: int,
+                       shape: BatchShape) -> tuple[dict[int, torch.Tensor], int]:
+    """The LOGPROB stage: the reference model's logprob of every prediction of this replica's
+    episodes, on every rank of the replica. Returns ({sample id: [tokens - 1]}, bytes received).
+
+    ``producer`` is the rollout layout; ``ids`` / ``token_ids`` this replica's block; ``tokens``
+    every episode's length (identical on all ranks).
+    """
+    from earl_megatron.runtime.step import forward_logprobs
+
+    if producer.cp != 1:
+        raise ValueError(f"rollout layout {producer} has cp={producer.cp}; the engine decodes "
+                         "with cp=1 and replicas hold whole episodes")
+    lay, me = ref.layout, ref.coords
+    plan = micro_batch_plan(lay, tokens, shape)
+    length_of = plan.length_of
+    local: dict[str, dict] = {spec.name: {} for spec in LOGPROB_TENSORS}
+    for s in ids:
+        local["input_ids"][s], local["labels"][s] = shifted_ids(token_ids[s], length_of[s],
+                                                                pad_id)
+    result, _, _ = dispatch(producer, lay, [SampleMeta(s, length_of[s]) for s in ids], local,
+                            LOGPROB_TENSORS,
+                            producer_pp_stages={spec.name: "all" for spec in LOGPROB_TENSORS},
+                            assignment=plan.assignment)
+    groups_of_ids = [list(mb) for mb in plan.assignment[me.dp]]
+    batches = microbatches(result.tensors, groups_of_ids,
+                           seq_lens=plan.micro_batch_lengths(me.dp), cp=lay.cp, cp_rank=me.cp,
+                           tensors=LOGPROB_TENSORS)
+    out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
+    back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
+                                for i, s in enumerate(mb)}}
+    # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
+    mine = [s for mb in groups_of_ids for s in mb]
+    blocks = [[tuple(b)] for b in split_evenly(len(tokens), producer.dp)]
+    returned, _, _ = dispatch(lay, producer, [SampleMeta(s, length_of[s]) for s in mine], back,
+                              (REF_LOGPROBS,), producer_pp_stages={REF_LOGPROBS.name: "last"},
+                              assignment=blocks)
+    got = returned.tensors[REF_LOGPROBS.name]
+    moved = int(result.stats.bytes_received + returned.stats.bytes_received)
+    return {s: got[s][:len(token_ids[s]) - 1] for s in ids}, moved
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    loss: float
+    grad_norm: float
+    bytes_received: int
+    entropy: Optional[float]
+    """Mean entropy per policy token of the sampling policy (entropy bonus on), else None."""
+
+
+def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
+    if "ref_logprobs" not in mb:
+        return None
+    # off the policy tokens (padding, filler rows) the reference is 0: use logp there, so k3 is 0
+    # instead of exp(-logp), which could overflow to inf and make inf * 0 = nan in the masked sum
+    return torch.where(mb["loss_mask"] > 0, mb["ref_logprobs"], logp.detach())
+
+
+def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
+             advantages: dict, plan: MicroBatchPlan, loss: PolicyLossConfig, epochs: int
+             ) -> TrainResult:
+    """The TRAIN stage: dispatch this rank's samples to the train layout and run ``epochs``
+    optimizer steps on them. ``plan`` (``micro_batch_plan`` of the train layout) fixes which
+    samples train together; ``samples`` were built with its lengths. The reference logprobs
+    travel only when the loss reads them (kl_coef > 0); the entropy bonus takes the logits path
+    (one V/tp-wide fp32 buffer more per micro-batch), so only when entropy_coef > 0."""
+    from earl_megatron.runtime.step import train_step, train_step_logprobs
+
+    lay = policy.layout
+    length_of = plan.length_of
+    tensors = train_tensors(with_ref=loss.kl_coef > 0)
+    local = {spec.name: {} for spec in tensors}
+    for s in ids:
+        t = samples[s]
+        for spec in tensors:
+            local[spec.name][s] = advantages[s] if spec.name == "advantages" \
+                else getattr(t, spec.name)
+    meta = [SampleMeta(s, length_of[s]) for s in ids]
+    result, _, _ = dispatch(producer, lay, meta, local, tensors,
+                            producer_pp_stages={spec.name: "all" for spec in tensors},
+                            assignment=plan.assignment)
+    groups_of_ids = [list(mb) for mb in plan.assignment[policy.coords.dp]]
+    # every dp rank runs the same number of micro-batches (one all-masked row of the shortest
+    # length fills in; it adds nothing to the loss or the token count)
+    count = max(len(mbs) for mbs in plan.assignment)
+    batches = microbatches(result.tensors, groups_of_ids,
+                           seq_lens=plan.micro_batch_lengths(policy.coords.dp), cp=lay.cp,
+                           cp_rank=policy.coords.cp, tensors=tensors)
+    shortest = min(length_of.values())
+    while len(batches) < count:
+        batches += microbatches({}, [[]], seq_lens=[shortest], cp=lay.cp,
+                                cp_rank=policy.coords.cp, rows=1, tensors=tensors)
+    kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
+    r, entropy = None, None
+    for epoch in range(epochs):
+        if loss.entropy_coef:
+            sums: list = []
+            r = train_step_logprobs(policy, batches, loss_fn=_entropy_loss_fn(loss, sums),
+                                    **kwargs)
+            if epoch == 0:
+                # the sampling policy's entropy (before this batch's first update); the last
+                # pp_stage's tp rank 0 counts, cp chunks and dp ranks add up
+                acc = torch.zeros(2, dtype=torch.float64)
+                if policy.post_process and policy.coords.tp == 0:
+                    acc += sum(sums, torch.zeros(2, dtype=torch.float64))
+                acc = global_sum(acc)
+                entropy = acc[0].item() / max(acc[1].item(), 1.0)
+        else:
+            r = train_step(policy, batches, loss_fn=_loss_fn(loss), **kwargs)
+    return TrainResult(loss=r.loss if r is not None else math.nan,
+                       grad_norm=r.grad_norm if r is not None else math.nan,
+                       bytes_received=int(result.stats.bytes_received), entropy=entropy)
+
+
+def _loss_fn(cfg: PolicyLossConfig):
+    """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy)."""
+    def loss_fn(output: torch.Tensor, mb: dict) -> torch.Tensor:
+        logp = -output.float()  # Megatron returns the vocab-parallel cross entropy per token
+        return policy_loss(logp, mb["old_logprobs"], mb["advantages"], cfg,
+                           ref_logp=_ref_logp(mb, logp))
+    return loss_fn
+
+
+def _entropy_loss_fn(cfg: PolicyLossConfig, entropy_sums: list):
+    """Per-token loss on the logits path: TokenLogprobs -> loss with the entropy bonus. Appends
+    each micro-batch's (masked entropy sum, policy tokens) to ``entropy_sums``."""
+    def loss_fn(tl, mb: dict) -> torch.Tensor:
+        m = mb["loss_mask"].float()
+        entropy_sums.append(torch.stack([(tl.entropy.detach().double() * m).sum(),
+                                         m.double().sum()]))
+        return policy_loss(tl.logp, mb["old_logprobs"], mb["advantages"], cfg,
+                           ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy)
+    return loss_fn
