@@ -10,7 +10,7 @@ RL trainer's own path (dispatcher, length-grouped micro-batches, Megatron schedu
 
     loss = sum over agent tokens of -log p(token) / number of agent tokens in the batch
 
-Invariants (tests/unit/test_sft.py, tests/distributed/test_sft.py):
+Invariants (tests/unit/test_trajectories.py, tests/distributed/test_sft.py):
 - The batch of step ``s`` is a pure function of (number of traces, batch_size, seed, s): epochs
   are seeded permutations of all traces, each trace at most once per epoch, so a resumed warm
   start replays the same batches.
