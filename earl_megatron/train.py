@@ -31,13 +31,15 @@ RECIPES = os.environ.get("EARL_RECIPES",
 
 
 def make_tokenizer(cfg: TrainConfig):
-    from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer
+    from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer, tool_tokenizer
 
     name = cfg.rollout.tokenizer
     if name == "game":
         tok = char_tokenizer(GAME_ALPHABET)
     elif name == "ascii":
         tok = char_tokenizer()
+    elif name == "tool":
+        tok = tool_tokenizer()
     else:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(name)

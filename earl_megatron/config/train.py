@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.sft import SFTConfig
 
 STAGES = ("rollout", "logprob", "train")
 
@@ -78,7 +79,8 @@ class RolloutConfig:
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
     tokenizer: str = "game"
-    """"game" (28-symbol char vocabulary), "ascii" (104 symbols) or an HF tokenizer directory."""
+    """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
+    ids, its tags one token each) or an HF tokenizer directory."""
     sglang_python: Optional[str] = None
     sglang_device: str = "cuda"
 
@@ -198,8 +200,16 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start before RL (sft.steps = 0: none); trainer/warm_start.py."""
 
     def __post_init__(self):
+        if self.sft.steps and self.algorithm.kl_mode != "off":
+            raise ConfigError(
+                f"sft.steps={self.sft.steps} with algorithm.kl_mode={self.algorithm.kl_mode}: "
+                "the reference policy would be the initial one, not the warmed one. Set "
+                "algorithm.kl_mode=off, or warm start in one run and pass its checkpoint as "
+                "run.init to an RL run with the KL")
         if self.algorithm.name == "grpo" and \
                 self.rollout.episodes_per_iteration % self.algorithm.group_size:
             raise ConfigError(

@@ -18,6 +18,9 @@ Invariants every environment keeps (tests check them for the built-in ones):
 - ``system_prompt`` is the fixed task description the loop renders as the system turn (may be
   empty: then no system turn is rendered). Observation and system texts carry loss mask 0.
 
+``expert(seed)`` (optional) returns a scripted teacher's actions for the episode of that seed;
+the supervised warm start plays them to make training traces.
+
 Standard info keys (all optional): "illegal", "unparsable", "tool_error" (bool flags), "outcome"
 (str), "tool_calls" (int). The agent loop merges a step's info into the episode's info.
 """
@@ -77,6 +80,13 @@ class Env(abc.ABC):
         if result.done:
             self._live = False
         return result
+
+    def expert(self, seed: int) -> list[str]:
+        """A scripted teacher's actions for the whole episode ``reset(seed)`` starts (the
+        supervised warm start's traces); environments without one say so."""
+        raise NotImplementedError(f"environment {self.name!r} has no scripted expert; give the "
+                                  "supervised warm start a JSONL file of chat trajectories "
+                                  "instead (sft.data=PATH, docs/trainer.md)")
 
     def invalid(self, flag: str, observation: str, **info: Any) -> StepResult:
         """End the episode on bad model output: penalty reward, the flag set in info."""

@@ -12,6 +12,19 @@ is not plain arithmetic, or an answer that is not a number ends the episode with
 ``invalid_penalty`` and ``info["unparsable"]``. After ``max_tool_calls`` calculator calls the
 next call ends the episode with reward 0 (``info["tool_budget"]``).
 
+The tool runs on a daemon thread with a wall-clock limit (``tool_timeout_s``): a tool that raises
+anything but the calculator's own errors, or does not return in time, ends THAT episode with
+``tool_failure_penalty`` and ``info["tool_error"]`` and ``info["tool_failed"]`` set; the run goes
+on (a hung thread is abandoned, not killed: Python cannot kill a thread, so a tool that may hang
+forever belongs in its own process). ``tool`` replaces the calculator (a callable str -> number).
+
+``expert(seed)`` is the scripted teacher of the supervised warm start: the actions of a full
+episode from ``reset(seed)``. With probability ``expert_tool_rate`` it calls the calculator on the
+question's expression and answers with the result; otherwise it answers from "mental arithmetic":
+the true value with probability ``mental_accuracy``, else the value with one digit slipped (a
+plausible, wrong number). Its choices draw from their own stream of the seed, so the question of
+a seed does not depend on them.
+
 The calculator never runs ``eval``: ``safe_eval`` parses with ``ast`` and walks only number
 literals, unary +/-, and binary + - * / // % **. Bounds make every operation cheap: at most
 ``MAX_EXPR_CHARS`` characters, integer exponents with ``|e| <= MAX_EXPONENT``, every
@@ -25,7 +38,9 @@ import math
 import operator
 import random
 import re
+import threading
 import time
+from typing import Callable, Optional
 
 from earl_megatron.envs.base import Env, StepResult
 
@@ -120,21 +135,78 @@ def make_question(seed: int, num_operands: int = 3, max_operand: int = 99) -> tu
     return expr, int(safe_eval(expr))
 
 
+def slipped(value: int, rng: random.Random) -> int:
+    """``value`` with one digit replaced by another (never the same number): a mental slip."""
+    digits = list(str(abs(value)))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0"
+                                                                  and len(digits) > 1)]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits)) * (-1 if value < 0 else 1)
+
+
+class ToolFailure(RuntimeError):
+    """The tool raised an unexpected error or ran past its deadline."""
+
+
+def call_with_timeout(fn: Callable[[str], object], arg: str, timeout_s: float):
+    """``fn(arg)`` on a daemon thread; its exceptions re-raised here; ToolFailure past the
+    deadline (the thread is left to finish on its own)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(arg)
+        except BaseException as e:  # noqa: BLE001 - every tool error is the caller's to judge
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True, name="calculator-tool")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ToolFailure(f"tool did not return within {timeout_s}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class CalculatorEnv(Env):
     """Arithmetic questions with a calculator tool; see the module docstring for the format."""
 
     name = "calculator"
 
     def __init__(self, num_operands: int = 3, max_operand: int = 99, max_tool_calls: int = 4,
-                 invalid_penalty: float = -1.0, system_prompt: str | None = None):
+                 invalid_penalty: float = -1.0, system_prompt: str | None = None,
+                 tool: Optional[Callable[[str], object]] = None, tool_timeout_s: float = 1.0,
+                 tool_failure_penalty: float = -1.0, expert_tool_rate: float = 0.5,
+                 mental_accuracy: float = 0.1):
         super().__init__(invalid_penalty)
         if num_operands < 2 or max_operand < 2 or max_tool_calls < 0:
             raise ValueError(f"need num_operands >= 2, max_operand >= 2, max_tool_calls >= 0; "
                              f"got {num_operands}, {max_operand}, {max_tool_calls}")
+        if not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s={tool_timeout_s} must be > 0 (seconds)")
+        for key, p in (("expert_tool_rate", expert_tool_rate),
+                       ("mental_accuracy", mental_accuracy)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{key}={p} is a probability: use a value in [0, 1]")
         self.num_operands, self.max_operand = num_operands, max_operand
         self.max_tool_calls = max_tool_calls
         self._system_prompt = system_prompt
+        self.tool = safe_eval if tool is None else tool
+        self.tool_timeout_s = float(tool_timeout_s)
+        self.tool_failure_penalty = float(tool_failure_penalty)
+        self.expert_tool_rate, self.mental_accuracy = expert_tool_rate, mental_accuracy
         self.question, self.answer, self.tool_calls = "", 0, 0
+
+    def expert(self, seed: int) -> list[str]:
+        """The scripted teacher's actions for the episode ``reset(seed)`` starts (see above)."""
+        expr, value = make_question(seed, self.num_operands, self.max_operand)
+        rng = random.Random(f"expert:{seed}")
+        if rng.random() < self.expert_tool_rate and self.max_tool_calls >= 1:
+            return [f"<calc>{expr}</calc>", f"<answer>{value}</answer>"]
+        guess = value if rng.random() < self.mental_accuracy else slipped(value, rng)
+        return [f"<answer>{guess}</answer>"]
 
     @property
     def system_prompt(self) -> str:
@@ -166,11 +238,33 @@ class CalculatorEnv(Env):
                               {"tool_budget": True, "tool_calls": self.tool_calls})
         self.tool_calls += 1
         try:
-            value = safe_eval(body)
+            value = call_with_timeout(self.tool, body, self.tool_timeout_s)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ToolFailure(f"tool returned {type(value).__name__}, not a number")
         except CalcUnparsable as e:
             return self.invalid("unparsable", f"<error>{e}</error>", tool_calls=self.tool_calls)
         except CalcError as e:
             return StepResult(f"<error>{e}</error>", 0.0, False,
                               {"tool_error": True, "tool_calls": self.tool_calls})
+        except Exception as e:  # noqa: BLE001 - a broken tool ends the episode, not the run
+            why = e if isinstance(e, ToolFailure) else f"tool raised {type(e).__name__}"
+            return StepResult(f"<error>{why}</error>", self.tool_failure_penalty, True,
+                              {"tool_error": True, "tool_failed": True,
+                               "tool_calls": self.tool_calls})
         return StepResult(f"<result>{format_number(value)}</result>", 0.0, False,
                           {"tool_calls": self.tool_calls})
+
+
+def tool_metrics(rows) -> dict:
+    """Per-iteration tool-use metrics from one row per episode:
+    (correct, tool calls, tool error, unparsable, sampled turns).
+
+    accuracy: episodes answered right; tool_calls: calculator calls per episode; tool_error_rate:
+    episodes with a refused or failed call; unparsable_turn_rate: unparsable turns over all
+    sampled turns (an unparsable turn ends its episode, so at most one per episode)."""
+    rows = list(rows)
+    n, turns = max(len(rows), 1), max(sum(r[4] for r in rows), 1)
+    return {"accuracy": sum(bool(r[0]) for r in rows) / n,
+            "tool_calls": sum(r[1] for r in rows) / n,
+            "tool_error_rate": sum(bool(r[2]) for r in rows) / n,
+            "unparsable_turn_rate": sum(bool(r[3]) for r in rows) / turns}

@@ -10,6 +10,13 @@ the tiny model's 128):
     9-103   printable ASCII, space (9) to "~" (103), in code-point order
     104+    not tokens: a model with a larger vocabulary may sample them; they decode to ""
 
+``tool_tokenizer()`` is the same with the calculator's tags as single tokens (ids 8-15, right after
+the specials, then TOOL_ALPHABET: 64 ids). Tags are ordinary added tokens, not special ones: they
+survive ``decode(skip_special_tokens=True)``, which is how the agent loop hands actions to the
+environment, and text round-trips (encode then decode gives the text back for any string over the
+alphabet). One token per tag keeps every calculator action within a 16-token turn and makes the
+choice "call the tool or answer" a single sampled token.
+
 Chat rendering works for this tokenizer and for a real HF tokenizer with a ``chat_template``.
 The agent loop builds a context turn by turn, so it needs the template cut into pieces:
 
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
@@ -46,8 +53,20 @@ _DUMMY_ASSISTANT = "ASSISTANT-REPLY"
 GAME_ALPHABET = "\n 0123456789.xo:moves"
 """Every character the board games render (board, move history): 28 ids with the specials."""
 
+TOOL_TAGS = ("<calc>", "</calc>", "<answer>", "</answer>", "<result>", "</result>", "<error>",
+             "</error>")
+"""The calculator's action and observation tags (envs/tool_env.py), one token each."""
+TOOL_ALPHABET = "\n 0123456789+-*/()%.,:abcdefghijklmnopqrstuvwxyz"
+"""Questions, expressions, numbers and the calculator's messages: 64 ids with specials and tags."""
 
-def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+
+def tool_tokenizer() -> PreTrainedTokenizerFast:
+    """The character tokenizer over TOOL_ALPHABET with TOOL_TAGS as single tokens (64 ids)."""
+    return char_tokenizer(TOOL_ALPHABET, tags=TOOL_TAGS)
+
+
+def char_tokenizer(alphabet: str | None = None,
+                   tags: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """The character-level tokenizer with a chat template (see the module docstring).
 
     ``alphabet`` restricts the vocabulary to its characters (in first-seen order, after the
@@ -55,14 +74,25 @@ def char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
     small output layer, so an untrained policy already emits a digit often enough for RL to
     start: with the printable-ASCII vocabulary a random policy writes a move ~7% of the time,
     with GAME_ALPHABET ~40%.
+
+    ``tags``: multi-character strings that become one (non-special) token each, ids right after
+    the special tokens; they are matched in the text before it is split into characters.
     """
     chars = CHARS if alphabet is None else tuple(dict.fromkeys(alphabet))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    bad = [t for t in tags if len(t) < 2 or t in SPECIAL_TOKENS or t in chars]
+    if bad or len(set(tags)) != len(tags):
+        raise ValueError(f"tags {list(tags)}: each must be a distinct string of 2+ characters "
+                         f"that is neither a special token nor a character ({bad} are not)")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(tags) + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # every character is its own pre-token; [\s\S] because "." would skip newlines
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tags:
+        # already in the vocabulary, so they keep their ids; special=False: decoding with
+        # skip_special_tokens keeps them
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=UNK,
                                    additional_special_tokens=list(ROLE_TOKENS + (END_OF_TURN,)))

@@ -14,12 +14,23 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 
+from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.trainer import segments
+
+
+def tool_row(e: Episode) -> Optional[tuple]:
+    """An episode's (correct, tool calls, tool error, unparsable, turns) for
+    envs.tool_env.tool_metrics; None for environments without tools (no "tool_calls" info)."""
+    if "tool_calls" not in e.info:
+        return None
+    return (bool(e.info.get("correct")), int(e.info["tool_calls"]),
+            bool(e.info.get("tool_error")), bool(e.info.get("unparsable")), e.turns)
 
 
 class StageTimer:
@@ -78,7 +89,8 @@ class Recorder:
                metrics: dict, planner) -> dict:
         rows = gather_by_sample(ids, [(e.reward, e.info.get("outcome"),
                                        bool(e.info.get("illegal")),
-                                       bool(e.info.get("unparsable"))) for e in episodes])
+                                       bool(e.info.get("unparsable")), tool_row(e))
+                                      for e in episodes])
         rows = [rows[s] for s in sorted(rows)]
         n = max(len(rows), 1)
         rec = {"iteration": it,
@@ -87,6 +99,8 @@ class Recorder:
                "win_rate": sum(r[1] == "win" for r in rows) / n,
                "illegal_rate": sum(r[2] for r in rows) / n,
                "unparsable_rate": sum(r[3] for r in rows) / n,
+               # tool environments: accuracy, tool calls per episode, tool errors, unparsable
+               **(tool_metrics([r[4] for r in rows]) if any(r[4] for r in rows) else {}),
                "mean_context": sum(lengths) / len(lengths), "max_context": max(lengths),
                **metrics, "seconds": seconds}
         rec["predicted_memory_gb"] = {k: v / 2**30 for k, v in planner.predicted_memory.items()}
@@ -106,6 +120,11 @@ class Recorder:
         segments.write_evals(self.out, merged)
         for when, res in self.evals.items():
             self.view.message(f"evaluation {when}: " + ", ".join(
-                f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
+                f"{k} accuracy {v['accuracy']:.2f}, tool calls {v['tool_calls']:.2f}"
+                if "accuracy" in v else f"{k} win {v['win_rate']:.2f}" for k, v in res.items()))
         from earl_megatron.trainer.report import write_report
-        write_report(self.out, self.history, merged)
+        # the warm start's records (trainer/warm_start.py), also when RL resumed after it
+        sft_file = self.out / "sft.jsonl"
+        sft = [json.loads(x) for x in sft_file.read_text().splitlines()] \
+            if sft_file.exists() else []
+        write_report(self.out, self.history, merged, sft=sft)

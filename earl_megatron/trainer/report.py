@@ -4,6 +4,11 @@
                                    | + evaluations as markers     |
     layout of each stage over time | stage seconds, stacked       | dispatch MiB (rank 0)
 
+A tool-use run (records with "accuracy") shows, in the win-rate panel's place, accuracy, tool
+calls per episode, tool-error and unparsable rates, with the accuracy of evaluations as markers;
+a supervised warm start (``sft``: records with step and loss, sft.jsonl) adds a fourth column
+with its loss per step.
+
 x is the iteration index. An evaluation taken after n iterations (eval keys "start" = 0,
 "iter<n>", "end" = all) is drawn at x = n - 1, the last iteration it saw, so "start" sits at -1.
 
@@ -41,7 +46,8 @@ def eval_x(when: str, history: list[dict]) -> float | None:
     return None
 
 
-def write_report(out: Path, history: list[dict], evals: dict) -> Path:
+def write_report(out: Path, history: list[dict], evals: dict,
+                 sft: list[dict] | None = None) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -51,7 +57,15 @@ def write_report(out: Path, history: list[dict], evals: dict) -> Path:
     evals = evals or {}
     its = [h.get("iteration", i) for i, h in enumerate(history)]
     line = dict(marker="o", markersize=3)  # a one-iteration history still shows its point
-    fig, ax = plt.subplots(2, 3, figsize=(16, 8.5))
+    sft = list(sft or [])
+    fig, ax = plt.subplots(2, 4 if sft else 3, figsize=(21 if sft else 16, 8.5))
+    if sft:
+        a = ax[0][3]
+        a.plot([r.get("step", i) for i, r in enumerate(sft)], [_get(r, "loss") for r in sft],
+               **line)
+        a.set_title("warm start: loss per agent token")
+        a.set_xlabel("supervised step")
+        ax[1][3].axis("off")
 
     a = ax[0][0]
     a.plot(its, [_get(h, "reward") for h in history], label="mean reward", **line)
@@ -62,17 +76,25 @@ def write_report(out: Path, history: list[dict], evals: dict) -> Path:
     a.legend(fontsize=8)
 
     a = ax[0][1]
-    a.plot(its, [_get(h, "win_rate") for h in history], label="training (sampled)", **line)
+    tool = any("accuracy" in h for h in history)
+    score = "accuracy" if tool else "win_rate"
+    a.plot(its, [_get(h, score) for h in history], label="training (sampled)", **line)
+    if tool:
+        a.plot(its, [_get(h, "tool_calls") for h in history], label="tool calls / episode",
+               **line)
+        a.plot(its, [_get(h, "tool_error_rate") for h in history], label="tool errors", **line)
+        a.plot(its, [_get(h, "unparsable_rate") for h in history], label="unparsable", **line)
     markers = "s^vDP*Xh"
     for k, name in enumerate(sorted({n for r in evals.values() for n in (r or {})})):
-        pts = [(eval_x(when, history), r[name]["win_rate"]) for when, r in evals.items()
+        pts = [(eval_x(when, history), r[name][score]) for when, r in evals.items()
                if name in (r or {}) and eval_x(when, history) is not None
-               and isinstance(r[name], dict) and "win_rate" in r[name]]
+               and isinstance(r[name], dict) and score in r[name]]
         if pts:
             a.plot(*zip(*sorted(pts)), linestyle=":", marker=markers[k % len(markers)], markersize=7,
                    label=f"eval {name}")
-    a.set_ylim(-0.05, 1.05)
-    a.set_title("win rate (evaluations as markers)")
+    a.set_ylim(-0.05, max([1.05] + [_get(h, "tool_calls") + 0.05 for h in history
+                                    if tool and not math.isnan(_get(h, "tool_calls"))]))
+    a.set_title("accuracy and tool use" if tool else "win rate (evaluations as markers)")
     a.set_xlabel("iteration")
     a.legend(fontsize=8)
 
@@ -121,7 +143,7 @@ def write_report(out: Path, history: list[dict], evals: dict) -> Path:
     a.set_xlabel("iteration")
 
     xs = its + [x for x in map(lambda w: eval_x(w, history), evals) if x is not None]
-    for a in ax.flat:
+    for a in (row[c] for row in ax for c in range(3)):
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
         if xs:  # a single iteration would otherwise get a +-0.05 axis
             a.set_xlim(min(xs) - 0.6, max(xs) + 0.6)

@@ -40,6 +40,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.losses import PolicyLossConfig
@@ -51,7 +52,7 @@ from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.models import Models, build_models
 from earl_megatron.trainer.planner import StagePlanner
-from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample
+from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
 from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds, make_rollout
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
                                            kl_to_reference)
@@ -90,6 +91,8 @@ class Trainer:
         checkpoint holds when the next iteration is abandoned (``_mark_completed``)."""
         self._saved = -1
         """The iteration of the newest checkpoint this segment wrote or resumed from."""
+        self._sft_start, self._sft_history = 0, []
+        """The warm start's next step and its records (restored from its checkpoint)."""
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
 
     # ------------------------------------------------------------------ one iteration
@@ -182,6 +185,10 @@ class Trainer:
 
     def _run(self, start: int, models: Models) -> None:
         cfg = self.cfg
+        if start == 0 and cfg.sft.steps and not self._warm_start(models):
+            # told to stop during the warm start: it checkpointed itself; resume continues it
+            self.stop.mark_stopped(-1)
+            return
         if start == 0:
             self._evaluate_into("start", models)
         for it in range(start, cfg.run.iterations):
@@ -229,8 +236,22 @@ class Trainer:
         self._completed = {"iteration": it, "layout": models.policy.layout,
                            "selector": self.planner.state}
 
+    def _warm_start(self, models: Models) -> bool:
+        """The supervised phase before RL (trainer/warm_start.py); False: told to stop."""
+        from earl_megatron.trainer.warm_start import TraceSource, WarmStart
+
+        cfg = self.cfg
+        warm = WarmStart(cfg.sft, TraceSource(cfg.env.name, dict(cfg.env.kwargs), cfg.run.seed),
+                         self.tok, batch=self.batch, rl_lr=cfg.algorithm.lr,
+                         max_tokens=cfg.model.max_position_embeddings, out=self.out,
+                         checkpoint_every=cfg.run.checkpoint_every, rank=self.rank,
+                         log=self.recorder.view.message, start_step=self._sft_start,
+                         history=self._sft_history)
+        return warm.run(models, self.planner, self.stop.world_should_stop)
+
     def _start(self) -> tuple[int, Models, list[str]]:
-        """(first iteration, models, messages): from the newest checkpoint, or fresh."""
+        """(first iteration, models, messages): from the newest checkpoint (RL, else the warm
+        start's), or fresh."""
         cfg = self.cfg
         ckpt = latest_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
         if ckpt is not None:
@@ -254,6 +275,17 @@ class Trainer:
             self._saved = state["iteration"]
             return state["iteration"] + 1, models, [elastic] * (elastic is not None) + [
                 f"resumed from {ckpt} at iteration {state['iteration'] + 1}"]
+        if cfg.sft.steps and cfg.run.resume:
+            from earl_megatron.trainer.warm_start import warm_start_state
+            warm = warm_start_state(self.out)
+            if warm is not None:  # killed during (or right after) the warm start
+                models = build_models(cfg.model, self._parse(warm["layout"]), None,
+                                      optimizer=self.optimizer, seed=cfg.run.seed,
+                                      init=cfg.run.init)
+                load_checkpoint(models.policy, warm["path"])
+                self._sft_start, self._sft_history = warm["sft_step"] + 1, warm["sft_history"]
+                return 0, models, [f"resumed the warm start from {warm['path']} at step "
+                                   f"{self._sft_start}"]
         if cfg.run.init:
             from earl_megatron.weights.convert import read_model_config
             found = read_model_config(cfg.run.init)
@@ -271,15 +303,16 @@ class Trainer:
     def evaluate(self, models: Models) -> Optional[dict]:
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
         "sampled" plays the stochastic policy at the rollout temperature (what training
-        optimises); "greedy" plays its argmax. None when told to stop meanwhile (abandoned at
-        a turn)."""
+        optimises); "greedy" plays its argmax. An environment without opponents (the
+        calculator) is evaluated as configured, under its own name, with its tool metrics.
+        None when told to stop meanwhile (abandoned at a turn)."""
         cfg = self.cfg
         lay = models.policy.layout
         # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
         policy = models.policy_in(ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
         seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(cfg.run.eval_episodes)]
         out = {}
-        for opp in cfg.env.eval_opponents:
+        for opp in cfg.env.eval_opponents or (None,):
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
                 try:
                     ids, eps = self.rollout.play(policy, seeds, temperature=temp,
@@ -289,10 +322,14 @@ class Trainer:
                     ids, eps = [], []
                 if self.stop.world_should_stop():  # every rank: no evaluation once stopping
                     return None
-                by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward) for e in eps])
-                out[f"{opp}/{mode}"] = {
-                    "win_rate": sum(o == "win" for o, _ in by_id.values()) / len(by_id),
-                    "mean_reward": sum(r for _, r in by_id.values()) / len(by_id)}
+                by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward, tool_row(e))
+                                               for e in eps])
+                res = {"win_rate": sum(o == "win" for o, _, _ in by_id.values()) / len(by_id),
+                       "mean_reward": sum(r for _, r, _ in by_id.values()) / len(by_id)}
+                tool = [t for _, _, t in by_id.values() if t is not None]
+                if tool:
+                    res.update(tool_metrics(tool))
+                out[f"{opp or cfg.env.name}/{mode}"] = res
         return out
 
     def _checkpoint(self, models: Models, it: int) -> None:

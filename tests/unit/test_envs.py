@@ -205,3 +205,73 @@ def test_calculator_tool_budget():
     assert not env.step("<calc>1+1</calc>").done
     res = env.step("<calc>1+1</calc>")
     assert (res.reward, res.done, res.info["tool_budget"]) == (0.0, True, True)
+
+
+def test_calculator_expert_calls_the_tool_in_about_half_the_episodes():
+    from earl_megatron.rollout.trajectories import expert_trajectories
+
+    env = CalculatorEnv()
+    assert env.expert(3) == env.expert(3)  # a pure function of the seed
+    traces = expert_trajectories(lambda: CalculatorEnv(system_prompt=""), range(400))
+    tool = [t for t in traces if t.meta["info"]["tool_calls"] == 1]
+    mental = [t for t in traces if t.meta["info"]["tool_calls"] == 0]
+    assert len(tool) + len(mental) == 400 and 160 <= len(tool) <= 240
+    # with the tool the expert is always right; from mental arithmetic rarely (~10%)
+    assert all(t.meta["reward"] == 1.0 for t in tool)
+    wrong = [t for t in mental if t.meta["reward"] == 0.0]
+    assert 0.8 <= len(wrong) / len(mental) <= 0.97
+    # a wrong mental answer is plausible: a number with as many digits as the true value
+    for t in wrong[:50]:
+        expr, value = make_question(t.meta["seed"])
+        guess = t.messages[-1][1][len("<answer>"):-len("</answer>")]
+        assert guess.lstrip("-").isdigit() and int(guess) != value
+        assert len(guess.lstrip("-")) == len(str(abs(value)))
+    assert CalculatorEnv(expert_tool_rate=1.0).expert(5)[0] == f"<calc>{make_question(5)[0]}</calc>"
+    assert len(CalculatorEnv(expert_tool_rate=0.0).expert(5)) == 1
+    with pytest.raises(ValueError, match="probability"):
+        CalculatorEnv(expert_tool_rate=1.5)
+
+
+def test_games_have_no_expert():
+    from earl_megatron.envs import make_env
+
+    with pytest.raises(NotImplementedError, match="sft.data"):
+        make_env("tic_tac_toe").expert(0)
+
+
+def _raising_tool(expr):
+    raise KeyError("the tool is broken")
+
+
+def _hanging_tool(expr):
+    import time
+    time.sleep(2.0)
+    return 1
+
+
+@pytest.mark.parametrize("tool, why", [(_raising_tool, "tool raised KeyError"),
+                                       (_hanging_tool, "did not return within 0.2s"),
+                                       (lambda e: "12", "returned str")])
+def test_a_failing_tool_ends_the_episode_with_a_penalty(tool, why):
+    import time
+
+    env = CalculatorEnv(tool=tool, tool_timeout_s=0.2, tool_failure_penalty=-0.5)
+    env.reset(0)
+    t0 = time.monotonic()
+    res = env.step("<calc>1+1</calc>")
+    assert time.monotonic() - t0 < 1.0
+    assert (res.reward, res.done, res.info["tool_error"], res.info["tool_failed"]) == \
+        (-0.5, True, True, True)
+    assert why in res.observation
+    # the environment is usable for the next episode
+    env.reset(1)
+    assert env.step("<answer>1</answer>").done
+
+
+def test_tool_metrics():
+    from earl_megatron.envs.tool_env import tool_metrics
+
+    rows = [(True, 1, False, False, 2), (False, 0, False, False, 1), (False, 2, True, True, 3),
+            (True, 1, False, False, 2)]
+    assert tool_metrics(rows) == {"accuracy": 0.5, "tool_calls": 1.0, "tool_error_rate": 0.25,
+                                  "unparsable_turn_rate": 1 / 8}

@@ -167,3 +167,17 @@ def test_tensorboard_resumed_segment_purges_later_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward")] == [0, 1, 2, 3]
+
+
+def test_write_report_tool_run_with_warm_start(tmp_path):
+    """A tool-use history (accuracy, tool calls) and a warm start's losses: a wider PNG."""
+    history = [dict(record(i), accuracy=0.5 + 0.1 * i, tool_calls=0.5 + 0.2 * i,
+                    tool_error_rate=0.0, unparsable_rate=0.02) for i in range(3)]
+    evals = {"start": {"calculator/greedy": {"accuracy": 0.5}},
+             "end": {"calculator/greedy": {"accuracy": 0.9}}}
+    sft = [{"step": s, "loss": 4.0 / (1 + s)} for s in range(0, 100, 10)]
+    import matplotlib.image as mpimg
+
+    plain = mpimg.imread(write_report(tmp_path, history, evals))
+    wide = mpimg.imread(write_report(tmp_path, history, evals, sft=sft))
+    assert wide.shape[1] > plain.shape[1] * 1.2 and wide.shape[0] == plain.shape[0]

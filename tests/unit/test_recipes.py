@@ -34,3 +34,17 @@ def test_gpu_recipes(name, nodes, layers):
     assert cfg.cluster.nodes == nodes and cfg.model.num_layers == layers
     assert cfg.rollout.engine == "sglang" and cfg.rollout.tokenizer == "/ckpt/hf"
     assert cfg.algorithm.use_distributed_optimizer and cfg.algorithm.lr <= 1e-6
+
+
+def test_tool_use_recipe():
+    from earl_megatron.train import make_tokenizer
+
+    cfg = _load("tool_use")
+    assert cfg.env.name == "calculator" and cfg.rollout.tokenizer == "tool"
+    assert cfg.sft.steps > 0 and cfg.sft.data is None and cfg.algorithm.kl_mode == "off"
+    assert len(make_tokenizer(cfg)) == cfg.model.vocab_size == 64
+    # the environment takes every kwarg the recipe gives it
+    from earl_megatron.envs import make_env
+    make_env(cfg.env.name, **cfg.env.kwargs).expert(0)
+    with pytest.raises(Exception, match="kl_mode"):
+        _load("tool_use", ["algorithm.kl_mode=loss", "algorithm.kl_coef=0.1"])

@@ -106,3 +106,37 @@ def test_errors_name_the_fix(chatml_tokenizer):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="not with a special token"):
         chat_format(tok)
+
+
+def test_tool_tokenizer_tags_are_single_tokens_and_round_trip(tmp_path):
+    from earl_megatron.rollout.tokenizer import TOOL_TAGS, tool_tokenizer
+
+    tok = tool_tokenizer()
+    assert len(tok) == 64
+    assert tok.convert_ids_to_tokens(list(range(8, 16))) == list(TOOL_TAGS)
+    text = "<calc>37*(12-5)+8</calc>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 8 and ids[-1] == 9 and len(ids) == 2 + len("37*(12-5)+8")
+    # any text over the alphabet round-trips; the agent loop decodes actions with
+    # skip_special_tokens=True, so tags must survive it
+    for s in [text, "<answer>-267</answer>", "x <result>1.5</result> <error>division by zero"
+              "</error>", "<answer>12</answer>trailing", "calc<calc>calc"]:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == s
+    eot = tok.convert_tokens_to_ids("<|end|>")
+    assert tok.decode(tok("<answer>7</answer>", add_special_tokens=False)["input_ids"] + [eot],
+                      skip_special_tokens=True) == "<answer>7</answer>"
+    # the longest calculator action of the default questions fits a 16-token turn
+    assert len(tok("<calc>(99*99)*99</calc>", add_special_tokens=False)["input_ids"]) + 1 <= 16
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(text, add_special_tokens=False)["input_ids"] == \
+        tok(text, add_special_tokens=False)["input_ids"]
+    assert chat_format(loaded).stop_token_ids == (7, 3)
+
+
+def test_tags_must_be_new_multi_character_strings():
+    with pytest.raises(ValueError, match="distinct string of 2"):
+        char_tokenizer("ab", tags=("a",))
+    with pytest.raises(ValueError, match="distinct string of 2"):
+        char_tokenizer("ab", tags=("<calc>", "<calc>"))

@@ -1,0 +1,44 @@
+"""The supervised warm start's configuration (the ``sft`` section of a recipe): one frozen value.
+
+``steps = 0`` turns the warm start off. Traces come from ``data`` (a JSONL file of chat
+trajectories, rollout/trajectories.py) or, when it is null, from the environment's scripted
+expert (``env.expert(seed)``) on ``expert_episodes`` seeds of their own (never an RL or an
+evaluation seed). Every field is validated here, so a bad value stops the run before any model
+is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 0
+    """Optimizer steps of the warm start before RL (0: none, RL starts from the initial policy)."""
+    data: Optional[str] = None
+    """JSONL file of chat trajectories; null: play the environment's expert."""
+    expert_episodes: int = 512
+    """Traces the expert plays when data is null (each step draws batch_size of them)."""
+    batch_size: int = 32
+    """Trajectories per optimizer step; at most the number of traces."""
+    lr: Optional[float] = None
+    """Learning rate of the warm start (null: algorithm.lr); RL continues at algorithm.lr."""
+    log_every: int = 10
+    """Steps between lines of the live view and entries of sft.jsonl (the last step always)."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"sft.steps={self.steps}: use 0 (no warm start) or more")
+        if self.batch_size < 1:
+            raise ValueError(f"sft.batch_size={self.batch_size} must be >= 1")
+        if self.expert_episodes < 1:
+            raise ValueError(f"sft.expert_episodes={self.expert_episodes} must be >= 1")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"sft.lr={self.lr} must be > 0 (or null: algorithm.lr)")
+        if self.log_every < 1:
+            raise ValueError(f"sft.log_every={self.log_every} must be >= 1")
+        if self.data is None and self.steps and self.batch_size > self.expert_episodes:
+            raise ValueError(f"sft.batch_size={self.batch_size} > sft.expert_episodes="
+                             f"{self.expert_episodes}: a step cannot draw more traces than exist")

@@ -1,0 +1,126 @@
+"""The trainer's supervised phase (``sft.steps > 0``): the warm start runs before RL iteration 0.
+
+    traces = sft.data (JSONL) | env.expert on sft.expert_episodes seeds of their own
+    for step in warm-start steps:
+        layout = planner.plan("train", this batch's lengths)   (selector, or the static layout)
+        policy = models.policy_in(layout)                      (weights + Adam state, in memory)
+        loss = sft_step(...)                                   (trainer/sft.py: dispatcher,
+                                                                Megatron's train_step)
+        every sft.log_every steps: a line in sft.jsonl and in the live view
+        checkpoint every run.checkpoint_every steps and at the last (SIGTERM: now, then exit)
+    optimizer back at algorithm.lr; RL iteration 0 starts from the warmed policy
+
+Checkpoints of this phase are ``<output_dir>/checkpoints/sft/iter_<step>``, loop.json
+``{"phase": "sft", "sft_step": step, "layout": ..., "sft_history": [...]}``. A run killed during
+the warm start resumes at the next step with the same batches (trainer/sft.py: a step's batch is
+a pure function of the step), and sft.jsonl is rewritten from the checkpoint's history, so it
+never repeats a step; a run with an RL checkpoint has finished its warm start. One optimizer
+throughout: the warm start's Adam state carries into RL, as in a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from earl_megatron.config.sft import SFTConfig
+from earl_megatron.trainer.sft import load_traces, set_lr, sft_step, step_batch, tokenize_traces
+from earl_megatron.trainer.stages import BatchShape
+
+
+def sft_root(out: Path) -> Path:
+    return Path(out) / "checkpoints" / "sft"
+
+
+def warm_start_state(out: Path) -> Optional[dict]:
+    """loop.json of the newest warm-start checkpoint, with its "path" (None: there is none)."""
+    from earl_megatron.runtime.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(sft_root(out))
+    if ckpt is None:
+        return None
+    state = json.loads((ckpt / "loop.json").read_text())
+    state["path"] = str(ckpt)
+    return state
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """Where the expert's traces come from when sft.data is null."""
+
+    env: str
+    env_kwargs: dict
+    seed: int
+    """run.seed: the expert's episodes use seeds derived from it (trainer/sft.expert_seeds)."""
+
+
+class WarmStart:
+    def __init__(self, scfg: SFTConfig, source: TraceSource, tokenizer, *, batch: BatchShape,
+                 rl_lr: float, max_tokens: int, out: Path, checkpoint_every: int, rank: int,
+                 log: Callable[[str], None], start_step: int = 0,
+                 history: Optional[list] = None):
+        self.scfg, self.source, self.tok, self.batch = scfg, source, tokenizer, batch
+        self.steps, self.batch_size, self.log_every = scfg.steps, scfg.batch_size, scfg.log_every
+        self.data = scfg.data
+        self.lr = scfg.lr if scfg.lr is not None else rl_lr
+        self.rl_lr, self.max_tokens = rl_lr, max_tokens
+        self.out, self.every, self.rank, self.log = Path(out), checkpoint_every, rank, log
+        self.start = start_step
+        self.history: list[dict] = list(history or [])
+
+    def run(self, models, planner, stop: Callable[[], bool]) -> bool:
+        """All remaining steps; False when a stop was agreed (checkpointed: resume later)."""
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "sft.jsonl").write_text(
+                "".join(json.dumps(h) + "\n" for h in self.history))
+        if self.start >= self.steps:  # finished before a restart: only RL's rate to restore
+            set_lr(models.policy.optimizer, self.rl_lr)
+            return True
+        t0 = time.perf_counter()
+        traces = load_traces(self.scfg, self.source.env, self.source.env_kwargs, self.source.seed)
+        samples = tokenize_traces(traces, self.tok, self.max_tokens)
+        if self.batch_size > len(samples):
+            from earl_megatron.config.train import ConfigError
+            raise ConfigError(f"sft.batch_size={self.batch_size} but {self.data} holds "
+                              f"{len(samples)} trajectories; lower sft.batch_size")
+        self.log(f"warm start: {len(samples)} traces "
+                 f"({'expert' if self.data is None else self.data}), steps {self.start}.."
+                 f"{self.steps - 1}, batch {self.batch_size}, lr {self.lr:g}")
+        for step in range(self.start, self.steps):
+            t1 = time.perf_counter()
+            batch = step_batch(len(samples), self.batch_size, self.source.seed, step)
+            lengths = [len(samples[i][0]) for i in batch]
+            policy = models.policy
+            lay = planner.plan("train", lengths, policy.layout)
+            policy = models.policy_in(lay)
+            res, moved = sft_step(policy, samples, batch, lr=self.lr,
+                                  pad_id=self.tok.pad_token_id, shape=self.batch)
+            last = step == self.steps - 1
+            if step % self.log_every == 0 or last:
+                rec = {"step": step, "loss": res.loss, "agent_tokens": res.num_tokens,
+                       "grad_norm": res.grad_norm, "layout": str(lay),
+                       "seconds": time.perf_counter() - t1, "dispatch_bytes": moved}
+                self.history.append(rec)
+                if self.rank == 0:
+                    with open(self.out / "sft.jsonl", "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                self.log(f"warm start step {step}: loss {res.loss:.3f} per agent token, "
+                         f"{lay}, {time.perf_counter() - t0:.0f} s")
+            stopping = stop()
+            if stopping or last or (self.every and (step + 1) % self.every == 0):
+                self.checkpoint(policy, step)
+            if stopping:
+                return False
+        set_lr(models.policy.optimizer, self.rl_lr)
+        return True
+
+    def checkpoint(self, policy, step: int) -> None:
+        from earl_megatron.runtime.checkpoint import save_checkpoint
+
+        state = {"phase": "sft", "sft_step": step, "layout": str(policy.layout),
+                 "sft_history": self.history}
+        save_checkpoint(policy, sft_root(self.out), step, state)
