@@ -158,7 +158,7 @@ def _job(pairs, args_dict, tmp_root):
     cfg = _cfg(args)
     groups.set_group_cache_size(args.group_cache)
     world, rank = dist.get_world_size(), dist.get_rank()
-    lay = lambda s: ParallelLayout.parse(s, world, cfg.shape)  # noqa: E731
+    lay = lambda s: ParallelLayout.parse(s, world, cfg)  # noqa: E731
     rows = []
     with cpu_backend():
         for n, (a_name, b_name) in enumerate(pairs):

@@ -54,12 +54,12 @@ def _decode_bench(layout_name, contexts, new, batch, reps):
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny("llama")
     rows = []
     with cpu_backend():
-        lay = ParallelLayout.parse(layout_name, world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse(layout_name, world_size=dist.get_world_size(), model=cfg)
         mol = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=7), ddp=False)
         engines = {"kv_cache": EmbeddedEngine(mol),
                    "recompute": EmbeddedEngine(mol, kv_cache=False)}
@@ -109,7 +109,7 @@ def _episode_bench(episodes, max_context, action_tokens):
                              max_context_tokens=max_context, seed=1)
     rows, first = [], None
     with cpu_backend():
-        lay = ParallelLayout.parse("tp1", world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse("tp1", world_size=dist.get_world_size(), model=cfg)
         mol = build_on_layout(cfg, lay, weights=digit_policy_weights(cfg, tok), ddp=False)
         for mode, kv, reuse in (("kv+reuse", True, True), ("kv_cache", True, False),
                                 ("recompute", False, False)):

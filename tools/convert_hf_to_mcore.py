@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     try:
         stats = convert_hf_to_mcore(args.hf_dir, args.out_dir, part_bytes=int(args.part_mb * 2**20),
                                     progress=not args.no_progress)
-    except (ValueError, KeyError, OSError) as e:  # CheckpointError, UnsupportedModelError, ...
+    except (ValueError, KeyError, OSError) as e:  # HFCheckpointError, UnsupportedModelError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

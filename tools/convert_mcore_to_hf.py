@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                                     max_shard_bytes=int(args.shard_mb * 2**20),
                                     tokenizer_from=args.tokenizer_from,
                                     progress=not args.no_progress)
-    except (ValueError, KeyError, OSError) as e:  # CheckpointError, UnsupportedModelError, ...
+    except (ValueError, KeyError, OSError) as e:  # HFCheckpointError, UnsupportedModelError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

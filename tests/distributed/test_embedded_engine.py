@@ -36,10 +36,10 @@ def _check_layout(family, name, weights_seed):
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine, recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.runtime.build import build_on_layout
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
-    lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg.shape)
+    lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
     mol = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=weights_seed), ddp=False)
     engine = EmbeddedEngine(mol)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
@@ -104,12 +104,12 @@ def _agent_loop_and_weights():
     from earl_megatron.rollout.tokenizer import chat_format, char_tokenizer
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.weights.gather import gather_full
-    from earl_megatron.weights.sharding import load_full_weights, reference_weights
+    from earl_megatron.models.sharding import load_full_weights, reference_weights
 
     tok = char_tokenizer()
     end, three = chat_format(tok).stop_token_ids[0], tok.convert_tokens_to_ids("3")
     cfg = ModelConfig.tiny("llama")
-    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.shape)
+    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg)
     mol = build_on_layout(cfg, lay, weights=biased_weights(cfg, {three: 5.0, end: 4.8}),
                           ddp=False)
     engine = EmbeddedEngine(mol)
@@ -125,12 +125,11 @@ def _agent_loop_and_weights():
     # update_weights: a full dict, then a live GPTModel of the same layout (no regroup)
     new = reference_weights(cfg, seed=99)
     engine.update_weights(new)
-    after_dict = gather_full(engine.model, lay, cfg.num_layers, tied=False)
+    after_dict = gather_full(engine.model, cfg, lay)
     live = build_gpt_model(cfg, lay, pre_process=True, post_process=True, config=mol.tcfg)
-    load_full_weights(live, reference_weights(cfg, seed=7), tp_rank=mol.coords.tp, tp=lay.tp,
-                      pp_rank=0, layers_per_stage=cfg.num_layers, tied=False)
+    load_full_weights(live, reference_weights(cfg, seed=7), cfg, lay, mol.coords)
     engine.update_weights(live)
-    after_live = gather_full(engine.model, lay, cfg.num_layers, tied=False)
+    after_live = gather_full(engine.model, cfg, lay)
     greedy_after = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW))
     engine.release_memory()
     released = (engine.kv_cache_bytes(), engine.health().healthy)
@@ -157,7 +156,7 @@ def _all_checks():
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     out = {}
     with cpu_backend():
@@ -166,7 +165,7 @@ def _all_checks():
             groups.destroy_groups()
         # the trainer's side in another layout: DDP-wrapped, context parallel
         cfg = ModelConfig.tiny("llama")
-        lay = ParallelLayout.parse("cp2", world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse("cp2", world_size=dist.get_world_size(), model=cfg)
         train = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=7), ddp=True)
         sampled = out[("llama", "tp2")]["sampled"]
         seqs = [list(p) + list(t) for p, (t, _) in zip(PROMPTS, sampled)]
@@ -325,7 +324,7 @@ def test_greedy_equals_transformers_reference(results):
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.hf_engine import HFEngine
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny("llama")
     hf = LlamaForCausalLM(LlamaConfig(
