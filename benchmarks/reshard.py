@@ -45,18 +45,20 @@ def _cfg(args):
                        num_query_groups=args.groups, vocab_size=args.vocab)
 
 
-def _sumsq(module, layout, coords, tied: bool) -> float:
+def _sumsq(module, cfg, layout, coords) -> float:
     """Sum of squares of every full weight (each element once), identical on every rank."""
     import torch
     import torch.distributed as dist
 
+    from earl_megatron.plan.tensor_table import tensor_table
+
+    table = tensor_table(cfg)
     local = torch.zeros(1, dtype=torch.float64)
     if coords.dp == 0 and coords.cp == 0:
         for name, p in module.named_parameters():
-            if tied and name == "output_layer.weight" and layout.pp > 1:
-                continue
-            dup = "layernorm" in name and coords.tp > 0   # norms are replicated over tp
-            if not dup:
+            row = table.row(table.global_name(name, coords.pp, layout.pp))
+            # a tied output layer repeats the embedding; replicated rows repeat over tp
+            if not row.tied_to and (row.split_dim is not None or coords.tp == 0):
                 local += p.detach().double().pow(2).sum()
     dist.all_reduce(local)
     return local.item()
@@ -122,7 +124,7 @@ def _megatron_swap(mol, dst_layout, cfg):
         swap_model_weights([mol.module()], [target], refit_method=service)
         dist.barrier()
         times.append(time.perf_counter() - s)
-    sumsq = _sumsq(target, b, c, cfg.tie_word_embeddings)
+    sumsq = _sumsq(target, cfg, b, c)
     del target
     for pg in list(pgs.values()) + [service.gloo_pg]:
         dist.destroy_process_group(pg)
@@ -168,7 +170,7 @@ def _job(pairs, args_dict, tmp_root):
             mol = build_on_layout(cfg, a, ddp=False)
             _sync_replicas(mol)
             row["build_s"] = _maxed([time.perf_counter() - t])[0]
-            ref = _sumsq(mol.module(), a, mol.coords, cfg.tie_word_embeddings)
+            ref = _sumsq(mol.module(), cfg, a, mol.coords)
             if not args.skip_megatron:
                 try:
                     m = _megatron_swap(mol, b, cfg)
@@ -192,7 +194,7 @@ def _job(pairs, args_dict, tmp_root):
                 cpu = _cpu() - c
                 dist.barrier()
                 wall = time.perf_counter() - t
-                ok = abs(_sumsq(mol.module(), dst, mol.coords, cfg.tie_word_embeddings) - ref) \
+                ok = abs(_sumsq(mol.module(), cfg, dst, mol.coords) - ref) \
                     <= 1e-9 * ref
                 wall, plan_s, collect_s, rebuild_s, transfer_s = _maxed(
                     [wall, st.plan_s, st.collect_s, st.rebuild_s, st.transfer_s])
@@ -218,7 +220,7 @@ def _job(pairs, args_dict, tmp_root):
             cpu, = _summed([_cpu() - c])
             dist.barrier()
             wall = time.perf_counter() - t
-            ok = abs(_sumsq(mol.module(), b, mol.coords, cfg.tie_word_embeddings) - ref) \
+            ok = abs(_sumsq(mol.module(), cfg, b, mol.coords) - ref) \
                 <= 1e-9 * ref
             wall, save_s, rebuild_s, load_s = _maxed([wall, st.collect_s, st.rebuild_s,
                                                       st.transfer_s])
