@@ -82,20 +82,16 @@ def sources(rule: TensorRow, cfg: ModelConfig, tp_rank: int = 0,
         q, k, v = rule.hf
         return [SourceSlice(q, 0, g0 * hpg * d, g1 * hpg * d), SourceSlice(k, 0, g0 * d, g1 * d),
                 SourceSlice(v, 0, g0 * d, g1 * d)]
-    if rule.combine == "fc1":
-        f = cfg.ffn_hidden_size
-        if f % tp:
-            raise ValueError(f"tp={tp} does not divide ffn_hidden_size={f}")
-        a, b = tp_rank * f // tp, (tp_rank + 1) * f // tp
-        return [SourceSlice(n, 0, a, b) for n in rule.hf]
-    (name,) = rule.hf
-    dim = rule.split_dim
-    if dim is None or tp == 1:
-        return [SourceSlice(name, None)]
-    size = rule.shape[dim]      # a "copy" row has its HF tensor's shape
-    if size % tp:
-        raise ValueError(f"{rule.name}: dim {dim} of size {size} does not divide by tp={tp}")
-    return [SourceSlice(name, dim, tp_rank * size // tp, (tp_rank + 1) * size // tp)]
+    if rule.split_dim is None or tp == 1:
+        return [SourceSlice(n, None) for n in rule.hf]
+    if rule.shape[rule.split_dim] % (tp * rule.stride):
+        raise ValueError(f"{rule.name}: dim {rule.split_dim} of size "
+                         f"{rule.shape[rule.split_dim]} does not divide by tp={tp}")
+    # fc1 ([gate; up], stride 2): part k of the rank's rows comes from HF tensor k, shifted by
+    # k * f; a "copy" row has its HF tensor's shape
+    part = rule.shape[rule.split_dim] // rule.stride
+    return [SourceSlice(rule.hf[k], rule.split_dim, a - k * part, b - k * part)
+            for k, (a, b) in enumerate(rule.tp_rows(tp_rank, tp))]
 
 
 def combine(rule: TensorRow, cfg: ModelConfig, parts: Sequence[torch.Tensor]) -> torch.Tensor:
