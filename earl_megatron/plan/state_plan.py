@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.reshard_plan import ReshardPlan, WeightMove, first_fit_rounds
 
 
@@ -146,7 +145,8 @@ LayoutStateRanges = dict[int, StateRanges]
 def plan_state_segments(plan: ReshardPlan, old: LayoutStateRanges,
                         new: LayoutStateRanges) -> tuple[StateSegment, ...]:
     """Segments that give every new rank its state range, each element from one old owner."""
-    replicas = _replica_groups(plan.src)
+    # every rank -> the ranks holding the same weights (same tp and pp coordinates)
+    replicas = {r: g for g in plan.src.group_ranks("dp-cp") for r in g}
     out = []
     for t in sorted(plan.local_copies + plan.transfers):
         dst_shape, c, d = new[t.dst].get(t.dst_local, ((), 0, 0))
@@ -180,15 +180,6 @@ def plan_state_segments(plan: ReshardPlan, old: LayoutStateRanges,
 
 def _box(t: WeightMove, shape: tuple[int, ...], offset: int) -> Box:
     return Box(tuple(shape), t.dim, offset, t.rows)
-
-
-def _replica_groups(layout: ParallelLayout) -> dict[int, list[int]]:
-    """Every rank -> the ranks holding the same weights (same tp and pp coordinates)."""
-    by = {}
-    for r in range(layout.world_size):
-        c = layout.coords(r)
-        by.setdefault((c.tp, c.pp), []).append(r)
-    return {r: by[(layout.coords(r).tp, layout.coords(r).pp)] for r in range(layout.world_size)}
 
 
 def segment_rounds(segments, bytes_per_element: int,

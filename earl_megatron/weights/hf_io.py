@@ -53,11 +53,11 @@ def read_header(path: Path) -> dict[str, Any]:
         raw = f.read(8)
         if len(raw) < 8:
             raise HFCheckpointError(f"{path}: {size} bytes, too short to be a safetensors file "
-                                  "(truncated download?); fetch the file again")
+                                    "(truncated download?); fetch the file again")
         (n,) = struct.unpack("<Q", raw)
         if 8 + n > size:
             raise HFCheckpointError(f"{path}: header of {n} bytes but the file has {size} bytes: "
-                                  "the file is truncated; fetch it again")
+                                    "the file is truncated; fetch it again")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
@@ -76,7 +76,7 @@ class HFCheckpoint:
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise HFCheckpointError(f"{self.path} has no config.json; is it a Hugging Face model "
-                                  "directory?")
+                                    "directory?")
         self.config: dict[str, Any] = json.loads(cfg_path.read_text())
         self.files: dict[str, str] = {}
         """tensor name -> shard file name."""
@@ -87,7 +87,7 @@ class HFCheckpoint:
             missing = [s for s in shard_names if not (self.path / s).is_file()]
             if missing:
                 raise HFCheckpointError(f"{index} lists shard(s) {missing} that do not exist in "
-                                      f"{self.path}; download the missing files")
+                                        f"{self.path}; download the missing files")
             self.files = dict(weight_map)
         elif (self.path / SINGLE).is_file():
             shard_names = [SINGLE]
@@ -113,7 +113,7 @@ class HFCheckpoint:
         not_in_shard = [n for n in self.files if n not in self.meta]
         if not_in_shard:
             raise HFCheckpointError(f"{INDEX} maps {not_in_shard[:3]} to shards whose headers lack "
-                                  "them; the index and shards are from different downloads")
+                                    "them; the index and shards are from different downloads")
 
     def names(self) -> list[str]:
         return sorted(self.files)
@@ -132,8 +132,8 @@ class HFCheckpoint:
         if name not in self.meta:
             where = INDEX if (self.path / INDEX).is_file() else "the safetensors header"
             raise HFCheckpointError(f"tensor {name!r} is missing from {where} in {self.path}; the "
-                                  "checkpoint is incomplete or not of the architecture config.json "
-                                  "names")
+                                    "checkpoint is incomplete or not of the architecture "
+                                    "config.json names")
         return self.meta[name]
 
     def check_against(self, expected: dict[str, tuple[int, ...]]) -> None:

@@ -178,29 +178,6 @@ def _all_checks():
     return out
 
 
-def hf_llama_state_dict(cfg, w):
-    """Megatron-Core full tensors -> LlamaForCausalLM state dict (qkv rows grouped per KV group
-    [q heads of the group | k | v]; linear_fc1 = [gate; up])."""
-    d, ng = cfg.head_dim, cfg.num_query_groups
-    rep = cfg.num_attention_heads // ng
-    sd = {"model.embed_tokens.weight": w["embedding.word_embeddings.weight"],
-          "model.norm.weight": w["decoder.final_layernorm.weight"],
-          "lm_head.weight": w["output_layer.weight"]}
-    for i in range(cfg.num_layers):
-        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = w[p + "self_attention.linear_qkv.weight"].view(ng, (rep + 2) * d, -1)
-        sd[h + "self_attn.q_proj.weight"] = qkv[:, :rep * d].reshape(ng * rep * d, -1)
-        sd[h + "self_attn.k_proj.weight"] = qkv[:, rep * d:(rep + 1) * d].reshape(ng * d, -1)
-        sd[h + "self_attn.v_proj.weight"] = qkv[:, (rep + 1) * d:].reshape(ng * d, -1)
-        sd[h + "self_attn.o_proj.weight"] = w[p + "self_attention.linear_proj.weight"]
-        gate, up = w[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"] = gate, up
-        sd[h + "mlp.down_proj.weight"] = w[p + "mlp.linear_fc2.weight"]
-        sd[h + "input_layernorm.weight"] = w[p + "input_layernorm.weight"]
-        sd[h + "post_attention_layernorm.weight"] = w[p + "pre_mlp_layernorm.weight"]
-    return sd
-
-
 @pytest.fixture(scope="module")
 def results():
     return run_distributed(_all_checks, 2, timeout=300)
@@ -325,6 +302,7 @@ def test_greedy_equals_transformers_reference(results):
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.hf_engine import HFEngine
     from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.weights.hf_mapping import to_hf
 
     cfg = ModelConfig.tiny("llama")
     hf = LlamaForCausalLM(LlamaConfig(
@@ -334,7 +312,7 @@ def test_greedy_equals_transformers_reference(results):
         head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False))
     missing, unexpected = hf.load_state_dict(
-        hf_llama_state_dict(cfg, reference_weights(cfg, seed=7)), strict=False)
+        to_hf(cfg, reference_weights(cfg, seed=7)), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     gens = HFEngine(hf).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW))
     ours = results[0][("llama", "tp2")]

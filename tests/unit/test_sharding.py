@@ -42,12 +42,3 @@ def test_shard_refuses_a_size_that_does_not_divide():
     row = tensor_table(cfg).row("decoder.layers.0.mlp.linear_fc1.weight")
     with pytest.raises(ValueError, match="does not divide by tp=2"):
         shard(row, torch.zeros(6, 64), 0, 2)
-
-
-def test_reference_weights_draw_norms_near_one():
-    cfg = ModelConfig.tiny()
-    w = reference_weights(cfg, seed=0)
-    assert torch.equal(w["decoder.layers.0.input_layernorm.weight"],
-                       reference_weights(cfg, seed=0)["decoder.layers.0.input_layernorm.weight"])
-    assert (w["decoder.final_layernorm.weight"] - 1).abs().max() < 0.6
-    assert w["decoder.layers.0.mlp.linear_fc2.weight"].std() < 0.05
