@@ -202,7 +202,7 @@ def _job(pairs, args_dict, tmp_root):
                 row[key] = dict(wall_s=wall, cpu_s=cpu, plan_s=plan_s, collect_s=collect_s,
                                 rebuild_s=rebuild_s, transfer_s=transfer_s, bytes_sent=int(sent),
                                 bytes_moved=st.plan.bytes_moved, min_bytes=st.plan.min_bytes,
-                                max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok,
+                                max_recv=max(st.plan.recv_bytes()), rounds=st.rounds, ok=ok,
                                 transport=st.transport)
             # disk: A -> B through dist_checkpointing (a throwaway save first warms its workers)
             path = os.path.join(tmp_root, f"{world}_{n}")

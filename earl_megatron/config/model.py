@@ -57,9 +57,7 @@ class ModelConfig:
 
     @property
     def shape(self) -> "ModelConfig":
-        """The value itself. Kept only for the call sites in trainer/runner.py and train.py,
-        which pass ``cfg.model.shape`` where a layout check wants the model; delete it with
-        them."""
+        """The value itself: only for trainer/ and train.py's ``cfg.model.shape`` (to delete)."""
         return self
 
     def with_(self, **changes) -> "ModelConfig":

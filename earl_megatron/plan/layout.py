@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 
@@ -228,7 +228,3 @@ def enumerate_layouts(world_size: int, model: Optional[ModelConfig] = None, *,
         out.append(layout)
     return sorted(out)
 
-
-def iter_ranks(layout: ParallelLayout) -> Iterator[tuple[int, Coords]]:
-    for r in range(layout.world_size):
-        yield r, layout.coords(r)

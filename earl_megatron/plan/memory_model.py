@@ -53,10 +53,8 @@ from earl_megatron.plan.tensor_table import tensor_table
 
 
 def param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
-    """Exact number of parameter elements one rank of ``pp_rank`` holds: the tensor table's rows
-    on that pp_stage, tp-split ones divided by tp (with tied embeddings and pp > 1 the last
-    pp_stage allocates its own output_layer copy). Every tp/cp/dp rank of a pp_stage holds the
-    same count."""
+    """Exact parameter elements of one rank of ``pp_rank`` (the tensor table's rows there; every
+    tp/cp/dp rank of a pp_stage holds the same count)."""
     layout.check(layout.world_size, model)
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} out of range for pp={layout.pp}")

@@ -179,20 +179,6 @@ class ReshardPlan:
             out[t.dst] += t.elements * self.element_bytes
         return tuple(out)
 
-    @property
-    def max_send_bytes(self) -> int:
-        return max(self.send_bytes())
-
-    @property
-    def max_recv_bytes(self) -> int:
-        return max(self.recv_bytes())
-
-    def for_rank(self, rank: int) -> tuple[list[WeightMove], list[WeightMove], list[WeightMove]]:
-        """(sends, receives, local copies) of one rank."""
-        sends = [t for t in self.transfers if t.src == rank]
-        recvs = [t for t in self.transfers if t.dst == rank]
-        return sends, recvs, [t for t in self.local_copies if t.src == rank]
-
     def rounds(self, bucket_bytes: int, kinds: int = 1, *,
                bytes_per_element: Optional[int] = None) -> list[tuple[WeightMove, ...]]:
         """Transfers cut into rounds; per round no rank sends or receives over ``bucket_bytes``.

@@ -1,9 +1,8 @@
 """The tensor table: one row per Megatron-Core tensor of a model; tensors are described only here.
 
-Pure (no torch, no torch.distributed, no megatron). Every reader iterates these rows: the reshard
-plan (plan/reshard_plan.py), the optimizer-state plan, shard/unshard (models/sharding.py), the
-HF mapping (weights/hf_mapping.py), the parameter counts of the memory model and, through the
-reshard plan, the selector's switch pricing. For the Llama / Qwen2 GPTModel (layer i)::
+Pure. Its readers: the reshard and state plans, shard/unshard and TP attributes (models/), the
+HF mapping, the memory model's parameter counts and the selector's switch pricing. For the
+Llama / Qwen2 GPTModel (layer i)::
 
     local spec name (TE spec name if it differs)       split stride HF tensors (combine)
     embedding.word_embeddings.weight                      0     1   embed_tokens

@@ -32,16 +32,8 @@ class ModelOnLayout:
     optimizer: Any = None
 
     @property
-    def pre_process(self) -> bool:
-        return self.coords.pp == 0
-
-    @property
     def post_process(self) -> bool:
         return self.coords.pp == self.layout.pp - 1
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.cfg.num_layers // self.layout.pp
 
     def module(self):
         m = self.model

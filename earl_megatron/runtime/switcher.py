@@ -110,10 +110,6 @@ def _params(mol: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]
     return names, {names[n]: p.detach() for n, p in live.items()}
 
 
-def _renamed(by_live: dict, names: dict[str, str]) -> dict:
-    return {names[n]: v for n, v in by_live.items()}
-
-
 def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
                   optimizer: Optional[OptimizerSpec] = None,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
@@ -138,7 +134,7 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
         else ({}, {}, None)
     kinds = state_kinds(has_masters(mol), step is not None)
     names, src = _params(mol)
-    old_state, old_ranges = _renamed(old_state, names), _renamed(old_ranges, names)
+    old_state, old_ranges = ({names[n]: v for n, v in d.items()} for d in (old_state, old_ranges))
     ddp = hasattr(mol.model, "module")
     t2 = time.perf_counter()
 
@@ -151,7 +147,7 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     new_state, new_ranges = install_optimizer_state(new, step) if new.optimizer is not None \
         else ({}, {})
     names, dst = _params(new)
-    new_state, new_ranges = _renamed(new_state, names), _renamed(new_ranges, names)
+    new_state, new_ranges = ({names[n]: v for n, v in d.items()} for d in (new_state, new_ranges))
     if new.optimizer is not None and set(kinds) - set(state_kinds(has_masters(new), True)):
         raise ValueError("the new optimizer keeps no fp32 master copies but the old one did; "
                          "switch between optimizers of the same precision")
