@@ -222,7 +222,9 @@ def main(argv=None) -> None:
     if args.dry_run:   # the tiny model on 2 CPU cores: the same steps at 1/16 and 1/32 the length
         train_ctx = [max(32, c // 16) for c in train_ctx]
         roll_ctx = [max(2 * args.new, c // 32) for c in roll_ctx]
-    print(f"{cluster.name}: {cfg.num_parameters() / 1e6:.1f}M parameters ({cfg.params_dtype}), "
+    from earl_megatron.plan.tensor_table import num_parameters
+
+    print(f"{cluster.name}: {num_parameters(cfg) / 1e6:.1f}M parameters ({cfg.params_dtype}), "
           f"{'GPU' if gpu else 'DRY RUN on CPU: sizes and predictions only'}")
     print(f"{'stage':>8} {'context':>7} {'term':>22} {'model GiB':>10} {'meas GiB':>10} "
           f"{'ratio':>7}")

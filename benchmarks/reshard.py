@@ -45,18 +45,20 @@ def _cfg(args):
                        num_query_groups=args.groups, vocab_size=args.vocab)
 
 
-def _sumsq(module, layout, coords, tied: bool) -> float:
+def _sumsq(module, cfg, layout, coords) -> float:
     """Sum of squares of every full weight (each element once), identical on every rank."""
     import torch
     import torch.distributed as dist
 
+    from earl_megatron.plan.tensor_table import tensor_table
+
+    table = tensor_table(cfg)
     local = torch.zeros(1, dtype=torch.float64)
     if coords.dp == 0 and coords.cp == 0:
         for name, p in module.named_parameters():
-            if tied and name == "output_layer.weight" and layout.pp > 1:
-                continue
-            dup = "layernorm" in name and coords.tp > 0   # norms are replicated over tp
-            if not dup:
+            row = table.row(table.global_name(name, coords.pp, layout.pp))
+            # a tied output layer repeats the embedding; replicated rows repeat over tp
+            if not row.tied_to and (row.split_dim is not None or coords.tp == 0):
                 local += p.detach().double().pow(2).sum()
     dist.all_reduce(local)
     return local.item()
@@ -122,7 +124,7 @@ def _megatron_swap(mol, dst_layout, cfg):
         swap_model_weights([mol.module()], [target], refit_method=service)
         dist.barrier()
         times.append(time.perf_counter() - s)
-    sumsq = _sumsq(target, b, c, cfg.tie_word_embeddings)
+    sumsq = _sumsq(target, cfg, b, c)
     del target
     for pg in list(pgs.values()) + [service.gloo_pg]:
         dist.destroy_process_group(pg)
@@ -158,7 +160,7 @@ def _job(pairs, args_dict, tmp_root):
     cfg = _cfg(args)
     groups.set_group_cache_size(args.group_cache)
     world, rank = dist.get_world_size(), dist.get_rank()
-    lay = lambda s: ParallelLayout.parse(s, world, cfg.shape)  # noqa: E731
+    lay = lambda s: ParallelLayout.parse(s, world, cfg)  # noqa: E731
     rows = []
     with cpu_backend():
         for n, (a_name, b_name) in enumerate(pairs):
@@ -168,7 +170,7 @@ def _job(pairs, args_dict, tmp_root):
             mol = build_on_layout(cfg, a, ddp=False)
             _sync_replicas(mol)
             row["build_s"] = _maxed([time.perf_counter() - t])[0]
-            ref = _sumsq(mol.module(), a, mol.coords, cfg.tie_word_embeddings)
+            ref = _sumsq(mol.module(), cfg, a, mol.coords)
             if not args.skip_megatron:
                 try:
                     m = _megatron_swap(mol, b, cfg)
@@ -192,7 +194,7 @@ def _job(pairs, args_dict, tmp_root):
                 cpu = _cpu() - c
                 dist.barrier()
                 wall = time.perf_counter() - t
-                ok = abs(_sumsq(mol.module(), dst, mol.coords, cfg.tie_word_embeddings) - ref) \
+                ok = abs(_sumsq(mol.module(), cfg, dst, mol.coords) - ref) \
                     <= 1e-9 * ref
                 wall, plan_s, collect_s, rebuild_s, transfer_s = _maxed(
                     [wall, st.plan_s, st.collect_s, st.rebuild_s, st.transfer_s])
@@ -200,7 +202,7 @@ def _job(pairs, args_dict, tmp_root):
                 row[key] = dict(wall_s=wall, cpu_s=cpu, plan_s=plan_s, collect_s=collect_s,
                                 rebuild_s=rebuild_s, transfer_s=transfer_s, bytes_sent=int(sent),
                                 bytes_moved=st.plan.bytes_moved, min_bytes=st.plan.min_bytes,
-                                max_recv=st.plan.max_recv_bytes, rounds=st.rounds, ok=ok,
+                                max_recv=max(st.plan.recv_bytes()), rounds=st.rounds, ok=ok,
                                 transport=st.transport)
             # disk: A -> B through dist_checkpointing (a throwaway save first warms its workers)
             path = os.path.join(tmp_root, f"{world}_{n}")
@@ -218,7 +220,7 @@ def _job(pairs, args_dict, tmp_root):
             cpu, = _summed([_cpu() - c])
             dist.barrier()
             wall = time.perf_counter() - t
-            ok = abs(_sumsq(mol.module(), b, mol.coords, cfg.tie_word_embeddings) - ref) \
+            ok = abs(_sumsq(mol.module(), cfg, b, mol.coords) - ref) \
                 <= 1e-9 * ref
             wall, save_s, rebuild_s, load_s = _maxed([wall, st.collect_s, st.rebuild_s,
                                                       st.transfer_s])
@@ -306,11 +308,11 @@ def main(argv=None):
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
 
-    from earl_megatron.plan.reshard_plan import full_shapes
+    from earl_megatron.plan.tensor_table import num_parameters
     from earl_megatron.testing.multiproc import run_distributed
 
     cfg = _cfg(args)
-    weight_bytes = 4 * sum(_numel(s) for s in full_shapes(cfg).values())
+    weight_bytes = 4 * num_parameters(cfg)
     rows = []
     tmp_root = tempfile.mkdtemp(prefix="reshard_bench_")
     try:
@@ -327,13 +329,6 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

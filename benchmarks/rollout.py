@@ -185,7 +185,7 @@ def engines_section(args) -> None:
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.testing.multiproc import free_port
     from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(**ENGINE_MODEL)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.engine_cases.split(",")]
@@ -232,12 +232,12 @@ def _decode_bench(layout_name, contexts, new, batch, reps):
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny("llama")
     rows = []
     with cpu_backend():
-        lay = ParallelLayout.parse(layout_name, world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse(layout_name, world_size=dist.get_world_size(), model=cfg)
         mol = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=7), ddp=False)
         engines = {"kv_cache": EmbeddedEngine(mol),
                    "recompute": EmbeddedEngine(mol, kv_cache=False)}
@@ -287,7 +287,7 @@ def _episode_bench(episodes, max_context, action_tokens):
                              max_context_tokens=max_context, seed=1)
     rows, first = [], None
     with cpu_backend():
-        lay = ParallelLayout.parse("tp1", world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse("tp1", world_size=dist.get_world_size(), model=cfg)
         mol = build_on_layout(cfg, lay, weights=digit_policy_weights(cfg, tok), ddp=False)
         for mode, kv, reuse in (("kv+reuse", True, True), ("kv_cache", True, False),
                                 ("recompute", False, False)):

@@ -42,6 +42,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import Selector, SelectorState
 from earl_megatron.plan.specs import ClusterSpec, Stage, StageWorkload, TrainOptions
+from earl_megatron.plan.tensor_table import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -149,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sel = Selector(cfg, cluster, opts, profile=other)
         sources["other run"] = {c: choose(sel, c, args.load) for c in contexts}
 
-    print(f"\nTRAIN step, tiny {cfg.family} ({cfg.num_parameters():,} params), {WORLD} CPU ranks, "
+    print(f"\nTRAIN step, tiny {cfg.family} ({num_parameters(cfg):,} params), {WORLD} CPU ranks, "
           f"{args.load} sequences per batch, 1 per micro-batch; measured {meta.get('date', '?')}, "
           f"load average at start {meta.get('load_average_at_start', '?')} on "
           f"{meta.get('cpu_count', '?')} cores; {meta.get('statistic', '')} "

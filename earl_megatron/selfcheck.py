@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import enumerate_layouts
+from earl_megatron.plan.tensor_table import num_parameters
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
 from earl_megatron.runtime.cpu_backend import cpu_backend
 from earl_megatron.runtime.dist import init_distributed, shutdown
 from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
-from earl_megatron.weights.sharding import reference_weights
+from earl_megatron.models.sharding import reference_weights
 
 
 def main(argv=None) -> int:
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     rows = []
     backend = cpu_backend() if not torch.cuda.is_available() else contextlib.nullcontext()
     with backend:
-        for lay in enumerate_layouts(world, cfg.shape):
+        for lay in enumerate_layouts(world, cfg):
             if args.global_batch % lay.dp:
                 continue
             mol = build_on_layout(cfg, lay, weights=weights, optimizer=OptimizerSpec(lr=1e-3))
@@ -78,7 +79,7 @@ def _print_table(rows, ref, world, cfg) -> None:
         for name, losses, ms in rows:
             print(f"{name:16s} " + " ".join(f"{x:.6f}" for x in losses) + f"  {ms:7.1f} ms/step")
         return
-    t = Table(title=f"tiny {cfg.family} ({cfg.num_parameters() / 1e6:.2f}M params), {world} ranks")
+    t = Table(title=f"tiny {cfg.family} ({num_parameters(cfg) / 1e6:.2f}M params), {world} ranks")
     t.add_column("layout")
     for i in range(len(ref)):
         t.add_column(f"loss step {i}", justify="right")

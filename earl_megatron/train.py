@@ -74,7 +74,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         text = cfg.layout.static(stage)
         if text is not None:
             try:
-                lay = ParallelLayout.parse(text, world_size=world, model=cfg.model.shape)
+                lay = ParallelLayout.parse(text, world_size=world, model=cfg.model)
             except InvalidLayoutError as e:
                 raise ConfigError(f"layout.{stage}={text}: {e}") from e
             if stage == "rollout" and lay.cp != 1:
@@ -121,7 +121,7 @@ def main() -> None:
     import hydra
     from omegaconf import OmegaConf
 
-    from earl_megatron.weights.io_errors import CheckpointError
+    from earl_megatron.runtime.io_errors import CheckpointError
 
     @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
     def _entry(dcfg) -> None:

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()  # before Megatron's imports print them
     from earl_megatron.weights.convert import convert_hf_to_mcore
-    from earl_megatron.weights.io_errors import run_tool
+    from earl_megatron.runtime.io_errors import run_tool
 
     def convert() -> int:
         stats = convert_hf_to_mcore(args.hf_dir, args.out_dir, part_bytes=int(args.part_mb * 2**20),

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()  # before Megatron's imports print them
     from earl_megatron.weights.convert import convert_mcore_to_hf
-    from earl_megatron.weights.io_errors import run_tool
+    from earl_megatron.runtime.io_errors import run_tool
 
     def convert() -> int:
         stats = convert_mcore_to_hf(args.ckpt_dir, args.out_dir,

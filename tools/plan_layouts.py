@@ -38,6 +38,7 @@ from earl_megatron.plan.selector import (LayoutPlan, NoLayoutFitsError, Selector
 from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
                                      human_bytes)
 from earl_megatron.plan.time_model import decode_tokens, rollout_running_batch
+from earl_megatron.plan.tensor_table import num_parameters
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_LOADS = (8, 16, 32, 64, 128)
@@ -316,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     selector = Selector(model, cluster, opts,
                         SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp), profile)
     stages = [Stage(s.strip()) for s in args.stages.split(",") if s.strip()]
-    n = model.num_parameters()
+    n = num_parameters(model)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     header = (f"{args.model}: {size} parameters on {cluster.name} "
               f"({cluster.world_size} devices, budget {human_bytes(selector.budget_bytes)} per "
@@ -324,7 +325,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
               f"micro-batch {args.micro_batch_tokens} tokens")
     stream = out or sys.stdout
     if args.compare:
-        layouts = [ParallelLayout.parse(x, cluster.world_size, model.shape)
+        layouts = [ParallelLayout.parse(x, cluster.world_size, model)
                    for x in args.compare.split(",") if x.strip()]
         rows = []
         for stage in stages:

@@ -47,6 +47,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.specs import Stage, StageWorkload
+from earl_megatron.plan.tensor_table import num_parameters
 
 MEASURED_STAGES = (Stage.TRAIN, Stage.LOGPROB, Stage.ROLLOUT)
 DEFAULT_STAGES = (Stage.TRAIN, Stage.LOGPROB)
@@ -267,9 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     cfg = model_from_args(args)
     rank, world = init_distributed()
-    layouts = enumerate_layouts(world, cfg.shape)
+    layouts = enumerate_layouts(world, cfg)
     if args.layouts:
-        layouts = [ParallelLayout.parse(x, world_size=world, model=cfg.shape)
+        layouts = [ParallelLayout.parse(x, world_size=world, model=cfg)
                    for x in args.layouts.split(",") if x.strip()]
     log = (lambda s: print(s, flush=True)) if rank == 0 else None
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -294,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             torch=torch.__version__, megatron_core=megatron.core.__version__,
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         table.save(args.out)
-        print(f"{cfg.family} {cfg.num_parameters():,} params, {world} ranks, "
+        print(f"{cfg.family} {num_parameters(cfg):,} params, {world} ranks, "
               f"{len(table.entries)} points in {time.perf_counter() - t0:.0f} s "
               f"(load average at start {load_avg:.1f}); milliseconds per step:")
         print(format_table(table))

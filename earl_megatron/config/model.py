@@ -1,9 +1,11 @@
 """Model architecture config for the Llama / Qwen2 family: one frozen value, no torch imports.
 
 ``ModelConfig`` describes a decoder-only transformer with RMSNorm, SwiGLU, rotary embeddings and
-grouped-query attention, optionally with a qkv bias (Qwen2) and tied embeddings. It converts to
-the layout checker's ``ModelShape`` and, in models/provider.py, to Megatron-Core's
-TransformerConfig. Invariants: ``num_attention_heads % num_query_groups == 0``;
+grouped-query attention, optionally with a qkv bias (Qwen2) and tied embeddings. It is the one
+model value every layer uses: layouts are checked against it (plan/layout.py), its tensors are
+listed from it (plan/tensor_table.py, which also counts its parameters) and models/provider.py
+turns it into Megatron-Core's TransformerConfig.
+Invariants: ``num_attention_heads % num_query_groups == 0``;
 ``kv_channels`` defaults to ``hidden_size // num_attention_heads``.
 """
 
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Optional
-
-from earl_megatron.plan.layout import ModelShape
 
 FAMILIES = ("llama", "qwen2")
 
@@ -54,24 +54,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def shape(self) -> ModelShape:
-        return ModelShape(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
-                          hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size)
-
-    def num_parameters(self) -> int:
-        """Total parameter count (embedding counted once when tied)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
-        q = self.num_attention_heads * d
-        kv = 2 * self.num_query_groups * d
-        per_layer = (h * (q + kv) + (q + kv if self.add_qkv_bias else 0)  # linear_qkv
-                     + q * h                                               # linear_proj
-                     + 2 * h * f + f * h                                   # SwiGLU fc1, fc2
-                     + 2 * h)                                              # two RMSNorms
-        emb = self.vocab_size * h
-        return self.num_layers * per_layer + h + emb * (1 if self.tie_word_embeddings else 2)
 
     def with_(self, **changes) -> "ModelConfig":
         return replace(self, **changes)

@@ -29,20 +29,18 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
+from earl_megatron.plan.placement import cp_chunks
+
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int,
                      device: Optional[torch.device] = None) -> torch.Tensor:
-    """Global token positions held by ``cp_rank`` under the load-balanced split."""
-    if cp_size == 1:
-        return torch.arange(seq_len, device=device)
-    if seq_len % (2 * cp_size):
+    """Global token positions held by ``cp_rank`` under the load-balanced split: the tokens of
+    plan/placement.py's ``cp_chunks`` (the one definition), for a padded sequence."""
+    if cp_size > 1 and seq_len % (2 * cp_size):
         raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp_size} "
                          "(pad the batch to a multiple of 2*cp)")
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    j = 2 * cp_size - 1 - cp_rank
-    second = torch.arange(j * chunk, (j + 1) * chunk, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(a, b, device=device)
+                      for a, b in cp_chunks(seq_len, cp_size, cp_rank)])
 
 
 class _AllGatherSeq(torch.autograd.Function):

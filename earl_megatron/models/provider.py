@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.tensor_table import tensor_table
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,13 +137,13 @@ def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bo
         pg_collection=pg_collection,
     )
     if not tcfg.perform_initialization:
-        set_tensor_parallel_attributes(model)
+        set_tensor_parallel_attributes(model, cfg)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 
 
-def set_tensor_parallel_attributes(model) -> None:
+def set_tensor_parallel_attributes(model, cfg: ModelConfig) -> None:
     """Mark TP-sharded weights as Megatron's init would have (for ``perform_initialization=False``).
 
     In megatron-core 0.16 ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``
@@ -150,37 +151,22 @@ def set_tensor_parallel_attributes(model) -> None:
     ``_gpu`` in tensor_parallel/layers.py); everything else (``allreduce``, biases, ``shared``,
     ``is_embedding_or_output_parameter``, ``zero_out_wgrad``) is set whatever the flag. Without
     them grad-norm clipping counts every TP shard as a duplicate and Megatron's resharding reads
-    the wrong split. Set here, for the layer classes of the local spec:
-
-        VocabParallelEmbedding.weight   dim 0, stride 1
-        ColumnParallelLinear.weight     dim 0, stride 2 for a gated MLP's linear_fc1, else 1
-        RowParallelLinear.weight        dim 1, stride 1
+    the wrong split. The split dim and stride are the tensor table's (plan/tensor_table.py: dim 0
+    for the embedding, linear_qkv, linear_fc1 (stride 2) and output layer, dim 1 for linear_proj
+    and linear_fc2); a pp_stage's local layer index names a row of the same kind.
 
     Weights that already carry the attributes are left alone (so this is a no-op after a normal
-    init); tests/distributed/test_init_attributes.py checks the result equals Megatron's init.
+    init, and biases keep theirs); tests/distributed/test_init_attributes.py checks the result
+    equals Megatron's init.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes)
-    from megatron.core.transformer.mlp import MLP
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    # MLP passes stride=2 to linear_fc1 for a gated linear unit (each rank holds [gate_r; up_r])
-    # unless the kitchen spec is on; the layer itself does not keep its stride
-    strided = {id(m.linear_fc1) for m in model.modules()
-               if isinstance(m, MLP) and m.config.gated_linear_unit
-               and not getattr(m.config, "use_kitchen", False)}
-    for m in model.modules():
-        if isinstance(m, VocabParallelEmbedding):
-            dim, stride = 0, 1
-        elif isinstance(m, ColumnParallelLinear):
-            dim, stride = 0, 2 if id(m) in strided else 1
-        elif isinstance(m, RowParallelLinear):
-            dim, stride = 1, 1
-        else:
-            continue
-        w = m.weight
-        if w is not None and not hasattr(w, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=stride)
+    table = tensor_table(cfg)
+    for name, w in model.named_parameters():
+        row = table.row(name)
+        if row.split_dim is not None and not hasattr(w, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=row.split_dim,
+                                                 stride=row.stride)
 
 
 def wrap_ddp(model, tcfg, *, use_distributed_optimizer: bool = False,

@@ -1,7 +1,7 @@
 """Parallel layouts: a (tp, cp, pp, dp) value over a world of ranks, in Megatron-Core's rank order.
 
 A layout is pure data. Constructing one checks only that each axis is a positive integer;
-``ParallelLayout.create`` (and ``check``) validate it against a world size and a model shape and
+``ParallelLayout.create`` (and ``check``) validate it against a world size and a ModelConfig and
 raise ``InvalidLayoutError`` naming the axis and the fix, before any process group exists.
 
 Rank order is Megatron-Core's default ``order="tp-cp-ep-dp-pp"`` (tp varies fastest, ep = 1)::
@@ -21,8 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
+
+from earl_megatron.config.model import ModelConfig
 
 AXES = ("tp", "cp", "pp", "dp")
 
@@ -35,29 +37,6 @@ class InvalidLayoutError(ValueError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"invalid layout ({axis}): {problem}. Fix: {fix}")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The model dimensions a layout must divide."""
-
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    hidden_size: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"ModelShape.{f.name} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_query_groups={self.num_query_groups}"
-            )
 
 
 @dataclass(frozen=True)
@@ -95,7 +74,7 @@ class ParallelLayout:
 
     # ----------------------------------------------------------------- construction / checks
     @classmethod
-    def create(cls, world_size: int, model: Optional[ModelShape] = None, *, tp: int = 1,
+    def create(cls, world_size: int, model: Optional[ModelConfig] = None, *, tp: int = 1,
                cp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ParallelLayout":
         """Build and check a layout; ``dp=None`` takes whatever the other axes leave."""
         if dp is None:
@@ -109,7 +88,7 @@ class ParallelLayout:
         layout.check(world_size, model)
         return layout
 
-    def check(self, world_size: int, model: Optional[ModelShape] = None) -> "ParallelLayout":
+    def check(self, world_size: int, model: Optional[ModelConfig] = None) -> "ParallelLayout":
         """Raise InvalidLayoutError for the first axis that cannot work; return self otherwise."""
         if self.world_size != world_size:
             raise InvalidLayoutError(
@@ -207,7 +186,7 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str, world_size: Optional[int] = None,
-              model: Optional[ModelShape] = None) -> "ParallelLayout":
+              model: Optional[ModelConfig] = None) -> "ParallelLayout":
         """Parse "tp2-pp2", "TP2xPP2xDP2" or "tp=2,cp=1,pp=2"; dp inferred from world_size."""
         sizes: dict[str, int] = {}
         for token in text.replace("x", ",").replace("-", ",").replace("=", "").lower().split(","):
@@ -230,7 +209,7 @@ def _divisors(n: int, limit: Optional[int] = None) -> list[int]:
     return [d for d in range(1, top + 1) if n % d == 0]
 
 
-def enumerate_layouts(world_size: int, model: Optional[ModelShape] = None, *,
+def enumerate_layouts(world_size: int, model: Optional[ModelConfig] = None, *,
                       max_tp: Optional[int] = None, max_cp: Optional[int] = None,
                       max_pp: Optional[int] = None) -> list[ParallelLayout]:
     """Every valid layout for a world size and model, in a deterministic order."""
@@ -249,7 +228,3 @@ def enumerate_layouts(world_size: int, model: Optional[ModelShape] = None, *,
         out.append(layout)
     return sorted(out)
 
-
-def iter_ranks(layout: ParallelLayout) -> Iterator[tuple[int, Coords]]:
-    for r in range(layout.world_size):
-        yield r, layout.coords(r)

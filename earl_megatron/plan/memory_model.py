@@ -2,10 +2,10 @@
 
 Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
 
-- weights: ``param_count_per_rank`` x param bytes. EXACT for Megatron-Core 0.16 ``GPTModel`` with
-  the local (non-TE) layer spec, RMSNorm, SwiGLU and no linear biases other than the optional
-  qkv bias (checked against live models in tests/unit/test_memory_model.py); the TE spec has
-  the same counts (its norm weights live in linear_qkv / linear_fc1 as layer_norm_weight).
+- weights: ``param_count_per_rank`` x param bytes, summed over the tensor table's rows
+  (plan/tensor_table.py). EXACT for Megatron-Core 0.16 ``GPTModel`` with the local layer spec
+  (checked against live models in tests/unit/test_memory_model.py); the TE spec has the same
+  counts (the same rows: its norm weights live in linear_qkv / linear_fc1 as layer_norm_weight).
 - grads (TRAIN): the DDP ``main_grad`` buffer, one element per local parameter in ``grad_dtype``.
   Megatron pads each bucket to a multiple of lcm(dp*cp, 128) elements; that padding is ignored.
 - optimizer (TRAIN): Adam moments (8 B/param) plus an fp32 master copy (4 B) for bf16 params,
@@ -56,36 +56,16 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Recompute, Stage, StageWorkload,
                                      TrainOptions, human_bytes)
+from earl_megatron.plan.tensor_table import tensor_table
 
 
 def param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
-    """Exact number of parameter elements one rank of ``pp_rank`` holds (Megatron-Core 0.16
-    GPTModel, local layer spec). Every tp/cp/dp rank of a pp_stage holds the same count."""
-    layout.check(layout.world_size, model.shape)
+    """Exact parameter elements of one rank of ``pp_rank`` (the tensor table's rows there; every
+    tp/cp/dp rank of a pp_stage holds the same count)."""
+    layout.check(layout.world_size, model)
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} out of range for pp={layout.pp}")
-    t, h, f = layout.tp, model.hidden_size, model.ffn_hidden_size
-    q = model.num_attention_heads * model.head_dim
-    kv = model.num_query_groups * model.head_dim
-    qkv_rows = (q + 2 * kv) // t
-    per_layer = (h                                              # input_layernorm.weight
-                 + qkv_rows * h                                 # linear_qkv.weight
-                 + (qkv_rows if model.add_qkv_bias else 0)      # linear_qkv.bias
-                 + h * (q // t)                                 # linear_proj.weight
-                 + h                                            # pre_mlp_layernorm.weight
-                 + (2 * f // t) * h                             # linear_fc1.weight (gate; up)
-                 + h * (f // t))                                # linear_fc2.weight
-    count = (model.num_layers // layout.pp) * per_layer
-    vocab_shard = (model.vocab_size // t) * h
-    if pp_rank == 0:
-        count += vocab_shard                                    # embedding.word_embeddings
-    if pp_rank == layout.pp - 1:
-        count += h                                              # decoder.final_layernorm
-        # Tied embeddings share the embedding tensor only when one pp_stage holds both ends;
-        # with pp > 1 the last pp_stage allocates its own output_layer copy (kept in sync).
-        if not (model.tie_word_embeddings and layout.pp == 1):
-            count += vocab_shard                                # output_layer.weight
-    return count
+    return tensor_table(model).elements_on(pp_rank, layout.tp, layout.pp)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Named model architectures for planning (shapes only; no weights are loaded).
 
 Values copied from each model's published Hugging Face ``config.json``; the checksum for a reader
-is the parameter count in each comment (``ModelConfig.num_parameters()``, asserted in tests).
+is the parameter count in each comment (``tensor_table.num_parameters``, asserted in tests).
 Invariant: every preset is a valid ``ModelConfig`` in bfloat16.
 """
 

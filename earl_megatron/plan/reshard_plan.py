@@ -2,22 +2,21 @@
 
 Pure data and pure functions (no torch, no torch.distributed, no megatron): every rank computes
 the same plan from (model config, source layout, destination layout) and runs its own part of it
-(runtime/switcher.py). The selector prices a switch with ``switch_cost_bytes``.
+(runtime/switcher.py). The selector prices a switch with ``receive_bytes``, the bytes per rank
+the plan moves (its ``recv_bytes()``, tested equal), without building the transfers.
 
-Placement of one full Megatron tensor (names as in weights/sharding.py, global layer indices):
+Placement of one full tensor comes from the tensor table (plan/tensor_table.py: names, shapes,
+TP split dim and stride, pp_stage, tied output layer); the plan speaks local-spec names, and
+the switcher maps a TE-spec model's parameters onto them through the same table:
 
-- pp: a layer's tensors live on pp_stage ``layer // (num_layers / pp)``; the word embedding on
-  pp_stage 0; final_layernorm and output_layer on the last. With tied embeddings and pp > 1 the
-  last pp_stage holds a replica of the embedding under the local name ``output_layer.weight``
-  (Megatron keeps the two equal); with pp == 1 the output layer is the embedding itself.
-- tp: a slice is a set of ``Piece(dim, start, stop)`` row ranges along the tensor's TP split dim
-  (dim 0: embedding, linear_qkv, linear_fc1, output_layer; dim 1: linear_proj, linear_fc2),
-  concatenated in order to form the rank's local tensor. SwiGLU linear_fc1 has partition stride 2:
-  tp rank r holds two pieces, ``gate[r]`` = rows [r*f/tp, (r+1)*f/tp) and ``up[r]`` = rows
-  [f + r*f/tp, f + (r+1)*f/tp). Norms are replicated: one piece covering dim 0.
-- dp and cp: every rank with the same (tp, pp) coordinates holds the same slices (replicas).
+- a slice is a set of ``RowRange(dim, start, stop)`` along the tensor's TP split dim (dim 0 for
+  replicated norms, one range covering it), concatenated in order to form the rank's local
+  tensor: two ranges (``gate[r]``, ``up[r]``) for SwiGLU fc1's partition stride 2;
+- dp and cp: every rank with the same (tp, pp) coordinates holds the same slices (replicas);
+- a tied output layer on the last pp_stage (pp > 1) is a holding of the embedding under the
+  local name ``output_layer.weight``.
 
-Transfer plan invariants (checked by tests/unit/test_reshard_plan.py):
+Plan invariants (checked by tests/unit/test_reshard_plan.py):
 - every destination slice is covered exactly once, by a local copy (the rank already held
   those elements under the source layout) or by exactly one transfer from another rank;
 - nothing is sent to a rank that already holds it, so ``bytes_moved == min_bytes``, the bytes
@@ -40,50 +39,13 @@ from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.tensor_table import tensor_table
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
-
-# Same rules as weights/sharding.py (which imports torch); a unit test checks they agree.
-_DIM0 = ("embedding.word_embeddings.weight", "self_attention.linear_qkv.weight",
-         "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight", "output_layer.weight")
-_DIM1 = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_STRIDE2 = ("mlp.linear_fc1.weight",)
-
-
-def split_dim(name: str) -> Optional[int]:
-    """TP split dim of a full tensor, None for replicated ones (norms)."""
-    if name.endswith(_DIM0):
-        return 0
-    if name.endswith(_DIM1):
-        return 1
-    return None
-
-
-def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every full Megatron tensor of the model (global names) and its shape."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-    out = {EMBEDDING: (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "self_attention.linear_qkv.weight"] = (qkv, h)
-        if cfg.add_qkv_bias:
-            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
-        out[p + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * d)
-        out[p + "pre_mlp_layernorm.weight"] = (h,)
-        out[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-        out[p + "mlp.linear_fc2.weight"] = (h, f)
-    out["decoder.final_layernorm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        out[OUTPUT] = (cfg.vocab_size, h)
-    return out
 
 
 @dataclass(frozen=True, order=True)
-class Piece:
+class RowRange:
     """Rows [start, stop) of a full tensor along ``dim`` (all of every other dim)."""
 
     dim: int
@@ -101,7 +63,7 @@ class Holding:
 
     rank: int
     local_name: str
-    pieces: tuple[Piece, ...]
+    pieces: tuple[RowRange, ...]
     """In local order: the local tensor is their concatenation along the split dim."""
 
     def local_offset(self, dim: int, row: int) -> int:
@@ -114,55 +76,57 @@ class Holding:
         raise ValueError(f"row {row} is not held by rank {self.rank} ({self.local_name})")
 
 
-def tp_pieces(name: str, shape: tuple[int, ...], tp_rank: int, tp: int) -> tuple[Piece, ...]:
-    dim = split_dim(name)
-    if dim is None or tp == 1:
-        return (Piece(0 if dim is None else dim, 0, shape[0 if dim is None else dim]),)
-    n = shape[dim]
-    if name.endswith(_STRIDE2):
-        half = n // 2
-        per = half // tp
-        return (Piece(0, tp_rank * per, (tp_rank + 1) * per),
-                Piece(0, half + tp_rank * per, half + (tp_rank + 1) * per))
-    per = n // tp
-    return (Piece(dim, tp_rank * per, (tp_rank + 1) * per),)
-
-
-def _pp_local(name: str, layout: ParallelLayout, cfg: ModelConfig) -> list[tuple[int, str]]:
-    """(pp_rank, local name) of every pp_stage that holds ``name``."""
-    per = cfg.num_layers // layout.pp
-    if name.startswith("decoder.layers."):
-        rest = name[len("decoder.layers."):]
-        idx, tail = rest.split(".", 1)
-        g = int(idx)
-        return [(g // per, f"decoder.layers.{g % per}.{tail}")]
-    last = layout.pp - 1
-    if name == EMBEDDING:
-        out = [(0, EMBEDDING)]
-        if cfg.tie_word_embeddings and layout.pp > 1:
-            out.append((last, OUTPUT))
-        return out
-    return [(last, name)]
-
-
 def placement(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, tuple[Holding, ...]]:
     """Every full tensor -> the holdings of every rank that has part of it (ascending rank)."""
-    layout.check(layout.world_size, cfg.shape)
-    shapes = full_shapes(cfg)
+    layout.check(layout.world_size, cfg)
+    table = tensor_table(cfg)
     coords = [layout.coords(r) for r in range(layout.world_size)]
-    out = {}
-    for name, shape in shapes.items():
-        holds = []
-        for pp_rank, local in _pp_local(name, layout, cfg):
-            for r, c in enumerate(coords):
-                if c.pp == pp_rank:
-                    holds.append(Holding(r, local, tp_pieces(name, shape, c.tp, layout.tp)))
-        out[name] = tuple(sorted(holds, key=lambda h: (h.rank, h.local_name)))
-    return out
+    out: dict[str, list[Holding]] = {}
+    for row in table.rows:
+        if row.tied_to and layout.pp == 1:
+            continue        # the output layer is the embedding itself
+        full = table.row(row.tied_to) if row.tied_to else row
+        dim = row.split_dim or 0
+        pp_rank = row.pp_stage(layout.pp, cfg.num_layers)
+        local = row.local_name(layout.pp, cfg.num_layers)
+        out.setdefault(full.name, []).extend(
+            Holding(r, local, tuple(RowRange(dim, a, b) for a, b in row.tp_rows(c.tp, layout.tp)))
+            for r, c in enumerate(coords) if c.pp == pp_rank)
+    return {n: tuple(sorted(h, key=lambda h: (h.rank, h.local_name))) for n, h in out.items()}
+
+
+def receive_bytes(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
+                  element_bytes: Optional[int] = None) -> tuple[int, ...]:
+    """Bytes each rank must receive to switch from ``src`` to ``dst``: the rows it holds under
+    ``dst`` and did not hold, under any local name, under ``src``. The plan moves exactly these
+    (its ``recv_bytes()``; ``min_bytes`` is their sum), so the selector prices a switch with
+    them without building the transfers (ranks with the same tp and pp coordinates in both
+    layouts need the same, so each such class is counted once)."""
+    eb = DTYPE_BYTES[cfg.params_dtype] if element_bytes is None else element_bytes
+    table = tensor_table(cfg)
+    memo: dict[tuple[int, int, int, int], int] = {}
+    out = []
+    for r in range(dst.world_size):
+        a, b = src.coords(r), dst.coords(r)
+        key = (a.tp, a.pp, b.tp, b.pp)
+        if key not in memo:
+            held: dict[str, list[tuple[int, int]]] = {}
+            for row in table.on_pp_stage(a.pp, src.pp):
+                full = table.row(row.tied_to) if row.tied_to else row
+                held.setdefault(full.name, []).extend(row.tp_rows(a.tp, src.tp))
+            missing = 0
+            for row in table.on_pp_stage(b.pp, dst.pp):
+                full = table.row(row.tied_to) if row.tied_to else row
+                per_row = full.numel // full.shape[row.split_dim or 0]
+                need = list(row.tp_rows(b.tp, dst.tp))
+                missing += per_row * sum(y - x for x, y in _subtract(need, held.get(full.name, [])))
+            memo[key] = missing
+        out.append(memo[key] * eb)
+    return tuple(out)
 
 
 @dataclass(frozen=True, order=True)
-class Transfer:
+class WeightMove:
     """Rows [start, stop) along ``dim`` of full tensor ``name`` from ``src`` to ``dst``.
 
     ``src == dst`` is a local copy (between the old and new local tensors of one rank)."""
@@ -190,11 +154,12 @@ class ReshardPlan:
     src: ParallelLayout
     dst: ParallelLayout
     element_bytes: int
-    transfers: tuple[Transfer, ...]
+    transfers: tuple[WeightMove, ...]
     """Between different ranks, sorted."""
-    local_copies: tuple[Transfer, ...]
+    local_copies: tuple[WeightMove, ...]
     min_bytes: int
-    """Bytes destination ranks need and did not hold under ``src``: what any plan must move."""
+    """Bytes destination ranks need and did not hold under ``src``: what any plan must move
+    (the sum of ``receive_bytes``)."""
     unit_elements: tuple[tuple[str, int], ...]
     """Elements per row along the split dim, per tensor (to split transfers into buckets)."""
 
@@ -214,22 +179,8 @@ class ReshardPlan:
             out[t.dst] += t.elements * self.element_bytes
         return tuple(out)
 
-    @property
-    def max_send_bytes(self) -> int:
-        return max(self.send_bytes())
-
-    @property
-    def max_recv_bytes(self) -> int:
-        return max(self.recv_bytes())
-
-    def for_rank(self, rank: int) -> tuple[list[Transfer], list[Transfer], list[Transfer]]:
-        """(sends, receives, local copies) of one rank."""
-        sends = [t for t in self.transfers if t.src == rank]
-        recvs = [t for t in self.transfers if t.dst == rank]
-        return sends, recvs, [t for t in self.local_copies if t.src == rank]
-
     def rounds(self, bucket_bytes: int, kinds: int = 1, *,
-               bytes_per_element: Optional[int] = None) -> list[tuple[Transfer, ...]]:
+               bytes_per_element: Optional[int] = None) -> list[tuple[WeightMove, ...]]:
         """Transfers cut into rounds; per round no rank sends or receives over ``bucket_bytes``.
 
         ``kinds``: tensors moved per transfer (1 for weights, 3 for weights + Adam moments), all
@@ -250,7 +201,7 @@ class ReshardPlan:
             step = max(1, bucket_bytes // row_bytes)
             for a in range(t.start, t.stop, step):
                 b = min(t.stop, a + step)
-                chunks.append(Transfer(t.name, t.dst, a, b, t.src, t.dim, t.src_local,
+                chunks.append(WeightMove(t.name, t.dst, a, b, t.src, t.dim, t.src_local,
                                        t.dst_local, t.src_offset + a - t.start,
                                        t.dst_offset + a - t.start, unit[t.name] * (b - a)))
         return first_fit_rounds(chunks, lambda c: c.elements * per_elem, bucket_bytes)
@@ -303,19 +254,14 @@ def plan_reshard(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
         raise ValueError(f"layouts over different world sizes ({src}: {src.world_size}, "
                          f"{dst}: {dst.world_size}); a switch keeps the same ranks")
     eb = DTYPE_BYTES[cfg.params_dtype] if element_bytes is None else element_bytes
-    shapes = full_shapes(cfg)
+    rows = {r.name: r for r in tensor_table(cfg).full_rows}
     before, after = placement(cfg, src), placement(cfg, dst)
     load = [0] * src.world_size
     transfers, local_copies = [], []
-    needed_elems = 0
     unit = []
-    for name in sorted(shapes):
-        shape = shapes[name]
-        dim = split_dim(name) or 0
-        per_row = 1
-        for i, n in enumerate(shape):
-            if i != dim:
-                per_row *= n
+    for name in sorted(rows):
+        dim = rows[name].split_dim or 0
+        per_row = rows[name].numel // rows[name].shape[dim]
         unit.append((name, per_row))
         held_by = {}
         for h in before[name]:
@@ -330,21 +276,21 @@ def plan_reshard(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
                         for x, y in list(need):
                             a, b = max(x, p.start), min(y, p.stop)
                             if a < b:
-                                local_copies.append(Transfer(
+                                local_copies.append(WeightMove(
                                     name, want.rank, a, b, want.rank, dim, h.local_name,
                                     want.local_name, h.local_offset(dim, a),
                                     want.local_offset(dim, a), per_row * (b - a)))
                                 need = _subtract(need, [(a, b)])
                 for a0, b0 in need:
-                    needed_elems += per_row * (b0 - a0)
                     transfers.extend(_cover(name, dim, per_row, a0, b0, want, before[name], load))
     return ReshardPlan(src=src, dst=dst, element_bytes=eb, transfers=tuple(sorted(transfers)),
-                       local_copies=tuple(sorted(local_copies)), min_bytes=needed_elems * eb,
+                       local_copies=tuple(sorted(local_copies)),
+                       min_bytes=sum(receive_bytes(cfg, src, dst, element_bytes=eb)),
                        unit_elements=tuple(unit))
 
 
 def _cover(name: str, dim: int, per_row: int, a0: int, b0: int, want: Holding,
-           sources: tuple[Holding, ...], load: list[int]) -> list[Transfer]:
+           sources: tuple[Holding, ...], load: list[int]) -> list[WeightMove]:
     """Transfers for rows [a0, b0) of ``want``: per source piece, the least-loaded replica."""
     out = []
     cuts = sorted({a0, b0} | {x for h in sources for p in h.pieces for x in (p.start, p.stop)
@@ -359,37 +305,10 @@ def _cover(name: str, dim: int, per_row: int, a0: int, b0: int, want: Holding,
         prev = out[-1] if out else None
         if prev and prev.src == h.rank and prev.stop == a and prev.src_local == h.local_name \
                 and h.local_offset(dim, a) == prev.src_offset + prev.rows:
-            out[-1] = Transfer(name, want.rank, prev.start, b, h.rank, dim, h.local_name,
+            out[-1] = WeightMove(name, want.rank, prev.start, b, h.rank, dim, h.local_name,
                                want.local_name, prev.src_offset, prev.dst_offset,
                                prev.elements + n)
             continue
-        out.append(Transfer(name, want.rank, a, b, h.rank, dim, h.local_name, want.local_name,
+        out.append(WeightMove(name, want.rank, a, b, h.rank, dim, h.local_name, want.local_name,
                             h.local_offset(dim, a), want.local_offset(dim, a), n))
     return out
-
-
-@dataclass(frozen=True)
-class SwitchCost:
-    """What a layout switch moves, for the selector."""
-
-    bytes_moved: int
-    min_bytes: int
-    max_send_bytes: int
-    """Largest bytes any one rank sends (the switch's critical path on a uniform fabric)."""
-    max_recv_bytes: int
-
-
-def switch_cost_bytes(cfg: ModelConfig, a: ParallelLayout, b: ParallelLayout, *,
-                      optimizer_state: bool = False) -> SwitchCost:
-    """Bytes a switch from ``a`` to ``b`` moves: weights, plus fp32 Adam moments if asked.
-
-    With ``optimizer_state`` each transfer also carries ``exp_avg`` and ``exp_avg_sq`` (fp32),
-    and an fp32 master copy when the weights are not fp32 (plain optimizer state layout)."""
-    if a == b:
-        return SwitchCost(0, 0, 0, 0)
-    plan = plan_reshard(cfg, a, b)
-    wb = plan.element_bytes
-    per_elem = wb + ((8 + (4 if wb != 4 else 0)) if optimizer_state else 0)
-    scale = lambda x: x // wb * per_elem  # noqa: E731 - elements times bytes per element
-    return SwitchCost(scale(plan.bytes_moved), scale(plan.min_bytes),
-                      scale(plan.max_send_bytes), scale(plan.max_recv_bytes))

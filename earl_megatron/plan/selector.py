@@ -6,11 +6,10 @@ For one stage's workload::
         --time model x profile factor + switch cost from the live layout-->  ranked candidates
         --hysteresis against last iteration's choice for this stage-->  LayoutPlan
 
-Switch cost: the bytes each rank must receive to hold its shard of the new layout (weights; for
-TRAIN also the optimizer state, which lives in the TRAIN layout) over the slowest link a reshard
-may use, plus the fixed regroup time. A parameter element moves to a rank when the rank owns it
-in the new layout and did not in the old one (owner sets differ); an element keeps its place when
-the rank's tp slice and pp layers overlap.
+Switch cost: the bytes each rank receives in the reshard plan the switcher runs
+(plan/reshard_plan.py, ``receive_bytes``: what the rank owns in the new layout and did not hold
+in the old one) for the weights and, for TRAIN, the optimizer state (which lives in the TRAIN
+layout), over the slowest link a reshard may use, plus the fixed regroup time.
 
 Hysteresis: the previous choice for the stage is kept unless the best candidate's cost is lower
 by more than ``hysteresis`` (a fraction), so a workload that oscillates around a boundary does not
@@ -31,6 +30,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.memory_model import MemoryEstimate, memory_breakdown, param_count_per_rank
 from earl_megatron.plan.profile_table import ProfileTable
+from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
                                      human_bytes)
 from earl_megatron.plan.time_model import StageTime, stage_time
@@ -141,54 +141,6 @@ class LayoutOverBudgetError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ switch cost
-def reshard_bytes_per_rank(model: ModelConfig, src: ParallelLayout, dst: ParallelLayout,
-                           param_bytes: int) -> tuple[int, ...]:
-    """Bytes each rank must receive to go from its ``src`` weight shard to its ``dst`` one."""
-    if src.world_size != dst.world_size:
-        raise ValueError(f"layouts over different world sizes: {src} vs {dst}")
-    h, L, f = model.hidden_size, model.num_layers, model.ffn_hidden_size
-    q = model.num_attention_heads * model.head_dim
-    qkv = q + 2 * model.num_query_groups * model.head_dim
-    # One layer's tp-split elements (qkv [+ bias], proj, fc1, fc2) and replicated ones (norms).
-    split = qkv * h + (qkv if model.add_qkv_bias else 0) + q * h + 3 * f * h
-    replicated = 2 * h
-    vocab = model.vocab_size * h
-    out = []
-    for r in range(dst.world_size):
-        a, b = src.coords(r), dst.coords(r)
-        need = dst.layers_of(b.pp, L)
-        held = src.layers_of(a.pp, L)
-        both = len(range(max(need.start, held.start), min(need.stop, held.stop)))
-        lo = max(a.tp / src.tp, b.tp / dst.tp)
-        hi = min((a.tp + 1) / src.tp, (b.tp + 1) / dst.tp)
-        same_slice = max(0.0, hi - lo)                      # fraction of a tp-split tensor
-        elems = len(need) * split / dst.tp - both * split * same_slice
-        elems += (len(need) - both) * replicated
-        ends_src = _ends(model, src, a.pp)
-        ends_dst = _ends(model, dst, b.pp)
-        # A tied output layer holds the embedding's values, so either end can serve the other.
-        vocab_src = ends_src & {"embedding", "output"}
-        for end in ends_dst:
-            if end == "final_norm":
-                elems += 0 if end in ends_src else h
-                continue
-            have = end in vocab_src or (model.tie_word_embeddings and bool(vocab_src))
-            elems += vocab / dst.tp - (vocab * same_slice if have else 0)
-        out.append(max(0, math.ceil(elems)) * param_bytes)
-    return tuple(out)
-
-
-def _ends(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> set[str]:
-    s = set()
-    if pp_rank == 0:
-        s.add("embedding")
-    if pp_rank == layout.pp - 1:
-        s.add("final_norm")
-        if not (model.tie_word_embeddings and layout.pp == 1):
-            s.add("output")
-    return s
-
-
 def switch_seconds(model: ModelConfig, cluster: ClusterSpec, src: Optional[ParallelLayout],
                    dst: ParallelLayout, train_opts: TrainOptions = TrainOptions(), *,
                    optimizer_src: Optional[ParallelLayout] = None) -> float:
@@ -200,13 +152,13 @@ def switch_seconds(model: ModelConfig, cluster: ClusterSpec, src: Optional[Paral
     recv = [0] * dst.world_size
     moved = False
     if src is not None and src != dst:
-        recv = list(reshard_bytes_per_rank(model, src, dst, pb))
+        recv = list(receive_bytes(model, src, dst, element_bytes=pb))
         moved = True
     if optimizer_src is not None and optimizer_src != dst:
         obpp = train_opts.optimizer_bytes_per_param(model)
         shard_src = optimizer_src.dp * optimizer_src.cp if train_opts.distributed_optimizer else 1
         shard_dst = dst.dp * dst.cp if train_opts.distributed_optimizer else 1
-        weights = reshard_bytes_per_rank(model, optimizer_src, dst, obpp)
+        weights = receive_bytes(model, optimizer_src, dst, element_bytes=obpp)
         for r in range(dst.world_size):
             if shard_src == shard_dst:
                 recv[r] += math.ceil(weights[r] / shard_dst)
@@ -251,7 +203,7 @@ class Selector:
         """Layouts valid for the world and model, within the config's caps, for ``stage``."""
         c = self.config
         max_cp = 1 if stage is Stage.ROLLOUT and not c.rollout_cp else c.max_cp
-        return enumerate_layouts(self.cluster.world_size, self.model.shape, max_tp=c.max_tp,
+        return enumerate_layouts(self.cluster.world_size, self.model, max_tp=c.max_tp,
                                  max_cp=max_cp, max_pp=c.max_pp)
 
     def memory(self, layout: ParallelLayout, workload: StageWorkload,

@@ -9,7 +9,7 @@ distributed optimizer (disjoint over the replicas, covering the parameter). A sw
 each new rank exactly its new range, and any plan must move at least the elements a rank needs
 and did not own before.
 
-The weight plan already cuts every destination tensor into boxes (``Transfer``: rows along the
+The weight plan already cuts every destination tensor into boxes (``WeightMove``: rows along the
 split dim, from one source replica). Inside a box, the map from the box's own row-major index
 to the local tensor's flat index is increasing on both sides (source and destination local
 tensors), so a flat range of either local tensor is one *interval* of box indices. A state
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.reshard_plan import ReshardPlan, Transfer, first_fit_rounds
+from earl_megatron.plan.reshard_plan import ReshardPlan, WeightMove, first_fit_rounds
 
 
 @dataclass(frozen=True)
@@ -137,13 +136,17 @@ class StateSegment:
                 for a in range(self.u, self.v, step)]
 
 
-Ranges = dict[int, dict[str, tuple[tuple[int, ...], int, int]]]
-"""{rank: {local name: (local shape, flat start, flat stop)}}: one layout's state ownership."""
+StateRanges = dict[str, tuple[tuple[int, ...], int, int]]
+"""{local name: (local shape, flat start, flat stop)}: the state one rank owns."""
+LayoutStateRanges = dict[int, StateRanges]
+"""{rank: StateRanges}: one layout's state ownership, every rank's."""
 
 
-def plan_state_segments(plan: ReshardPlan, old: Ranges, new: Ranges) -> tuple[StateSegment, ...]:
+def plan_state_segments(plan: ReshardPlan, old: LayoutStateRanges,
+                        new: LayoutStateRanges) -> tuple[StateSegment, ...]:
     """Segments that give every new rank its state range, each element from one old owner."""
-    replicas = _replica_groups(plan.src)
+    # every rank -> the ranks holding the same weights (same tp and pp coordinates)
+    replicas = {r: g for g in plan.src.group_ranks("dp-cp") for r in g}
     out = []
     for t in sorted(plan.local_copies + plan.transfers):
         dst_shape, c, d = new[t.dst].get(t.dst_local, ((), 0, 0))
@@ -175,17 +178,8 @@ def plan_state_segments(plan: ReshardPlan, old: Ranges, new: Ranges) -> tuple[St
     return tuple(out)
 
 
-def _box(t: Transfer, shape: tuple[int, ...], offset: int) -> Box:
+def _box(t: WeightMove, shape: tuple[int, ...], offset: int) -> Box:
     return Box(tuple(shape), t.dim, offset, t.rows)
-
-
-def _replica_groups(layout: ParallelLayout) -> dict[int, list[int]]:
-    """Every rank -> the ranks holding the same weights (same tp and pp coordinates)."""
-    by = {}
-    for r in range(layout.world_size):
-        c = layout.coords(r)
-        by.setdefault((c.tp, c.pp), []).append(r)
-    return {r: by[(layout.coords(r).tp, layout.coords(r).pp)] for r in range(layout.world_size)}
 
 
 def segment_rounds(segments, bytes_per_element: int,

@@ -137,7 +137,7 @@ def forward_flops(model: ModelConfig, workload: StageWorkload, *, fused_attentio
 def stage_time(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
                cluster: ClusterSpec, train_opts: TrainOptions = TrainOptions()) -> StageTime:
     """Predicted seconds for ``workload`` under ``layout`` on ``cluster``."""
-    layout.check(cluster.world_size, model.shape)
+    layout.check(cluster.world_size, model)
     if workload.stage is Stage.ROLLOUT:
         return _rollout_time(model, layout, workload, cluster, train_opts)
     t, c, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp

@@ -235,7 +235,7 @@ class EmbeddedEngine:
         switcher reshards large ones in memory). Every rank calls it.
         """
         from earl_megatron.weights.gather import gather_full
-        from earl_megatron.weights.sharding import load_full_weights
+        from earl_megatron.models.sharding import load_full_weights
 
         mol = self.mol
         self._rows = []  # cached keys/values belong to the old weights
@@ -243,8 +243,7 @@ class EmbeddedEngine:
             if source.layout == mol.layout:
                 source = source.module()
             else:
-                source = gather_full(source.model, source.layout, source.cfg.num_layers,
-                                     tied=source.cfg.tie_word_embeddings)
+                source = gather_full(source.model, source.cfg, source.layout)
         if isinstance(source, torch.nn.Module):
             while hasattr(source, "module"):
                 source = source.module
@@ -257,9 +256,7 @@ class EmbeddedEngine:
             for k, p in dst.items():
                 p.copy_(src[k])
         elif isinstance(source, dict):
-            load_full_weights(self.model, source, tp_rank=mol.coords.tp, tp=mol.layout.tp,
-                              pp_rank=mol.coords.pp, layers_per_stage=mol.layers_per_stage,
-                              tied=mol.cfg.tie_word_embeddings)
+            load_full_weights(self.model, source, mol.cfg, mol.layout, mol.coords)
         else:
             raise TypeError(f"EmbeddedEngine.update_weights takes a full-weights dict, a "
                             f"ModelOnLayout or a GPTModel, got {type(source).__name__}")

@@ -11,7 +11,7 @@ callers never touch parallel_state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,16 +32,8 @@ class ModelOnLayout:
     optimizer: Any = None
 
     @property
-    def pre_process(self) -> bool:
-        return self.coords.pp == 0
-
-    @property
     def post_process(self) -> bool:
         return self.coords.pp == self.layout.pp - 1
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.cfg.num_layers // self.layout.pp
 
     def module(self):
         m = self.model
@@ -62,22 +54,29 @@ class OptimizerSpec:
 
 
 def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
-                    weights: Optional[dict[str, torch.Tensor]] = None, ddp: bool = True,
+                    weights: Optional[dict[str, torch.Tensor]] = None,
+                    load: Optional[Callable[[Any, Coords], None]] = None, ddp: bool = True,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
                     recompute: Optional[str] = None, init: Optional[bool] = None) -> ModelOnLayout:
     """Regroup for ``layout`` and build this rank's pp_stage (with DDP and optimizer if asked).
 
-    ``init``: run Megatron's seeded random init. Default: only when no ``weights`` are given.
+    ``load(model, coords)``: fills every parameter of the bare GPTModel pp_stage before DDP
+    wraps it (weights/convert.py's ``load_policy`` reads checkpoints this way); exclusive with
+    ``weights``, the full tensors to shard.
+    ``init``: run Megatron's seeded random init. Default: only when neither ``weights`` nor
+    ``load`` is given.
     ``init=False`` leaves every parameter as ``torch.empty``: the caller must overwrite all of
     them (``weights`` does; so does the switcher's transfer, which checks it). TransformerEngine
     specs always initialise (their TP attributes are set their own way, not checked here)."""
     from earl_megatron.models.provider import (
         build_gpt_model, te_available, transformer_config, wrap_ddp)
-    from earl_megatron.weights.sharding import load_full_weights
+    from earl_megatron.models.sharding import load_full_weights
 
-    groups.build_groups(layout, cfg.shape, seed=seed)
+    if weights is not None and load is not None:
+        raise ValueError("pass either weights= (full tensors) or load= (a loader), not both")
+    groups.build_groups(layout, cfg, seed=seed)
     coords = layout.coords(dist.get_rank())
-    init = (weights is None if init is None else init) or te_available()
+    init = (weights is None and load is None if init is None else init) or te_available()
     # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
     # partition_dim, partition_stride: set only inside its init functions) and grad clipping
     # would count TP shards as duplicates; build_gpt_model sets them itself then
@@ -95,9 +94,9 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     # second live copy) gets Megatron's init as usual
     tcfg.perform_initialization = True
     if weights is not None:
-        load_full_weights(model, weights, tp_rank=coords.tp, tp=layout.tp, pp_rank=coords.pp,
-                          layers_per_stage=cfg.num_layers // layout.pp,
-                          tied=cfg.tie_word_embeddings)
+        load_full_weights(model, weights, cfg, layout, coords)
+    elif load is not None:
+        load(model, coords)
     if ddp or optimizer is not None:
         model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
             optimizer and optimizer.use_distributed_optimizer))

@@ -26,9 +26,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from earl_megatron.weights.io_errors import CheckpointError, reading
+from earl_megatron.runtime.io_errors import CheckpointError, reading
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+CONFIG_JSON = "earl_model_config.json"
+"""The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
 
 __all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "save_checkpoint",
            "load_checkpoint"]
@@ -70,7 +72,6 @@ def save_checkpoint(mol, root: str | Path, iteration: int, loop_state: dict[str,
         (tmp / "loop.json").write_text(json.dumps(loop_state, indent=1, sort_keys=True))
         # the model config beside the weights: tools/convert_mcore_to_hf.py exports the policy
         # and run.init= starts a new run from it (the same keys as a converted checkpoint)
-        from earl_megatron.weights.convert import CONFIG_JSON
         (tmp / CONFIG_JSON).write_text(json.dumps(dataclasses.asdict(mol.cfg), indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

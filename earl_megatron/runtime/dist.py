@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
 from earl_megatron.runtime.cpu_backend import device_backend
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (rendezvous of a 1-process world)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
@@ -23,7 +31,6 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     device, backend = device_backend()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        from earl_megatron.testing.multiproc import free_port
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -54,7 +54,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from earl_megatron.plan.layout import ModelShape, ParallelLayout
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import ParallelLayout
 
 DEFAULT_MAX_CACHED_LAYOUTS = 4
 """Layouts whose groups stay alive (the active one included); <= 1 disables the cache. Cheap on
@@ -111,7 +112,7 @@ def cached_layouts() -> list[ParallelLayout]:
     return [key[0] for key in _CACHE]
 
 
-def build_groups(layout: ParallelLayout, model: Optional[ModelShape] = None, *,
+def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
                  timeout_s: float = 120.0, seed: Optional[int] = None,
                  max_cached_layouts: Optional[int] = None) -> ParallelLayout:
     """Make Megatron-Core's process groups for ``layout`` current (collective over the world

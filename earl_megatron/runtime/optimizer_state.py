@@ -23,14 +23,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from earl_megatron.plan.state_plan import StateRanges
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"
 """The fp32 master copy Megatron's mixed-precision optimizers step (bf16/fp16 weights)."""
 
 FlatState = dict[str, dict[str, torch.Tensor]]
 """{local parameter name: {kind: 1-D fp32 tensor of the rank's flat range}}."""
-Ranges = dict[str, tuple[tuple[int, ...], int, int]]
-"""{local parameter name: (local shape, flat start, flat stop)}."""
 
 
 def megatron_optimizers(optimizer) -> list:
@@ -97,13 +97,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def optimizer_state(mol) -> tuple[FlatState, Ranges, Optional[torch.Tensor]]:
+def optimizer_state(mol) -> tuple[FlatState, StateRanges, Optional[torch.Tensor]]:
     """This rank's optimizer state as flat ranges, their geometry, and one step tensor
     (None: never stepped; every rank must agree, checked with one all-reduce)."""
     params = dict(mol.module().named_parameters())
     masters = has_masters(mol)
     state: FlatState = {}
-    ranges: Ranges = {}
+    ranges: StateRanges = {}
     step = None
     for name, (opt, main, start, stop) in _mains(mol).items():
         st = opt.optimizer.state.get(main) or {}
@@ -123,13 +123,13 @@ def optimizer_state(mol) -> tuple[FlatState, Ranges, Optional[torch.Tensor]]:
     return state, ranges, step if have.item() else None
 
 
-def install_optimizer_state(mol, step: Optional[torch.Tensor]) -> tuple[FlatState, Ranges]:
+def install_optimizer_state(mol, step: Optional[torch.Tensor]) -> tuple[FlatState, StateRanges]:
     """Give the new optimizer zeroed moments (with ``step``) and return its state as flat
     ranges to receive into: the masters are the optimizer's own main tensors."""
     params = dict(mol.module().named_parameters())
     masters = has_masters(mol)
     state: FlatState = {}
-    ranges: Ranges = {}
+    ranges: StateRanges = {}
     for name, (opt, main, start, stop) in _mains(mol).items():
         entry = {MASTER: _flat(main)} if masters else {}
         if step is not None:

@@ -34,8 +34,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from earl_megatron.models.cp_attention import zigzag_positions
 from earl_megatron.plan.layout import Coords, ParallelLayout
+from earl_megatron.plan.placement import cp_chunks
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,11 @@ def local_microbatches(batch: TokenBatch, layout: ParallelLayout, coords: Coords
     if per_dp % micro_batch_size:
         raise ValueError(f"{per_dp} samples per dp rank do not divide by micro_batch_size="
                          f"{micro_batch_size}")
+    if layout.cp > 1 and batch.seq_len % (2 * layout.cp):
+        raise ValueError(f"sequence length {batch.seq_len} must be divisible by 2*cp = "
+                         f"{2 * layout.cp} (pad the batch to a multiple of 2*cp)")
     rows = slice(coords.dp * per_dp, (coords.dp + 1) * per_dp)
-    pos = zigzag_positions(batch.seq_len, layout.cp, coords.cp)
+    pos = torch.cat([torch.arange(a, b) for a, b in cp_chunks(batch.seq_len, layout.cp, coords.cp)])
     inputs = batch.tokens[rows, :-1][:, pos]
     labels = batch.tokens[rows, 1:][:, pos]
     mask = batch.loss_mask[rows, 1:][:, pos]

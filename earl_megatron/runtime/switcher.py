@@ -47,13 +47,14 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.reshard_plan import EMBEDDING, OUTPUT, ReshardPlan, plan_reshard
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.reshard_plan import ReshardPlan, plan_reshard
 from earl_megatron.plan.state_plan import Block, plan_state_segments, segment_rounds
+from earl_megatron.plan.tensor_table import tensor_table
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
 from earl_megatron.runtime.optimizer_state import (
     has_masters, install_optimizer_state, optimizer_state, state_kinds)
 from earl_megatron.runtime.transport import Message, Traffic, open_outboxes, run_rounds, unpack
-from earl_megatron.weights.sharding import global_name
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -90,10 +91,23 @@ def spec_of(optimizer) -> OptimizerSpec:
                          use_distributed_optimizer=c.use_distributed_optimizer)
 
 
-def _full_name_of(local: str, mol: ModelOnLayout) -> str:
-    """Full tensor name in the plan of one local parameter."""
-    g = global_name(local, mol.coords.pp, mol.layers_per_stage)
-    return EMBEDDING if g == OUTPUT and mol.cfg.tie_word_embeddings else g
+def plan_names(cfg: ModelConfig, layout: ParallelLayout, pp_rank: int,
+               names) -> dict[str, str]:
+    """{live parameter name: the reshard plan's local name} for one pp_stage's parameters.
+
+    The plan speaks the local spec; a TransformerEngine model names the pre-norms
+    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``. Both map to the same
+    row of the tensor table, so either model switches (a name in neither spec: KeyError)."""
+    table = tensor_table(cfg)
+    return {n: table.row(table.global_name(n, pp_rank, layout.pp)).local_name(
+        layout.pp, cfg.num_layers) for n in names}
+
+
+def _params(mol: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(live name -> plan name, {plan name: parameter}) of this rank's pp_stage."""
+    live = dict(mol.module().named_parameters())
+    names = plan_names(mol.cfg, mol.layout, mol.coords.pp, live)
+    return names, {names[n]: p.detach() for n, p in live.items()}
 
 
 def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
@@ -108,7 +122,7 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     isend/irecv), "p2p" or "shm" (an error where shared memory does not apply)."""
     stats = stats if stats is not None else SwitchStats()
     cfg, old = mol.cfg, mol.layout
-    new_layout.check(dist.get_world_size(), cfg.shape)
+    new_layout.check(dist.get_world_size(), cfg)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     t0 = time.perf_counter()
@@ -119,8 +133,8 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     old_state, old_ranges, step = optimizer_state(mol) if mol.optimizer is not None \
         else ({}, {}, None)
     kinds = state_kinds(has_masters(mol), step is not None)
-    src = {n: p.detach() for n, p in mol.module().named_parameters()}
-    old_names = {n: _full_name_of(n, mol) for n in src}
+    names, src = _params(mol)
+    old_state, old_ranges = ({names[n]: v for n, v in d.items()} for d in (old_state, old_ranges))
     ddp = hasattr(mol.model, "module")
     t2 = time.perf_counter()
 
@@ -132,11 +146,11 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
     new_state, new_ranges = install_optimizer_state(new, step) if new.optimizer is not None \
         else ({}, {})
+    names, dst = _params(new)
+    new_state, new_ranges = ({names[n]: v for n, v in d.items()} for d in (new_state, new_ranges))
     if new.optimizer is not None and set(kinds) - set(state_kinds(has_masters(new), True)):
         raise ValueError("the new optimizer keeps no fp32 master copies but the old one did; "
                          "switch between optimizers of the same precision")
-    dst = {n: p.detach() for n, p in new.module().named_parameters()}
-    _check_names(plan, old_names, new)
     _check_coverage(plan, dist.get_rank(), dst)
     me = dist.get_rank()
     # ranks finish building at different times; this collective is also the barrier that keeps
@@ -229,18 +243,6 @@ def _release(model) -> None:
     cycle: with gc disabled, DEBUG_SAVEALL finds 3 objects (one closure) after a whole switch."""
     for m in list(model.modules()):
         m.__dict__.clear()
-
-
-def _check_names(plan: ReshardPlan, old_names: dict, new: ModelOnLayout) -> None:
-    """Every live parameter must be a tensor the plan knows (else the names drifted, e.g. TE)."""
-    new_names = {n: _full_name_of(n, new) for n, _ in new.module().named_parameters()}
-    known = {t.name for t in plan.transfers + plan.local_copies}
-    unknown = sorted({g for g in list(old_names.values()) + list(new_names.values())
-                      if g not in known})
-    if unknown:
-        raise KeyError(f"parameters {unknown[:4]} are not in the reshard plan; the model's "
-                       "parameter names differ from weights/sharding.py's (TransformerEngine "
-                       "spec?): add their split rules to plan/reshard_plan.py")
 
 
 def _check_coverage(plan: ReshardPlan, me: int, params: dict[str, torch.Tensor]) -> None:

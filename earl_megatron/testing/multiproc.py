@@ -17,18 +17,13 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from earl_megatron.runtime.dist import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,

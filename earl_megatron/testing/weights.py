@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def biased_weights(cfg, favour: dict[int, float], seed: int = 11):
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     w = reference_weights(cfg, seed=seed)
     w["embedding.word_embeddings.weight"][:, 0] = 50.0

@@ -54,7 +54,7 @@ class StagePlanner:
         wl = self._workload(stage, lengths)
         if not self.auto:
             lay = ParallelLayout.parse(self.layout_cfg.static(stage), world_size=self.world,
-                                       model=self.model.shape)
+                                       model=self.model)
             mem = self.selector.memory(lay, wl, resident_bytes)
             if mem.total > self.selector.budget_bytes:
                 raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))

@@ -298,7 +298,7 @@ class Trainer:
                                init=cfg.run.init), []
 
     def _parse(self, text: str) -> ParallelLayout:
-        return ParallelLayout.parse(text, world_size=self.world, model=self.cfg.model.shape)
+        return ParallelLayout.parse(text, world_size=self.world, model=self.cfg.model)
 
     def evaluate(self, models: Models) -> Optional[dict]:
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).

@@ -40,12 +40,12 @@ import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.runtime.checkpoint import CONFIG_JSON
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights.hf_io import HFCheckpoint, HFWriter, release_freed_memory
-from earl_megatron.weights.io_errors import CheckpointError, new_output_dir, reading
+from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
 
-CONFIG_JSON = "earl_model_config.json"
 HF_SUBDIR = "hf"
 
 
@@ -107,7 +107,7 @@ def conversion_process(cfg: ModelConfig) -> Iterator[None]:
                            f"{dist.get_world_size()} ranks; use tools/convert_hf_to_mcore.py")
     try:
         with cpu_backend():
-            groups.build_groups(ParallelLayout(), cfg.shape)
+            groups.build_groups(ParallelLayout(), cfg)
             try:
                 yield
             finally:
@@ -198,12 +198,12 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
             task = prog.add_task("convert", total=total)
             for rule in rules:
                 full = hfm.combine(rule, cfg, [ckpt.read(s) for s in hfm.sources(rule, cfg)])
-                if rule.mcore not in template:
-                    raise KeyError(f"{rule.mcore} is not in GPTModel.sharded_state_dict(); "
+                if rule.name not in template:
+                    raise KeyError(f"{rule.name} is not in GPTModel.sharded_state_dict(); "
                                    "the Megatron-Core version renamed it: update hf_mapping")
-                entry = template[rule.mcore]
-                _check_shape(entry, full, rule.mcore)
-                pending[rule.mcore] = (entry.key, dcp.layer_of(rule.mcore), full)
+                entry = template[rule.name]
+                _check_shape(entry, full, rule.name)
+                pending[rule.name] = (entry.key, dcp.layer_of(rule.name), full)
                 nbytes = full.numel() * full.element_size()
                 pending_bytes += nbytes
                 done += nbytes
@@ -250,7 +250,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     with conversion_process(cfg):
         template = sharded_template(cfg)
     for r in rules:  # every key and shape checked against the model before anything is written
-        dcp.region_request(template[r.mcore], r.mcore, stored, src)
+        dcp.region_request(template[r.name], r.name, stored, src)
     with new_output_dir(out_dir, inputs=[src] + ([extra] if tokenizer_from else [])) as out, \
             reading(src):
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
@@ -263,19 +263,19 @@ def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writ
                  part_bytes: int, progress: bool) -> int:
     """Stream the checkpoint's tensors out, up to ``part_bytes`` of regions per read."""
     rules = hfm.rules(cfg)
-    by_name = {r.mcore: r for r in rules}
+    by_name = {r.name: r for r in rules}
     n_parts = done = 0
     prog = _progress(progress, "Megatron-Core -> HF")
     with prog:
-        task = prog.add_task("convert", total=sum(_nbytes(template[r.mcore]) for r in rules))
+        task = prog.add_task("convert", total=sum(_nbytes(template[r.name]) for r in rules))
         i = 0
         while i < len(rules):
             requests: dict[str, tuple[str, tuple[int, ...], torch.Tensor]] = {}
             size = 0
             while i < len(rules) and (not requests or size < part_bytes):
                 r = rules[i]
-                requests[r.mcore] = dcp.region_request(template[r.mcore], r.mcore, stored, src)
-                size += _nbytes(template[r.mcore])
+                requests[r.name] = dcp.region_request(template[r.name], r.name, stored, src)
+                size += _nbytes(template[r.name])
                 i += 1
             dcp.read_regions(src, requests)
             n_parts += 1
@@ -300,28 +300,27 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
     """Build the model for ``layout`` and load an HF directory or a converted checkpoint into it.
 
     Collective over the world (every rank calls it). The layout is checked against the model
-    before anything is built or read (InvalidLayoutError). Returns runtime.build.ModelOnLayout;
-    its ``cfg`` is the ModelConfig read from ``path``.
+    before anything is built or read (InvalidLayoutError). Returns runtime.build.ModelOnLayout
+    (``build_on_layout`` with a loader); its ``cfg`` is the ModelConfig read from ``path``.
     """
-    from earl_megatron.models.provider import wrap_ddp
-    from earl_megatron.runtime.build import ModelOnLayout, build_on_layout, build_optimizer
+    from earl_megatron.runtime.build import build_on_layout
 
     cfg = read_model_config(path)
-    layout.check(dist.get_world_size(), cfg.shape)
-    mol = build_on_layout(cfg, layout, ddp=False, seed=seed, recompute=recompute)
-    with reading(path, "policy checkpoint" if is_mcore_checkpoint(path) else "HF model"):
-        if is_mcore_checkpoint(path):
-            load_mcore_into(mol.model, path)
-        else:
-            load_hf_into(mol.model, HFCheckpoint(path), cfg, layout, mol.coords)
-    model = mol.model
-    if ddp or optimizer is not None:
-        model = wrap_ddp(model, mol.tcfg, use_distributed_optimizer=bool(
-            optimizer and optimizer.use_distributed_optimizer))
-    opt = build_optimizer(model, optimizer, params_dtype=mol.tcfg.params_dtype) \
-        if optimizer is not None else None
-    return ModelOnLayout(cfg=cfg, layout=layout, coords=mol.coords, tcfg=mol.tcfg, model=model,
-                         optimizer=opt)
+    layout.check(dist.get_world_size(), cfg)
+    what = "policy checkpoint" if is_mcore_checkpoint(path) else "HF model"
+    if is_mcore_checkpoint(path):
+        def load(model, coords):
+            with reading(path, what):
+                load_mcore_into(model, path)
+    else:
+        with reading(path, what):
+            ckpt = HFCheckpoint(path)
+
+        def load(model, coords):
+            with reading(path, what):
+                load_hf_into(model, ckpt, cfg, layout, coords)
+    return build_on_layout(cfg, layout, load=load, ddp=ddp, optimizer=optimizer, seed=seed,
+                           recompute=recompute)
 
 
 def load_mcore_into(model, path: str | os.PathLike) -> None:
@@ -335,18 +334,12 @@ def load_mcore_into(model, path: str | os.PathLike) -> None:
 def load_hf_into(model, ckpt: HFCheckpoint, cfg: ModelConfig, layout: ParallelLayout,
                  coords) -> None:
     """Read only this rank's shard of each of its parameters from HF shards (row/col ranges)."""
-    from earl_megatron.weights.sharding import global_name
+    from earl_megatron.plan.tensor_table import tensor_table
 
     ckpt.check_against(hfm.hf_shapes(cfg))
-    by_name = {r.mcore: r for r in hfm.rules(cfg)}
-    per_stage = cfg.num_layers // layout.pp
+    table = tensor_table(cfg)
     for lname, p in model.named_parameters():
-        gname = global_name(lname, coords.pp, per_stage)
-        if gname == "output_layer.weight" and cfg.tie_word_embeddings:
-            gname = "embedding.word_embeddings.weight"
-        if gname not in by_name:
-            raise KeyError(f"parameter {lname} (global {gname}) has no HF mapping")
-        rule = by_name[gname]
+        rule = table.source_of(lname, coords.pp, layout.pp)   # KeyError names unknown tensors
         parts = [ckpt.read(s) for s in hfm.sources(rule, cfg, coords.tp, layout.tp)]
         t = hfm.combine(rule, cfg, parts)
         if t.shape != p.shape:

@@ -12,25 +12,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.models.sharding import unshard
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.weights.sharding import global_name, unshard
+from earl_megatron.plan.tensor_table import tensor_table
 
 
-def gather_full(model, layout: ParallelLayout, num_layers: int, *, tied: bool,
+def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
                 what: str = "param") -> dict[str, torch.Tensor]:
     if what not in ("param", "grad"):
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     rank = dist.get_rank()
     c = layout.coords(rank)
-    per_stage = num_layers // layout.pp
+    table = tensor_table(cfg)
     mine: dict[str, tuple[int, torch.Tensor]] = {}
     if c.dp == 0 and c.cp == 0:
         inner = model
         while hasattr(inner, "module"):
             inner = inner.module
         for lname, p in inner.named_parameters():
-            gname = global_name(lname, c.pp, per_stage)
-            if tied and gname == "output_layer.weight" and layout.pp > 1:
+            row = table.row(table.global_name(lname, c.pp, layout.pp))
+            if row.tied_to:
                 continue
             if what == "grad":
                 g = getattr(p, "main_grad", None)
@@ -39,12 +41,12 @@ def gather_full(model, layout: ParallelLayout, num_layers: int, *, tied: bool,
                 t = torch.zeros_like(p) if g is None else g
             else:
                 t = p
-            mine[gname] = (c.tp, t.detach().float().cpu().clone())
+            mine[row.name] = (c.tp, t.detach().float().cpu().clone())
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for part in everything:
         for name, (tp_rank, t) in part.items():
             shards.setdefault(name, {})[tp_rank] = t
-    return {name: unshard(name, [by_rank[r] for r in sorted(by_rank)])
+    return {name: unshard(table.row(name), [by_rank[r] for r in sorted(by_rank)])
             for name, by_rank in sorted(shards.items())}

@@ -4,11 +4,11 @@ Reading (``HFCheckpoint``): a directory with ``config.json`` and either ``model.
 shards listed in ``model.safetensors.index.json``. Opening it reads only the JSON headers and
 checks them, so that a broken checkpoint fails before any conversion work:
 
-- a shard named by the index that does not exist -> ``CheckpointError`` naming shard and index;
-- a shard shorter than its header says (an interrupted download) -> ``CheckpointError`` with the
+- a shard named by the index that does not exist -> ``HFCheckpointError`` naming shard and index;
+- a shard shorter than its header says (an interrupted download) -> ``HFCheckpointError`` with the
   expected and actual byte counts;
 - an expected tensor absent from the index/headers, or a shape that does not match config.json
-  -> ``CheckpointError`` naming the tensor (``check_against``).
+  -> ``HFCheckpointError`` naming the tensor (``check_against``).
 
 Tensors are read with ``safetensors.safe_open`` one at a time (``read``), optionally only a row
 or column range (``SourceSlice``), and each file handle is closed after the read: a kept-open
@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from earl_megatron.runtime.io_errors import CheckpointError
 from earl_megatron.weights.hf_mapping import SourceSlice
 
 INDEX = "model.safetensors.index.json"
@@ -42,7 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
-class CheckpointError(ValueError):
+class HFCheckpointError(CheckpointError):
     """A checkpoint directory that cannot be read as it claims to be."""
 
 
@@ -52,17 +53,17 @@ def read_header(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file "
-                                  "(truncated download?); fetch the file again")
+            raise HFCheckpointError(f"{path}: {size} bytes, too short to be a safetensors file "
+                                    "(truncated download?); fetch the file again")
         (n,) = struct.unpack("<Q", raw)
         if 8 + n > size:
-            raise CheckpointError(f"{path}: header of {n} bytes but the file has {size} bytes: "
-                                  "the file is truncated; fetch it again")
+            raise HFCheckpointError(f"{path}: header of {n} bytes but the file has {size} bytes: "
+                                    "the file is truncated; fetch it again")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + n + end > size:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"{path}: truncated shard: its header describes {8 + n + end} bytes but the file has "
             f"{size} bytes ({8 + n + end - size} missing); fetch the file again")
     return header
@@ -75,8 +76,8 @@ class HFCheckpoint:
         self.path = Path(path)
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
-            raise CheckpointError(f"{self.path} has no config.json; is it a Hugging Face model "
-                                  "directory?")
+            raise HFCheckpointError(f"{self.path} has no config.json; is it a Hugging Face model "
+                                    "directory?")
         self.config: dict[str, Any] = json.loads(cfg_path.read_text())
         self.files: dict[str, str] = {}
         """tensor name -> shard file name."""
@@ -86,15 +87,15 @@ class HFCheckpoint:
             shard_names = sorted(set(weight_map.values()))
             missing = [s for s in shard_names if not (self.path / s).is_file()]
             if missing:
-                raise CheckpointError(f"{index} lists shard(s) {missing} that do not exist in "
-                                      f"{self.path}; download the missing files")
+                raise HFCheckpointError(f"{index} lists shard(s) {missing} that do not exist in "
+                                        f"{self.path}; download the missing files")
             self.files = dict(weight_map)
         elif (self.path / SINGLE).is_file():
             shard_names = [SINGLE]
         else:
             found = sorted(p.name for p in self.path.glob("*.safetensors"))
             if len(found) != 1:
-                raise CheckpointError(
+                raise HFCheckpointError(
                     f"{self.path} has neither {INDEX} nor {SINGLE}"
                     + (f" but several .safetensors files {found}" if found else
                        " nor any .safetensors file (.bin checkpoints are not supported: "
@@ -112,8 +113,8 @@ class HFCheckpoint:
                 self.meta[name] = m
         not_in_shard = [n for n in self.files if n not in self.meta]
         if not_in_shard:
-            raise CheckpointError(f"{INDEX} maps {not_in_shard[:3]} to shards whose headers lack "
-                                  "them; the index and shards are from different downloads")
+            raise HFCheckpointError(f"{INDEX} maps {not_in_shard[:3]} to shards whose headers lack "
+                                    "them; the index and shards are from different downloads")
 
     def names(self) -> list[str]:
         return sorted(self.files)
@@ -131,9 +132,9 @@ class HFCheckpoint:
     def _meta(self, name: str) -> dict[str, Any]:
         if name not in self.meta:
             where = INDEX if (self.path / INDEX).is_file() else "the safetensors header"
-            raise CheckpointError(f"tensor {name!r} is missing from {where} in {self.path}; the "
-                                  "checkpoint is incomplete or not of the architecture config.json "
-                                  "names")
+            raise HFCheckpointError(f"tensor {name!r} is missing from {where} in {self.path}; the "
+                                    "checkpoint is incomplete or not of the architecture "
+                                    "config.json names")
         return self.meta[name]
 
     def check_against(self, expected: dict[str, tuple[int, ...]]) -> None:
@@ -141,7 +142,7 @@ class HFCheckpoint:
         for name, shape in expected.items():
             got = self.shape(name)
             if got != tuple(shape):
-                raise CheckpointError(
+                raise HFCheckpointError(
                     f"tensor {name!r} in {self.files[name]} has shape {got} but config.json "
                     f"implies {tuple(shape)}; the weights and config.json do not belong together")
 

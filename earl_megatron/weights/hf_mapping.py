@@ -1,29 +1,19 @@
-"""Hugging Face <-> Megatron-Core names, tensor transforms and configs (Llama, Qwen2): pure.
+"""Hugging Face <-> Megatron-Core tensors and configs (Llama, Qwen2): pure, over the tensor table.
 
-Megatron names are the full (unsharded) GPTModel parameter names of the local spec with global
-layer indices, as in weights/sharding.py. Every Megatron tensor is built from one to three HF
-tensors by a ``Rule``:
+Which HF tensors make each Megatron-Core tensor, and how, is a column of the tensor table
+(plan/tensor_table.py: ``TensorRow.hf`` and ``TensorRow.combine``); this module turns that
+into row/column ranges to read and tensor transforms:
 
-    Megatron (global layer i)                     HF                                    kind
-    embedding.word_embeddings.weight              model.embed_tokens.weight             copy
-    decoder.layers.i.input_layernorm.weight       model.layers.i.input_layernorm.weight copy
-    decoder.layers.i.self_attention.linear_qkv.*  model.layers.i.self_attn.{q,k,v}_proj.* qkv
-    decoder.layers.i.self_attention.linear_proj.weight  ...self_attn.o_proj.weight      copy
-    decoder.layers.i.pre_mlp_layernorm.weight     ...post_attention_layernorm.weight    copy
-    decoder.layers.i.mlp.linear_fc1.weight        ...mlp.{gate,up}_proj.weight          fc1
-    decoder.layers.i.mlp.linear_fc2.weight        ...mlp.down_proj.weight               copy
-    decoder.final_layernorm.weight                model.norm.weight                     copy
-    output_layer.weight (untied only)             lm_head.weight (untied only)          copy
+- "copy": one HF tensor, the same shape (embedding, norms, o_proj, down_proj, lm_head);
+- "qkv": rows grouped per KV group g = 0..ng-1 as ``[q heads of g | k_g | v_g]`` (weight and,
+  for Qwen2, bias), so a contiguous dim-0 TP split hands each rank whole groups;
+- "fc1": ``[gate; up]`` (SwiGLU, partition stride 2 under TP: rank r holds ``[gate_r; up_r]``).
+- Tied embeddings: neither ``lm_head.weight`` nor a separate output tensor exists.
 
-- qkv: rows grouped per KV group g = 0..ng-1 as ``[q heads of g | k_g | v_g]`` (weight and, for
-  Qwen2, bias), so a contiguous dim-0 TP split hands each rank whole groups.
-- fc1: ``[gate; up]`` (SwiGLU, partition stride 2 under TP: rank r holds ``[gate_r; up_r]``).
-- Tied embeddings: neither ``lm_head.weight`` nor ``output_layer.weight`` exists.
-
-``sources(rule, cfg, tp_rank, tp)`` lists the HF row/column ranges that tp rank ``tp_rank`` needs,
+``sources(row, cfg, tp_rank, tp)`` lists the HF row/column ranges that tp rank ``tp_rank`` needs,
 and ``combine`` assembles them; with ``tp=1`` that is the full tensor. Invariant:
-``combine(rule, cfg, [read(s) for s in sources(rule, cfg, r, tp)], tp) ==
-sharding.shard(rule.mcore, full, r, tp)`` bit-exact, and ``split(rule, cfg, full)`` returns the HF
+``combine(row, cfg, [read(s) for s in sources(row, cfg, r, tp)]) ==
+models.sharding.shard(row, full, r, tp)`` bit-exact, and ``split(row, cfg, full)`` returns the HF
 tensors ``full`` was combined from, bit-exact. Nothing here touches files or torch.distributed.
 """
 
@@ -35,6 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
@@ -43,16 +34,6 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 class UnsupportedModelError(ValueError):
     """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2 GPTModel."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    mcore: str
-    """Full Megatron-Core name (global layer index)."""
-    hf: tuple[str, ...]
-    """HF names it is built from: (q, k, v) for "qkv", (gate, up) for "fc1", one for "copy"."""
-    kind: str
-    """"copy", "qkv" or "fc1"."""
 
 
 @dataclass(frozen=True)
@@ -65,70 +46,35 @@ class SourceSlice:
 
 
 # ----------------------------------------------------------------------------- names
-def rules(cfg: ModelConfig) -> list[Rule]:
-    """Every Megatron tensor of ``cfg`` with its HF sources, in model order."""
-    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
-    for i in range(cfg.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        attn = h + "self_attn."
-        out.append(Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy"))
-        out.append(Rule(m + "self_attention.linear_qkv.weight",
-                        tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"))
-        if cfg.add_qkv_bias:
-            out.append(Rule(m + "self_attention.linear_qkv.bias",
-                            tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
-        out.append(Rule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "copy"))
-        out.append(Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",),
-                        "copy"))
-        out.append(Rule(m + "mlp.linear_fc1.weight",
-                        (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"))
-        out.append(Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"))
-    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
-    if not cfg.tie_word_embeddings:
-        out.append(Rule("output_layer.weight", ("lm_head.weight",), "copy"))
-    return out
-
-
-def rule_for(cfg: ModelConfig, mcore_name: str) -> Rule:
-    for r in rules(cfg):
-        if r.mcore == mcore_name:
-            return r
-    raise KeyError(f"no HF mapping for Megatron tensor {mcore_name!r} of a {cfg.family} model")
+def rules(cfg: ModelConfig) -> tuple[TensorRow, ...]:
+    """Every Megatron tensor of ``cfg`` that has HF sources, in model order."""
+    return tensor_table(cfg).full_rows
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor a checkpoint of ``cfg`` holds (lm_head only when untied)."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f)})
-        if cfg.add_qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
+    d, ng = cfg.head_dim, cfg.num_query_groups
+    out = {}
+    for row in rules(cfg):
+        tail = row.shape[1:]
+        if row.combine == "qkv":
+            rows = (cfg.num_attention_heads * d, ng * d, ng * d)
+        elif row.combine == "fc1":
+            rows = (row.shape[0] // 2,) * 2
+        else:
+            rows = (row.shape[0],)
+        out.update({n: (r, *tail) for n, r in zip(row.hf, rows)})
     return out
 
 
 # ----------------------------------------------------------------------------- transforms
-def _tp_dim(name: str) -> Optional[int]:
-    from earl_megatron.weights.sharding import tp_split_dim
-
-    return tp_split_dim(name)
-
-
-def sources(rule: Rule, cfg: ModelConfig, tp_rank: int = 0, tp: int = 1) -> list[SourceSlice]:
-    """The HF ranges tp rank ``tp_rank`` of ``tp`` needs for its shard of ``rule.mcore``."""
+def sources(rule: TensorRow, cfg: ModelConfig, tp_rank: int = 0,
+            tp: int = 1) -> list[SourceSlice]:
+    """The HF ranges tp rank ``tp_rank`` of ``tp`` needs for its shard of ``rule``."""
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank={tp_rank} out of range for tp={tp}")
     d = cfg.head_dim
-    if rule.kind == "qkv":
+    if rule.combine == "qkv":
         ng, hpg = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
         if ng % tp:
             raise ValueError(f"tp={tp} does not divide num_query_groups={ng}")
@@ -136,27 +82,23 @@ def sources(rule: Rule, cfg: ModelConfig, tp_rank: int = 0, tp: int = 1) -> list
         q, k, v = rule.hf
         return [SourceSlice(q, 0, g0 * hpg * d, g1 * hpg * d), SourceSlice(k, 0, g0 * d, g1 * d),
                 SourceSlice(v, 0, g0 * d, g1 * d)]
-    if rule.kind == "fc1":
-        f = cfg.ffn_hidden_size
-        if f % tp:
-            raise ValueError(f"tp={tp} does not divide ffn_hidden_size={f}")
-        a, b = tp_rank * f // tp, (tp_rank + 1) * f // tp
-        return [SourceSlice(n, 0, a, b) for n in rule.hf]
-    (name,) = rule.hf
-    dim = _tp_dim(rule.mcore)
-    if dim is None or tp == 1:
-        return [SourceSlice(name, None)]
-    size = hf_shapes(cfg)[name][dim]
-    if size % tp:
-        raise ValueError(f"{rule.mcore}: dim {dim} of size {size} does not divide by tp={tp}")
-    return [SourceSlice(name, dim, tp_rank * size // tp, (tp_rank + 1) * size // tp)]
+    if rule.split_dim is None or tp == 1:
+        return [SourceSlice(n, None) for n in rule.hf]
+    if rule.shape[rule.split_dim] % (tp * rule.stride):
+        raise ValueError(f"{rule.name}: dim {rule.split_dim} of size "
+                         f"{rule.shape[rule.split_dim]} does not divide by tp={tp}")
+    # fc1 ([gate; up], stride 2): part k of the rank's rows comes from HF tensor k, shifted by
+    # k * f; a "copy" row has its HF tensor's shape
+    part = rule.shape[rule.split_dim] // rule.stride
+    return [SourceSlice(rule.hf[k], rule.split_dim, a - k * part, b - k * part)
+            for k, (a, b) in enumerate(rule.tp_rows(tp_rank, tp))]
 
 
-def combine(rule: Rule, cfg: ModelConfig, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def combine(rule: TensorRow, cfg: ModelConfig, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Assemble the tensors read for ``sources(rule, ...)`` into the Megatron tensor (shard)."""
-    if rule.kind == "copy":
+    if rule.combine == "copy":
         return parts[0]
-    if rule.kind == "fc1":
+    if rule.combine == "fc1":
         return torch.cat(list(parts), dim=0)
     q, k, v = parts
     d = cfg.head_dim
@@ -166,11 +108,11 @@ def combine(rule: Rule, cfg: ModelConfig, parts: Sequence[torch.Tensor]) -> torc
                       v.reshape(groups, d, *tail)], dim=1).reshape(-1, *tail)
 
 
-def split(rule: Rule, cfg: ModelConfig, full: torch.Tensor) -> dict[str, torch.Tensor]:
+def split(rule: TensorRow, cfg: ModelConfig, full: torch.Tensor) -> dict[str, torch.Tensor]:
     """The inverse of ``combine`` on a full tensor: {HF name: tensor}."""
-    if rule.kind == "copy":
+    if rule.combine == "copy":
         return {rule.hf[0]: full}
-    if rule.kind == "fc1":
+    if rule.combine == "fc1":
         gate, up = full.chunk(2, dim=0)
         return {rule.hf[0]: gate.contiguous(), rule.hf[1]: up.contiguous()}
     d, ng = cfg.head_dim, cfg.num_query_groups
@@ -183,14 +125,14 @@ def split(rule: Rule, cfg: ModelConfig, full: torch.Tensor) -> dict[str, torch.T
 
 def to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A whole in-memory HF state dict -> full Megatron tensors (small models, tests)."""
-    return {r.mcore: combine(r, cfg, [hf[n] for n in r.hf]) for r in rules(cfg)}
+    return {r.name: combine(r, cfg, [hf[n] for n in r.hf]) for r in rules(cfg)}
 
 
 def to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full Megatron tensors -> HF state dict (small models, tests)."""
     out: dict[str, torch.Tensor] = {}
     for r in rules(cfg):
-        out.update(split(r, cfg, full[r.mcore]))
+        out.update(split(r, cfg, full[r.name]))
     return out
 
 

@@ -19,7 +19,7 @@ def _resume_cases(root):
                                                   load_checkpoint, save_checkpoint)
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny()
     world = dist.get_world_size()
@@ -33,14 +33,14 @@ def _resume_cases(root):
         for i, (a, b, dist_opt) in enumerate(CASES):
             d = os.path.join(root, f"case{i}")
             spec = OptimizerSpec(lr=1e-3, use_distributed_optimizer=dist_opt)
-            mol = build_on_layout(cfg, ParallelLayout.parse(a, world_size=world, model=cfg.shape),
+            mol = build_on_layout(cfg, ParallelLayout.parse(a, world_size=world, model=cfg),
                                   weights=reference_weights(cfg), optimizer=spec)
             for it in range(2):
                 step(mol, it)
             save_checkpoint(mol, d, 2, {"iteration": 2, "note": a})
             reference = [step(mol, it) for it in range(2, 5)]
             groups.destroy_groups()
-            mol = build_on_layout(cfg, ParallelLayout.parse(b, world_size=world, model=cfg.shape),
+            mol = build_on_layout(cfg, ParallelLayout.parse(b, world_size=world, model=cfg),
                                   optimizer=spec)
             loop = load_checkpoint(mol, latest_checkpoint(d))
             resumed = [step(mol, it) for it in range(2, 5)]

@@ -30,7 +30,7 @@ def _compare_with_megatron():
     lay = ParallelLayout()
     out = {}
     with cpu_backend():
-        groups.build_groups(lay, cfg.shape, seed=0)
+        groups.build_groups(lay, cfg, seed=0)
         tcfg = transformer_config(cfg, lay)
         ref = DotProductAttention(tcfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                   attention_type="self")

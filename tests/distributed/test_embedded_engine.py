@@ -37,10 +37,10 @@ def _check_layout(family, name, weights_seed):
     from earl_megatron.rollout.recompute import recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.runtime.build import build_on_layout
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
-    lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg.shape)
+    lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
     mol = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=weights_seed), ddp=False)
     engine = EmbeddedEngine(mol)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
@@ -106,12 +106,12 @@ def _agent_loop_and_weights():
     from earl_megatron.rollout.tokenizer import chat_format, char_tokenizer
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.weights.gather import gather_full
-    from earl_megatron.weights.sharding import load_full_weights, reference_weights
+    from earl_megatron.models.sharding import load_full_weights, reference_weights
 
     tok = char_tokenizer()
     end, three = chat_format(tok).stop_token_ids[0], tok.convert_tokens_to_ids("3")
     cfg = ModelConfig.tiny("llama")
-    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.shape)
+    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg)
     mol = build_on_layout(cfg, lay, weights=biased_weights(cfg, {three: 5.0, end: 4.8}),
                           ddp=False)
     engine = EmbeddedEngine(mol)
@@ -127,12 +127,11 @@ def _agent_loop_and_weights():
     # update_weights: a full dict, then a live GPTModel of the same layout (no regroup)
     new = reference_weights(cfg, seed=99)
     engine.update_weights(new)
-    after_dict = gather_full(engine.model, lay, cfg.num_layers, tied=False)
+    after_dict = gather_full(engine.model, cfg, lay)
     live = build_gpt_model(cfg, lay, pre_process=True, post_process=True, config=mol.tcfg)
-    load_full_weights(live, reference_weights(cfg, seed=7), tp_rank=mol.coords.tp, tp=lay.tp,
-                      pp_rank=0, layers_per_stage=cfg.num_layers, tied=False)
+    load_full_weights(live, reference_weights(cfg, seed=7), cfg, lay, mol.coords)
     engine.update_weights(live)
-    after_live = gather_full(engine.model, lay, cfg.num_layers, tied=False)
+    after_live = gather_full(engine.model, cfg, lay)
     greedy_after = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW))
     engine.release_memory()
     released = (engine.kv_cache_bytes(), engine.health().healthy)
@@ -159,7 +158,7 @@ def _all_checks():
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     out = {}
     with cpu_backend():
@@ -168,7 +167,7 @@ def _all_checks():
             groups.destroy_groups()
         # the trainer's side in another layout: DDP-wrapped, context parallel
         cfg = ModelConfig.tiny("llama")
-        lay = ParallelLayout.parse("cp2", world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse("cp2", world_size=dist.get_world_size(), model=cfg)
         train = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=7), ddp=True)
         sampled = out[("llama", "tp2")]["sampled"]
         seqs = [list(p) + list(t) for p, (t, _) in zip(PROMPTS, sampled)]
@@ -179,29 +178,6 @@ def _all_checks():
         out["agent"] = _agent_loop_and_weights()
         groups.destroy_groups()
     return out
-
-
-def hf_llama_state_dict(cfg, w):
-    """Megatron-Core full tensors -> LlamaForCausalLM state dict (qkv rows grouped per KV group
-    [q heads of the group | k | v]; linear_fc1 = [gate; up])."""
-    d, ng = cfg.head_dim, cfg.num_query_groups
-    rep = cfg.num_attention_heads // ng
-    sd = {"model.embed_tokens.weight": w["embedding.word_embeddings.weight"],
-          "model.norm.weight": w["decoder.final_layernorm.weight"],
-          "lm_head.weight": w["output_layer.weight"]}
-    for i in range(cfg.num_layers):
-        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = w[p + "self_attention.linear_qkv.weight"].view(ng, (rep + 2) * d, -1)
-        sd[h + "self_attn.q_proj.weight"] = qkv[:, :rep * d].reshape(ng * rep * d, -1)
-        sd[h + "self_attn.k_proj.weight"] = qkv[:, rep * d:(rep + 1) * d].reshape(ng * d, -1)
-        sd[h + "self_attn.v_proj.weight"] = qkv[:, (rep + 1) * d:].reshape(ng * d, -1)
-        sd[h + "self_attn.o_proj.weight"] = w[p + "self_attention.linear_proj.weight"]
-        gate, up = w[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"] = gate, up
-        sd[h + "mlp.down_proj.weight"] = w[p + "mlp.linear_fc2.weight"]
-        sd[h + "input_layernorm.weight"] = w[p + "input_layernorm.weight"]
-        sd[h + "post_attention_layernorm.weight"] = w[p + "pre_mlp_layernorm.weight"]
-    return sd
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +303,8 @@ def test_greedy_equals_transformers_reference(results):
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.hf_engine import HFEngine
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.weights.hf_mapping import to_hf
 
     cfg = ModelConfig.tiny("llama")
     hf = LlamaForCausalLM(LlamaConfig(
@@ -337,7 +314,7 @@ def test_greedy_equals_transformers_reference(results):
         head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False))
     missing, unexpected = hf.load_state_dict(
-        hf_llama_state_dict(cfg, reference_weights(cfg, seed=7)), strict=False)
+        to_hf(cfg, reference_weights(cfg, seed=7)), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     gens = HFEngine(hf).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW))
     ours = results[0][("llama", "tp2")]

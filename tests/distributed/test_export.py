@@ -19,12 +19,12 @@ def _train_and_save(root):
 
     cfg = ModelConfig.tiny()
     with cpu_backend():
-        lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.shape)
+        lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg)
         mol = build_on_layout(cfg, lay, optimizer=OptimizerSpec(lr=1e-2), seed=3)
         mbs = local_microbatches(random_batch(4, 16, cfg.vocab_size, 0), lay, mol.coords, 2)
         train_step(mol, mbs, seq_len=16, micro_batch_size=2)
         path = save_checkpoint(mol, root, 0, {"iteration": 0})
-        full = gather_full(mol.model, lay, cfg.num_layers, tied=cfg.tie_word_embeddings)
+        full = gather_full(mol.model, cfg, lay)
     return str(path), {k: v.clone() for k, v in full.items()}
 
 
@@ -38,8 +38,7 @@ def _load(hf_dir):
 
     with cpu_backend():
         mol = load_policy(hf_dir, ParallelLayout(tp=dist.get_world_size()), ddp=False)
-        return gather_full(mol.model, mol.layout, mol.cfg.num_layers,
-                           tied=mol.cfg.tie_word_embeddings)
+        return gather_full(mol.model, mol.cfg, mol.layout)
 
 
 def test_trainer_checkpoint_exports_to_hf(tmp_path):

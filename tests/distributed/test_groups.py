@@ -62,12 +62,13 @@ def test_hundred_rebuilds_leave_fds_and_threads_flat(destroy_each):
 def _invalid_layout():
     from megatron.core import parallel_state as ps
 
-    from earl_megatron.plan.layout import InvalidLayoutError, ModelShape, ParallelLayout
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout
     from earl_megatron.runtime import groups
 
-    mqa = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=1, vocab_size=128)
-    one_layer = ModelShape(num_layers=1, num_attention_heads=8, num_query_groups=4, vocab_size=128)
-    odd_vocab = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=127)
+    mqa = ModelConfig(num_layers=4, num_attention_heads=8, num_query_groups=1, vocab_size=128)
+    one_layer = ModelConfig(num_layers=1, num_attention_heads=8, num_query_groups=4, vocab_size=128)
+    odd_vocab = ModelConfig(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=127)
     errors = []
     for lay, shape in ((ParallelLayout(tp=2, dp=2), mqa), (ParallelLayout(tp=2), mqa),
                        (ParallelLayout(pp=2), one_layer), (ParallelLayout(tp=2), odd_vocab)):

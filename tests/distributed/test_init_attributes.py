@@ -38,7 +38,7 @@ def _job():
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     out = {}
     spec = OptimizerSpec(lr=1e-3, clip_grad=1e-3)  # a small clip: clipping always acts
@@ -48,7 +48,7 @@ def _job():
             ref = reference_weights(cfg, seed=3)
             batch = random_batch(GLOBAL_BATCH, SEQ, cfg.vocab_size, seed=5)
             for name in LAYOUTS:
-                lay = ParallelLayout.parse(name, WORLD, cfg.shape)
+                lay = ParallelLayout.parse(name, WORLD, cfg)
                 row = {}
                 for init in (True, False):
                     mol = build_on_layout(cfg, lay, weights=ref, optimizer=spec, init=init)

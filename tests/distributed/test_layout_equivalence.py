@@ -21,7 +21,7 @@ def _run_layouts(layout_names, family):
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import forward_backward, local_microbatches, random_batch
     from earl_megatron.weights.gather import gather_full
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
     weights = reference_weights(cfg, seed=7)
@@ -29,12 +29,12 @@ def _run_layouts(layout_names, family):
     out = {}
     with cpu_backend():
         for name in layout_names:
-            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg.shape)
+            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
             mol = build_on_layout(cfg, lay, weights=weights)
             mbs = local_microbatches(batch, lay, mol.coords, MBS)
             res = forward_backward(mol.model, mol.tcfg, mbs, lay, seq_len=SEQ,
                                    micro_batch_size=MBS)
-            grads = gather_full(mol.model, lay, cfg.num_layers, tied=cfg.tie_word_embeddings,
+            grads = gather_full(mol.model, cfg, lay,
                                 what="grad")
             groups.destroy_groups()
             if dist.get_rank() == 0:

@@ -47,7 +47,7 @@ def _run_layouts(layout_names):
                                             forward_backward_logprobs, forward_logprobs,
                                             local_microbatches, random_batch)
     from earl_megatron.weights.gather import gather_full
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny("llama", vocab_size=VOCAB, num_layers=2)
     weights = reference_weights(cfg, seed=7)
@@ -57,7 +57,7 @@ def _run_layouts(layout_names):
     out = {}
     with cpu_backend():
         for name in layout_names:
-            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg.shape)
+            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
             mol = build_on_layout(cfg, lay, weights=weights)
             mbs = local_microbatches(batch, lay, mol.coords, MBS)
             kw = dict(seq_len=SEQ, micro_batch_size=MBS)
@@ -78,14 +78,13 @@ def _run_layouts(layout_names):
             res = forward_backward_logprobs(mol.model, mol.tcfg, mbs, lay, loss_fn=rl_loss,
                                             temperature=0.8, **kw)
             entropy_t08 = _assemble(seen, batch, lay, mol.coords)
-            grads = gather_full(mol.model, lay, cfg.num_layers, tied=cfg.tie_word_embeddings,
+            grads = gather_full(mol.model, cfg, lay,
                                 what="grad")
 
             # the entropy term alone: its gradient is small next to the logp term's above
             forward_backward_logprobs(mol.model, mol.tcfg, mbs, lay, temperature=0.8,
                                       loss_fn=lambda tl, mb: -tl.entropy, **kw)
-            grads_entropy = gather_full(mol.model, lay, cfg.num_layers,
-                                        tied=cfg.tie_word_embeddings, what="grad")
+            grads_entropy = gather_full(mol.model, cfg, lay, what="grad")
 
             seen = []
             forward_backward_logprobs(mol.model, mol.tcfg, mbs, lay, forward_only=True,

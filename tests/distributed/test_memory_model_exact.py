@@ -89,7 +89,7 @@ def _measure_all(distributed_optimizer_models):
         for family, tied in MODELS:
             cfg = ModelConfig.tiny(family, tie_word_embeddings=tied)
             kinds = [False] + ([True] if (family, tied) in distributed_optimizer_models else [])
-            for lay in enumerate_layouts(WORLD, cfg.shape):
+            for lay in enumerate_layouts(WORLD, cfg):
                 for dist_opt in kinds:
                     mol = build_on_layout(cfg, lay, optimizer=OptimizerSpec(
                         use_distributed_optimizer=dist_opt))
@@ -139,7 +139,7 @@ def test_covers_every_layout_and_model(rows):
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import enumerate_layouts
 
-    layouts = {str(lay) for lay in enumerate_layouts(WORLD, ModelConfig.tiny().shape)}
+    layouts = {str(lay) for lay in enumerate_layouts(WORLD, ModelConfig.tiny())}
     assert len(layouts) == 10
     plain = {(r["family"], r["tied"], r["layout"]) for r in rows if not r["dist_opt"]}
     assert plain == {(f, t, lay) for f, t in MODELS for lay in layouts}

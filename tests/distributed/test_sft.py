@@ -33,7 +33,7 @@ def _sft_losses(path, layouts):
     out = {}
     with cpu_backend():
         for name in layouts:
-            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg.shape)
+            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
             mol = build_on_layout(cfg, lay, weights=weights,
                                   optimizer=OptimizerSpec(lr=1.0))
             # lr=1.0 in the spec, 1e-2 set per step: the step's rate is the one that counts

@@ -55,12 +55,12 @@ def _weights_job(family):
     from earl_megatron.runtime.step import random_batch
     from earl_megatron.runtime.switcher import SwitchStats, switch_layout, switch_via_checkpoint
     from earl_megatron.weights.gather import gather_full
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
     ref = reference_weights(cfg, seed=11)
     batch = random_batch(GLOBAL_BATCH, SEQ, cfg.vocab_size, seed=4)
-    lay = lambda s: ParallelLayout.parse(s, WORLD, cfg.shape)  # noqa: E731
+    lay = lambda s: ParallelLayout.parse(s, WORLD, cfg)  # noqa: E731
     out = {"switches": [], "leak": None}
     with cpu_backend():
         mol = build_on_layout(cfg, lay(CHAIN[0]), weights=ref)
@@ -72,8 +72,7 @@ def _weights_job(family):
             mol = switch_layout(mol, lay(name), bucket_bytes=16 << 10, stats=stats,
                                 transport=("shm", "p2p")[i % 2])
             after = _forward_loss(mol, batch)
-            full = gather_full(mol.model, mol.layout, cfg.num_layers,
-                               tied=cfg.tie_word_embeddings)
+            full = gather_full(mol.model, cfg, mol.layout)
             exact = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
             out["switches"].append((str(stats.plan.src), name, before, after, exact,
                                     stats.plan.bytes_moved, stats.plan.min_bytes,
@@ -83,8 +82,7 @@ def _weights_job(family):
             path = [d]
             dist.broadcast_object_list(path, src=0)
             mol = switch_via_checkpoint(mol, lay("tp2-dp2"), path[0])
-            full = gather_full(mol.model, mol.layout, cfg.num_layers,
-                               tied=cfg.tie_word_embeddings)
+            full = gather_full(mol.model, cfg, mol.layout)
             out["checkpoint"] = (all(torch.equal(full[k], ref[k]) for k in ref),
                                  _forward_loss(mol, batch))
             dist.barrier()
@@ -95,7 +93,7 @@ def _weights_job(family):
             mol = switch_layout(mol, lay(LEAK_PAIR[(i + 1) % 2]))
             if i + 1 in (LEAK_WARMUP, LEAK_SWITCHES):
                 samples.append(_usage())
-        full = gather_full(mol.model, mol.layout, cfg.num_layers, tied=cfg.tie_word_embeddings)
+        full = gather_full(mol.model, cfg, mol.layout)
         out["leak"] = (samples, all(torch.equal(full[k], ref[k]) for k in ref))
     return out
 
@@ -107,7 +105,7 @@ def _train(cfg, ref, batches, layouts, spec, switch_at, drop_adam_state=False):
     from earl_megatron.runtime.optimizer_state import megatron_optimizers
     from earl_megatron.runtime.switcher import switch_layout
 
-    a, b = (ParallelLayout.parse(s, WORLD, cfg.shape) for s in layouts)
+    a, b = (ParallelLayout.parse(s, WORLD, cfg) for s in layouts)
     mol = build_on_layout(cfg, a, weights=ref, optimizer=spec)
     losses = []
     for i, batch in enumerate(batches):
@@ -132,7 +130,7 @@ def _training_job(family):
     from earl_megatron.runtime.build import OptimizerSpec
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import random_batch
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
     ref = reference_weights(cfg, seed=12)
@@ -245,8 +243,8 @@ def _gather_optimizer_state(mol):
             state[n][k] = whole.view(shape)
     cast = all(torch.equal(params[n].detach(), s[MASTER].to(params[n].dtype))
                for n, s in state.items())
-    full = {k: gather_full(_Named({n: s[k] for n, s in state.items()}), mol.layout,
-                           mol.cfg.num_layers, tied=mol.cfg.tie_word_embeddings)
+    full = {k: gather_full(_Named({n: s[k] for n, s in state.items()}), mol.cfg,
+                           mol.layout)
             for k in (MASTER, *MOMENTS)}
     return full, cast
 
@@ -264,7 +262,7 @@ def _bf16_job(family):
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
     from earl_megatron.runtime.switcher import SwitchStats, switch_layout
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"),
                            params_dtype="bfloat16")
@@ -276,7 +274,7 @@ def _bf16_job(family):
             spec = OptimizerSpec(lr=3e-3, weight_decay=0.01, use_distributed_optimizer=distributed)
             runs = {}
             for switch in (False, True):
-                lay = ParallelLayout.parse(a, BF16_WORLD, cfg.shape)
+                lay = ParallelLayout.parse(a, BF16_WORLD, cfg)
                 mol = build_on_layout(cfg, lay, weights=ref, optimizer=spec)
                 losses, r = [], {}
                 for i in range(4):
@@ -284,7 +282,7 @@ def _bf16_job(family):
                         r["before"] = _forward_loss(mol, batch)
                         state_before, _ = _gather_optimizer_state(mol)
                         stats = SwitchStats()
-                        mol = switch_layout(mol, ParallelLayout.parse(b, BF16_WORLD, cfg.shape),
+                        mol = switch_layout(mol, ParallelLayout.parse(b, BF16_WORLD, cfg),
                                             bucket_bytes=16 << 10, stats=stats)
                         state_after, r["cast"] = _gather_optimizer_state(mol)
                         r["state_equal"] = {

@@ -7,8 +7,9 @@ import torch
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.weights import hf_mapping as hfm
-from earl_megatron.weights.hf_io import CheckpointError, HFCheckpoint, read_header, write_hf_dir
-from earl_megatron.weights.sharding import reference_weights, shard
+from earl_megatron.weights.hf_io import HFCheckpointError, HFCheckpoint, read_header, write_hf_dir
+from earl_megatron.models.sharding import reference_weights, shard
+from earl_megatron.plan.tensor_table import tensor_table
 
 
 def _rows(values, width=3):
@@ -21,9 +22,9 @@ def test_table_llama_untied_and_qwen2_tied():
     llama = hfm.rules(ModelConfig.tiny("llama", num_layers=2))
     # embedding + 6 per layer + final norm + output layer
     assert len(llama) == 1 + 6 * 2 + 1 + 1
-    by = {r.mcore: r for r in llama}
-    assert by["decoder.layers.1.self_attention.linear_qkv.weight"] == hfm.Rule(
-        "decoder.layers.1.self_attention.linear_qkv.weight",
+    by = {r.name: r for r in llama}
+    qkv = by["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert (qkv.hf, qkv.combine) == (
         ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
          "model.layers.1.self_attn.v_proj.weight"), "qkv")
     assert by["decoder.layers.0.pre_mlp_layernorm.weight"].hf == (
@@ -34,7 +35,7 @@ def test_table_llama_untied_and_qwen2_tied():
     assert "decoder.layers.0.self_attention.linear_qkv.bias" not in by
 
     qwen = ModelConfig.tiny("qwen2", num_layers=2, tie_word_embeddings=True)
-    names = {r.mcore for r in hfm.rules(qwen)}
+    names = {r.name for r in hfm.rules(qwen)}
     assert "output_layer.weight" not in names
     assert "decoder.layers.1.self_attention.linear_qkv.bias" in names
     shapes = hfm.hf_shapes(qwen)
@@ -50,11 +51,11 @@ def test_qkv_rows_grouped_per_kv_group():
     # 4 query heads in 2 KV groups, head_dim 1: q heads 0,1 belong to group 0, 2,3 to group 1
     cfg = ModelConfig(family="qwen2", hidden_size=4, num_attention_heads=4, num_query_groups=2,
                       num_layers=1, ffn_hidden_size=4, vocab_size=8, add_qkv_bias=True)
-    rule = hfm.rule_for(cfg, "decoder.layers.0.self_attention.linear_qkv.weight")
+    rule = tensor_table(cfg).row("decoder.layers.0.self_attention.linear_qkv.weight")
     q, k, v = _rows([0, 1, 2, 3], 4), _rows([10, 11], 4), _rows([20, 21], 4)
     qkv = hfm.combine(rule, cfg, [q, k, v])
     assert qkv[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
-    bias_rule = hfm.rule_for(cfg, "decoder.layers.0.self_attention.linear_qkv.bias")
+    bias_rule = tensor_table(cfg).row("decoder.layers.0.self_attention.linear_qkv.bias")
     bias = hfm.combine(bias_rule, cfg, [q[:, 0], k[:, 0], v[:, 0]])
     assert bias.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     back = hfm.split(rule, cfg, qkv)
@@ -68,7 +69,7 @@ def test_qkv_rows_grouped_per_kv_group():
 def test_fc1_is_gate_then_up_and_tp_rank_holds_both_halves():
     cfg = ModelConfig(hidden_size=4, num_attention_heads=2, num_query_groups=2, num_layers=1,
                       ffn_hidden_size=4, vocab_size=8)
-    rule = hfm.rule_for(cfg, "decoder.layers.0.mlp.linear_fc1.weight")
+    rule = tensor_table(cfg).row("decoder.layers.0.mlp.linear_fc1.weight")
     gate, up = _rows([0, 1, 2, 3], 4), _rows([10, 11, 12, 13], 4)
     assert hfm.combine(rule, cfg, [gate, up])[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
     parts = [_read({"g": gate, "u": up}, s, rename={rule.hf[0]: "g", rule.hf[1]: "u"})
@@ -97,7 +98,7 @@ def test_sources_give_exactly_the_tp_shard_and_split_inverts(family, tied):
         for rule in hfm.rules(cfg):
             for r in range(tp):
                 got = hfm.combine(rule, cfg, [_read(hf, s) for s in hfm.sources(rule, cfg, r, tp)])
-                assert torch.equal(got, shard(rule.mcore, full[rule.mcore], r, tp)), (rule, tp, r)
+                assert torch.equal(got, shard(rule, full[rule.name], r, tp)), (rule, tp, r)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -176,7 +177,7 @@ def test_sharded_directory_reads_whole_tensors_and_slices(hf_dir):
 def test_missing_shard(hf_dir):
     path, _, _, files = hf_dir
     (path / files[1]).unlink()
-    with pytest.raises(CheckpointError, match=f"{files[1]}.*do not exist"):
+    with pytest.raises(HFCheckpointError, match=f"{files[1]}.*do not exist"):
         HFCheckpoint(path)
 
 
@@ -185,10 +186,10 @@ def test_truncated_shard(hf_dir):
     f = path / files[0]
     data = f.read_bytes()
     f.write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match="truncated shard.*100 missing"):
+    with pytest.raises(HFCheckpointError, match="truncated shard.*100 missing"):
         HFCheckpoint(path)
     f.write_bytes(data[:5])
-    with pytest.raises(CheckpointError, match="too short"):
+    with pytest.raises(HFCheckpointError, match="too short"):
         read_header(f)
 
 
@@ -199,13 +200,14 @@ def test_tensor_missing_from_index(hf_dir):
     del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
     index_path.write_text(json.dumps(index))
     ckpt = HFCheckpoint(path)  # its shard still holds it, but the index decides
-    with pytest.raises(CheckpointError, match="up_proj.weight' is missing from model.safetensors"):
+    with pytest.raises(HFCheckpointError,
+                       match="up_proj.weight' is missing from model.safetensors"):
         ckpt.check_against(hfm.hf_shapes(cfg))
 
 
 def test_shape_that_does_not_match_the_config(hf_dir):
     path, cfg, _, _ = hf_dir
     bigger = cfg.with_(ffn_hidden_size=256)
-    with pytest.raises(CheckpointError, match=r"gate_proj.weight' .* has shape \(128, 64\) but "
+    with pytest.raises(HFCheckpointError, match=r"gate_proj.weight' .* has shape \(128, 64\) but "
                                               r"config.json implies \(256, 64\)"):
         HFCheckpoint(path).check_against(hfm.hf_shapes(bigger))

@@ -3,11 +3,11 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from earl_megatron.plan.layout import (InvalidLayoutError, ModelShape, ParallelLayout,
-                                       enumerate_layouts)
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout, enumerate_layouts
 
-TINY = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=128,
-                  hidden_size=64, ffn_hidden_size=128)
+TINY = ModelConfig(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=128,
+                   hidden_size=64, ffn_hidden_size=128)
 
 
 @pytest.mark.parametrize("kwargs,axis,needle", [
@@ -27,7 +27,7 @@ def test_product_mismatch_and_vocab():
     with pytest.raises(InvalidLayoutError, match="!= world size 4") as e:
         ParallelLayout(tp=2, dp=4).check(4, TINY)
     assert e.value.axis == "dp"
-    odd_vocab = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=130)
+    odd_vocab = ModelConfig(num_layers=4, num_attention_heads=8, num_query_groups=4, vocab_size=130)
     with pytest.raises(InvalidLayoutError, match="vocab_size=130") as e:
         ParallelLayout.create(4, odd_vocab, tp=4)
     assert e.value.axis == "tp"

@@ -16,6 +16,7 @@ from earl_megatron.plan.memory_model import (layer_activation_bytes, memory_brea
                                              train_state_bytes)
 from earl_megatron.plan.presets import PRESETS
 from earl_megatron.plan.specs import ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions
+from earl_megatron.plan.tensor_table import num_parameters
 
 QWEN_TINY = ModelConfig.tiny(add_qkv_bias=True)   # 4 layers, h 64, f 128, 8 heads, 4 groups
 
@@ -93,7 +94,7 @@ _LIVE = textwrap.dedent("""
 
 def _run_live():
     pytest.importorskip("megatron.core")
-    from earl_megatron.testing.multiproc import free_port
+    from earl_megatron.runtime.dist import free_port
     proc = subprocess.run([sys.executable, "-c", _LIVE], capture_output=True, text=True,
                           timeout=180, env={"PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                                             "PATH": "/usr/bin:/bin"})
@@ -111,7 +112,7 @@ def test_param_count_matches_live_gptmodel_tp1_pp1(live):
         for tie in (False, True):
             model = ModelConfig.tiny(add_qkv_bias=bias, tie_word_embeddings=tie)
             assert live["params"][f"{bias} {tie}"] == param_count_per_rank(
-                model, ParallelLayout(), 0) == model.num_parameters()
+                model, ParallelLayout(), 0) == num_parameters(model)
 
 
 def test_cpu_activation_bytes_match_what_autograd_saves(live):
@@ -143,13 +144,13 @@ def test_cpu_activation_bytes_match_measured_tp_and_cp(layout, measured):
 def test_shards_sum_to_the_whole_model(name, tied, world, data):
     """tp ranks of a pp_stage split everything but the norms; pp_stages split the layers."""
     model = PRESETS[name].with_(tie_word_embeddings=tied)
-    layouts = enumerate_layouts(world, model.shape)
+    layouts = enumerate_layouts(world, model)
     layout = data.draw(st.sampled_from(layouts))
     t, h, L = layout.tp, model.hidden_size, model.num_layers
     total = sum(param_count_per_rank(model, layout, r) for r in range(layout.pp)) * t
     norms = 2 * h * L + h
     extra_output = model.vocab_size * h if (tied and layout.pp > 1) else 0
-    assert total == model.num_parameters() + (t - 1) * norms + extra_output
+    assert total == num_parameters(model) + (t - 1) * norms + extra_output
 
 
 def test_activation_bytes_by_hand():
@@ -234,7 +235,7 @@ def test_recompute_lowers_activations():
 def test_memory_grows_with_the_workload(stage, ctx, grow, seqs, inflight, mb, fused, recompute,
                                         data):
     model = ModelConfig.tiny(num_layers=8)
-    layout = data.draw(st.sampled_from(enumerate_layouts(8, model.shape)))
+    layout = data.draw(st.sampled_from(enumerate_layouts(8, model)))
     cl = ClusterSpec.cpu(ranks=8).with_(fused_attention=fused)
     opts = TrainOptions(recompute=recompute)
     base = StageWorkload.of(stage, ctx, seqs, responses_in_flight=inflight,

@@ -10,9 +10,9 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import param_count_per_rank
 from earl_megatron.plan.presets import PRESETS
+from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.selector import (NoLayoutFitsError, Selector, SelectorConfig,
-                                         SelectorState, reshard_bytes_per_rank, select_layout,
-                                         switch_seconds)
+                                         SelectorState, select_layout, switch_seconds)
 from earl_megatron.plan.specs import (GiB, ClusterSpec, Recompute, Stage, StageWorkload,
                                       TrainOptions)
 
@@ -46,7 +46,7 @@ def test_plans_are_valid_fit_deterministic_and_memory_grows_with_context(
                    for lay in sel.valid_layouts(stage))
         assert e.smallest is not None and e.smallest.total > sel.budget_bytes
         return
-    plan.layout.check(cluster.world_size, model.shape)
+    plan.layout.check(cluster.world_size, model)
     assert plan.layout.world_size == cluster.world_size
     assert plan.predicted_memory_bytes <= cluster.device_memory_bytes * (1 - margin)
     assert plan.predicted_memory_bytes == sel.memory(plan.layout, wl).total
@@ -135,17 +135,17 @@ def test_hysteresis_keeps_and_explains():
     assert moved.layout == best.layout
 
 
-def test_reshard_bytes_by_hand():
-    # tiny, fp32: a layer's tp-split elements are qkv 128x64 + proj 64x64 + fc1/fc2 3x128x64
-    # = 36,864; norms 128 per layer; embedding and output 128x64 = 8,192 each.
-    dp2, tp2, pp2 = ParallelLayout(dp=2), ParallelLayout(tp=2), ParallelLayout(pp=2)
-    assert reshard_bytes_per_rank(TINY, dp2, tp2, 4) == (0, 0)       # already hold everything
-    half = (4 * 36_864 + 2 * 8_192) // 2
-    assert reshard_bytes_per_rank(TINY, tp2, dp2, 4) == (half * 4, half * 4)
-    rank0 = 2 * (36_864 + 128) + 64 + 8_192     # layers 2-3, final norm, output layer
-    rank1 = 2 * (36_864 + 128) + 8_192          # layers 0-1, embedding
-    assert reshard_bytes_per_rank(TINY, pp2, dp2, 4) == (rank0 * 4, rank1 * 4)
-    assert reshard_bytes_per_rank(TINY, pp2, pp2, 4) == (0, 0)
+def test_switch_is_priced_with_the_reshard_plans_own_bytes():
+    """The selector's switch cost is the plan the switcher runs: regroup + the most any rank
+    receives over the link (tests/unit/test_reshard_plan.py checks those bytes by hand and
+    against the plan's transfers)."""
+    cluster = ClusterSpec.cpu(ranks=4, memory_budget_bytes=64 * GiB)
+    lays = Selector(TINY, cluster).valid_layouts(Stage.TRAIN)
+    for a in lays:
+        for b in lays:
+            want = 0.0 if a == b else cluster.regroup_seconds + max(
+                receive_bytes(TINY, a, b)) / cluster.intra_node_bandwidth
+            assert switch_seconds(TINY, cluster, a, b) == pytest.approx(want), (a, b)
 
 
 def test_switch_cost_counts_in_the_plan():

@@ -1,7 +1,7 @@
 """The optimizer-state plan (pure), checked element by element.
 
 Boxes: ``count_below`` and ``pieces`` against enumerating every box element. Segments: every
-full tensor gets unique element ids, sharded with weights/sharding.py under both layouts; each
+full tensor gets unique element ids, sharded with models/sharding.py under both layouts; each
 old rank owns a flat range of each local tensor (the whole of it: plain optimizer; a random
 partition over the dp x cp replicas: distributed optimizer) and holds NaN elsewhere. Executing
 the segments must fill every new rank's range with the right ids, each element written once,
@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.reshard_plan import full_shapes, placement, plan_reshard
+from earl_megatron.models import sharding
+from earl_megatron.plan.reshard_plan import placement, plan_reshard
 from earl_megatron.plan.state_plan import Box, plan_state_segments, segment_rounds
-from earl_megatron.weights import sharding
+from earl_megatron.plan.tensor_table import tensor_table
 
 CFGS = {
     "llama": ModelConfig.tiny("llama", num_layers=4, hidden_size=16, ffn_hidden_size=32,
@@ -28,7 +29,7 @@ CFGS = {
                                    num_attention_heads=4, num_query_groups=4, vocab_size=32,
                                    tie_word_embeddings=True),
 }
-LAYOUTS = {w: {k: enumerate_layouts(w, c.shape) for k, c in CFGS.items()} for w in (4, 8)}
+LAYOUTS = {w: {k: enumerate_layouts(w, c) for k, c in CFGS.items()} for w in (4, 8)}
 
 
 @st.composite
@@ -69,7 +70,7 @@ def _ranges(cfg, layout, mode, seed):
     """{rank: {local: (shape, start, stop)}} and the local shapes, for a plain or distributed
     optimizer (a random partition of each local tensor over its dp x cp replicas)."""
     rnd = random.Random(seed)
-    shapes = full_shapes(cfg)
+    table = tensor_table(cfg)
     groups = {}
     for r in range(layout.world_size):
         c = layout.coords(r)
@@ -80,7 +81,8 @@ def _ranges(cfg, layout, mode, seed):
             if h.local_name in out[h.rank]:
                 continue
             c = layout.coords(h.rank)
-            shape = tuple(sharding.shard(name, torch.empty(shapes[name]), c.tp, layout.tp).shape)
+            row = table.row(name)
+            shape = tuple(sharding.shard(row, torch.empty(row.shape), c.tp, layout.tp).shape)
             n = torch.Size(shape).numel()
             reps = groups[(c.tp, c.pp)]
             if mode == "plain":
@@ -96,12 +98,12 @@ def _ranges(cfg, layout, mode, seed):
 def _ids(cfg, layout):
     """{(rank, local): local tensor of unique element ids (float64)} under ``layout``."""
     full, base = {}, 0
-    for name, shape in sorted(full_shapes(cfg).items()):
-        n = torch.Size(shape).numel()
-        full[name] = torch.arange(base, base + n, dtype=torch.float64).view(shape)
-        base += n
-    return {(h.rank, h.local_name): sharding.shard(name, full[name], layout.coords(h.rank).tp,
-                                                   layout.tp).reshape(-1)
+    table = tensor_table(cfg)
+    for row in sorted(table.full_rows, key=lambda r: r.name):
+        full[row.name] = torch.arange(base, base + row.numel, dtype=torch.float64).view(row.shape)
+        base += row.numel
+    return {(h.rank, h.local_name): sharding.shard(table.row(name), full[name],
+                                                   layout.coords(h.rank).tp, layout.tp).reshape(-1)
             for name, holds in placement(cfg, layout).items() for h in holds}
 
 
@@ -168,7 +170,7 @@ def test_segments_fill_every_new_range_once_from_its_old_owner_moving_the_minimu
 @pytest.mark.parametrize("bucket", [64, 1000, 1 << 20])
 def test_segment_rounds_respect_the_bucket_and_keep_every_element(bucket):
     cfg = CFGS["llama"]
-    a, b = (ParallelLayout.parse(s, 4, cfg.shape) for s in ("tp2-dp2", "pp2-dp2"))
+    a, b = (ParallelLayout.parse(s, 4, cfg) for s in ("tp2-dp2", "pp2-dp2"))
     plan = plan_reshard(cfg, a, b)
     segs = plan_state_segments(plan, _ranges(cfg, a, "distributed", 1),
                                _ranges(cfg, b, "distributed", 2))
@@ -184,7 +186,7 @@ def test_segment_rounds_respect_the_bucket_and_keep_every_element(bucket):
 
 def test_uncovered_state_is_an_error():
     cfg = CFGS["llama"]
-    a, b = (ParallelLayout.parse(s, 4, cfg.shape) for s in ("dp4", "tp4"))
+    a, b = (ParallelLayout.parse(s, 4, cfg) for s in ("dp4", "tp4"))
     old = _ranges(cfg, a, "distributed", 3)
     old[0] = {k: (shape, 0, 0) for k, (shape, _, _) in old[0].items()}   # rank 0 lost its state
     with pytest.raises(ValueError, match="owned by no old rank"):

@@ -103,7 +103,7 @@ def test_cross_node_tp_is_slower_than_in_node():
 def test_terms_are_finite_and_nonnegative(stage, ctx, seqs, inflight, nodes, data):
     model = PRESETS["qwen2.5-7b"]
     cl = ClusterSpec.h100_80gb(nodes=nodes)
-    lay = data.draw(st.sampled_from(enumerate_layouts(cl.world_size, model.shape)))
+    lay = data.draw(st.sampled_from(enumerate_layouts(cl.world_size, model)))
     wl = StageWorkload.of(stage, ctx, seqs, responses_in_flight=inflight)
     t = stage_time(model, lay, wl, cl)
     assert all(math.isfinite(v) and v >= 0 for v in t.terms().values()), t.describe()

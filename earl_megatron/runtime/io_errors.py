@@ -1,4 +1,5 @@
-"""Checkpoint-reading errors and output folders, for the conversion tools, load_policy and resume.
+"""Checkpoint-reading errors and output folders, for the conversion tools, load_policy and resume
+(runtime/checkpoint.py); the weights/ layer above uses them too.
 
 Every failure a user can cause or meet (a truncated or corrupt file, a missing file, an output
 folder that is not empty, is the input itself, or cannot be written) surfaces as ONE line that
@@ -26,9 +27,14 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from earl_megatron.weights.hf_io import CheckpointError
-
 __all__ = ["CheckpointError", "reading", "new_output_dir", "run_tool", "first_line"]
+
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (training, converted or Hugging Face) that is incomplete, corrupt or does not
+    load, or an output folder a tool must not write: the message names the problem and the fix."""
+
 
 RECOPY = "copy the checkpoint again, or write it anew (convert or save again)"
 

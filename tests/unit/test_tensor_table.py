@@ -1,0 +1,77 @@
+"""The tensor table: hand-checked rows, TE-spec names that describe the same bytes as the
+local spec's, and Megatron-Core's own record of the TE renames."""
+
+import pytest
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.layout import enumerate_layouts
+from earl_megatron.plan.tensor_table import TE_RENAMES, num_parameters, tensor_table
+from earl_megatron.runtime.switcher import plan_names
+
+CFGS = [ModelConfig.tiny("llama"), ModelConfig.tiny("qwen2", tie_word_embeddings=True)]
+
+
+def test_rows_by_hand():
+    t = tensor_table(ModelConfig.tiny("qwen2"))   # h=64 f=128 8 heads 4 groups d=8 vocab 128
+    qkv = t.row("decoder.layers.2.self_attention.linear_qkv.weight")
+    assert (qkv.shape, qkv.split_dim, qkv.stride, qkv.layer) == ((128, 64), 0, 1, 2)
+    assert t.row("decoder.layers.2.self_attention.linear_qkv.bias").shape == (128,)
+    fc1 = t.row("decoder.layers.0.mlp.linear_fc1.weight")
+    assert (fc1.shape, fc1.stride, fc1.combine) == ((256, 64), 2, "fc1")
+    assert fc1.tp_rows(1, 2) == ((64, 128), (192, 256))        # [gate_1; up_1]
+    assert t.row("decoder.layers.0.mlp.linear_fc2.weight").split_dim == 1
+    norm = t.row("decoder.layers.1.pre_mlp_layernorm.weight")
+    assert norm.split_dim is None and norm.te_name == \
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    assert t.row(norm.te_name) is norm
+    # 4 layers x (128*64 + 128 + 64*64 + 256*64 + 64*128 + 2*64) + 64 + 2 * 128*64
+    assert num_parameters(t.cfg) == 4 * (8192 + 128 + 4096 + 16384 + 8192 + 128) + 64 + 16384
+    with pytest.raises(KeyError, match="add it to plan/tensor_table.py"):
+        t.row("decoder.layers.0.mystery.weight")
+
+
+def test_tied_output_layer():
+    t = tensor_table(CFGS[1])
+    out = t.row("output_layer.weight")
+    assert out.tied_to == "embedding.word_embeddings.weight" and out.hf == ()
+    assert out not in t.full_rows
+    assert out not in t.on_pp_stage(0, 1)              # pp 1: the embedding itself
+    assert out in t.on_pp_stage(1, 2)                  # pp 2: a replica on the last pp_stage
+    assert t.source_of("output_layer.weight", 1, 2).name == "embedding.word_embeddings.weight"
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=["llama", "qwen2_tied"])
+def test_te_and_local_spec_describe_the_same_bytes_on_every_rank(cfg):
+    """Per pp_stage of every layout, the parameters named the TE way and the local way map to
+    the same rows and plan names: the same elements, shapes and placement."""
+    table = tensor_table(cfg)
+    layouts = enumerate_layouts(8, cfg)
+    for lay in layouts:
+        for pp_rank in range(lay.pp):
+            rows = table.on_pp_stage(pp_rank, lay.pp)
+            local = [r.local_name(lay.pp, cfg.num_layers) for r in rows]
+            te = [r.local_name(lay.pp, cfg.num_layers, te=True) for r in rows]
+            # the two pre-norms of every layer are renamed, nothing else
+            layers = {r.layer for r in rows if r.layer is not None}
+            assert len(set(te)) == len(te)
+            assert sum(a != b for a, b in zip(te, local)) == 2 * len(layers)
+            by_local = plan_names(cfg, lay, pp_rank, local)
+            by_te = plan_names(cfg, lay, pp_rank, te)
+            assert list(by_local.values()) == list(by_te.values()) == local
+            for a, b in zip(local, te):
+                ra, rb = (table.source_of(n, pp_rank, lay.pp) for n in (a, b))
+                assert ra is rb and ra.local_numel(lay.tp) == rb.local_numel(lay.tp)
+            assert sum(table.source_of(n, pp_rank, lay.pp).local_numel(lay.tp) for n in te) \
+                == table.elements_on(pp_rank, lay.tp, lay.pp)
+    assert len(layouts) > 5
+
+
+def test_te_renames_are_megatrons_own():
+    """Megatron-Core's local spec declares the keys its norms take in the TE layout (so that
+    checkpoints of both specs agree): they are the table's TE names."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
+    for local, te in TE_RENAMES.items():
+        prefix = local.split(".")[0] + "."
+        assert keys_map[prefix] + local[len(prefix):] == te
