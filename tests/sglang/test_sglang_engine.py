@@ -22,7 +22,7 @@ import pytest
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.sglang_engine import (CPU_FLAGS, SGLangConfig, SGLangEngine,
                                                  SGLangRequestError, SGLangServerError,
-                                                 parse_generation,
+                                                 parse_generation, server_env,
                                                  server_command, sglang_sampling_params,
                                                  split_evenly, trainer_weight_update_group)
 
@@ -49,8 +49,14 @@ def test_server_command_cpu_and_gpu():
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--base-gpu-id") + 1] == "6"
     assert "--device" not in cmd and "--enable-memory-saver" in cmd
     assert "--sleep-on-idle" not in cmd
-    with pytest.raises(ValueError, match="tp_size=1"):
-        SGLangConfig(python="p", model_path="m", device="cpu", tp_size=2)
+    assert "--tp-size" not in server_command(cpu, 0, 31000, "/m")
+    assert server_env(cpu) == {"SGLANG_CPU_OMP_THREADS_BIND": "0"}
+    cpu2 = SGLangConfig(python="p", model_path="m", device="cpu", tp_size=2)
+    assert server_command(cpu2, 0, 1, "/m").count("--tp-size") == 1
+    env = server_env(cpu2)  # DESIGN.md: the two variables SGLang needs for tp > 1 on CPU
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] in ("0|1", "0|0")
+    assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
+    assert server_env(gpu) == {}
     with pytest.raises(ValueError, match="one port per server"):
         SGLangConfig(python="p", model_path="m", num_servers=2, ports=(1,))
 
