@@ -179,6 +179,8 @@ class _Server:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True)
+            log.write(f"=== pid {self.proc.pid} (process group {self.proc.pid})\n".encode())
+            log.flush()
         deadline = t0 + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():

@@ -194,10 +194,18 @@ def test_bad_config_stops_before_training(tmp_path):
     msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
         "cluster": {"nodes": 2}, "run": {"output_dir": str(tmp_path / "z")}}), timeout=120)
     assert "cluster.nodes=2" in msgs[0]
-    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-        "rollout": {"engine": "sglang"}, "run": {"output_dir": str(tmp_path / "w")}}),
-        timeout=120)
-    assert "rollout.engine=sglang" in msgs[0] and "embedded" in msgs[0]
+    # a missing or broken SGLang python stops every rank before any model or server exists
+    import sys
+    for python, says in ((None, "needs rollout.sglang_python"),
+                         (str(tmp_path / "no-venv" / "python"), "is not an executable file"),
+                         (sys.executable, "cannot import sglang")):
+        out = tmp_path / f"sg{len(says)}"
+        msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
+            "rollout": {"engine": "sglang", "sglang_python": python},
+            "run": {"output_dir": str(out)}}), timeout=120)
+        assert all(m.startswith("ConfigError") and says in m and "EARL_SGLANG_PYTHON" in m
+                   and "make sglang" in m for m in msgs), msgs
+        assert not (out / "checkpoints").exists() and not (out / "sglang").exists()
     with pytest.raises(ConfigError, match="run.iterations=0 must be >= 1"):
         TrainConfig.from_dict({"run": {"iterations": 0}})
     with pytest.raises(ConfigError, match="rollout.top_p"):
