@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed test-sglang bench clean
+.PHONY: install demo selfcheck test test-unit test-distributed sglang test-sglang bench clean
 
 install: $(VENV)/.installed
 
@@ -33,7 +33,7 @@ selfcheck: install
 	    -m earl_megatron.selfcheck
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -41,10 +41,18 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
-# Opt-in: a real SGLang server on CPU (build its venv once with ../shared/sglang-cpu/setup.sh).
-test-sglang: install
-	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$${EARL_SGLANG_VENV:-$$HOME/.cache/earl-sglang-cpu} \
-	    $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+# SGLang's own venv (it pins its own torch): CPU servers for tests and demos, built when missing.
+SGLANG_VENV ?= $(or $(EARL_SGLANG_VENV),$(HOME)/.cache/earl-sglang-cpu)
+
+sglang: $(SGLANG_VENV)/.earl-ready
+
+$(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_custom_ops.py
+	tools/sglang_cpu/setup.sh $(SGLANG_VENV)
+	touch $@
+
+# Real SGLang servers on CPU: the engine's tests and trainer runs with rollout.engine=sglang.
+test-sglang: install sglang
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/rollout.py

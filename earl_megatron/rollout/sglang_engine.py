@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams,
                                           check_prompts, split_evenly)
 from earl_megatron.rollout.sglang_server import (CPU_FLAGS, SGLangConfig, SGLangRequestError,
+                                                 parse_generation, sglang_sampling_params,
                                                  SGLangServerError, _free_ports, _port_free,
                                                  _Server, _Unreachable, server_command,
                                                  server_env)
@@ -59,38 +60,6 @@ __all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
            "SGLangServerError", "parse_generation", "server_command", "server_env",
            "sglang_sampling_params",
            "trainer_weight_update_group", "_free_ports", "_port_free"]
-
-
-def sglang_sampling_params(params: SamplingParams, index: int) -> dict[str, Any]:
-    """SGLang's per-request sampling_params for prompt ``index`` of a call."""
-    sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
-                          "max_new_tokens": params.max_new_tokens}
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = list(params.stop_token_ids)
-    else:
-        sp["ignore_eos"] = True  # no stop tokens: only max_new_tokens ends generation
-    if params.seed is not None:
-        sp["sampling_seed"] = params.seed + index
-    return sp
-
-
-def parse_generation(item: dict[str, Any]) -> tuple[list[int], list[float], str]:
-    """Token ids, logprobs and SGLang's finish type ("stop"/"length") of one /generate result."""
-    meta = item.get("meta_info") or {}
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
-        raise SGLangRequestError(f"SGLang returned no output_token_logprobs (was return_logprob "
-                                 f"sent?): {json.dumps(item)[:500]}")
-    ids = [int(p[1]) for p in pairs]
-    logprobs = [float(p[0]) for p in pairs]
-    if "output_ids" in item and list(item["output_ids"]) != ids:
-        raise SGLangRequestError(f"output_ids {item['output_ids']} disagree with the ids in "
-                                 f"output_token_logprobs {ids}")
-    finish = (meta.get("finish_reason") or {}).get("type")
-    if finish not in ("stop", "length"):
-        raise SGLangRequestError(f"SGLang finished a request with {meta.get('finish_reason')!r}")
-    return ids, logprobs, finish
-
 
 
 class SGLangEngine:
@@ -105,7 +74,7 @@ class SGLangEngine:
         if not (os.path.isfile(config.python) and os.access(config.python, os.X_OK)):
             raise FileNotFoundError(
                 f"SGLang venv python {config.python!r} not found. Build the venv with "
-                f"../shared/sglang-cpu/setup.sh ~/.cache/earl-sglang-cpu (CPU) or "
+                f"`make sglang` (CPU: tools/sglang_cpu/setup.sh) or "
                 f"`pip install sglang` in a separate venv (GPU), then pass its bin/python.")
         if not (Path(config.model_path) / "config.json").is_file():
             raise FileNotFoundError(f"{config.model_path!r} is not an HF model directory "

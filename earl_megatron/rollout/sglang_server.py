@@ -3,7 +3,8 @@
 ``SGLangConfig`` says how servers are launched; ``server_command`` turns it into a command line
 (tested without a server); ``_Server`` starts one process in its own session (so its scheduler
 and detokenizer children share its process group), waits for ``/health``, posts JSON and stops
-the whole group by its id. Nothing here knows about rollouts or weights.
+the whole group by its id. ``sglang_sampling_params`` / ``parse_generation`` translate one /generate request and answer
+(pure). Nothing here knows about rollouts or weights.
 
 Invariants:
 - Only processes this module started are stopped, by their process group id, never by name.
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-# Flags that pick SGLang's code paths that run without a GPU (../shared/sglang-cpu/serve.sh).
+from earl_megatron.rollout.engine import SamplingParams
+
+# Flags that pick SGLang's code paths that run without a GPU (docs/sglang.md, CPU section).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
              "pytorch", "--disable-cuda-graph", "--skip-server-warmup")
 
@@ -137,6 +140,38 @@ def server_env(config: SGLangConfig) -> dict[str, str]:
     env.update(dict(config.env))
     return env
 
+
+
+
+def sglang_sampling_params(params: SamplingParams, index: int) -> dict[str, Any]:
+    """SGLang's per-request sampling_params for prompt ``index`` of a call."""
+    sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                          "max_new_tokens": params.max_new_tokens}
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = list(params.stop_token_ids)
+    else:
+        sp["ignore_eos"] = True  # no stop tokens: only max_new_tokens ends generation
+    if params.seed is not None:
+        sp["sampling_seed"] = params.seed + index
+    return sp
+
+
+def parse_generation(item: dict[str, Any]) -> tuple[list[int], list[float], str]:
+    """Token ids, logprobs and SGLang's finish type ("stop"/"length") of one /generate result."""
+    meta = item.get("meta_info") or {}
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise SGLangRequestError(f"SGLang returned no output_token_logprobs (was return_logprob "
+                                 f"sent?): {json.dumps(item)[:500]}")
+    ids = [int(p[1]) for p in pairs]
+    logprobs = [float(p[0]) for p in pairs]
+    if "output_ids" in item and list(item["output_ids"]) != ids:
+        raise SGLangRequestError(f"output_ids {item['output_ids']} disagree with the ids in "
+                                 f"output_token_logprobs {ids}")
+    finish = (meta.get("finish_reason") or {}).get("type")
+    if finish not in ("stop", "length"):
+        raise SGLangRequestError(f"SGLang finished a request with {meta.get('finish_reason')!r}")
+    return ids, logprobs, finish
 
 
 

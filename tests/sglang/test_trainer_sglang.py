@@ -31,7 +31,7 @@ def _train(cfg):
 
 
 def _kill_first_server_after_first_line(out: Path, done: threading.Event, killed: list):
-    metrics, log = out / "metrics.jsonl", out / "sglang" / "logs-dp2-dp0" / "server-0.log"
+    metrics, log = out / "metrics.jsonl", out / "sglang" / "logs-DP2-dp0" / "server-0.log"
     while not done.is_set():
         if metrics.is_file() and '"iteration"' in metrics.read_text() and log.is_file():
             pid = int(re.findall(r"=== pid (\d+)", log.read_text())[-1])
@@ -78,11 +78,11 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
     for x in lines:
         assert x["rollout_engine"] == "sglang"
         assert x["rollout_logprob_diff_max"] < 1e-4, x
-        assert x["layouts"]["rollout"] == "dp2" and len(x["rollout_servers"]) == 2
+        assert x["layouts"]["rollout"] == "DP2" and len(x["rollout_servers"]) == 2
     # pushes: one before the start evaluation, then one after every TRAIN step
     assert [x["rollout_weight_version"] for x in lines] == ["it2", "it3", "it4"]
     assert killed, "the watcher never killed a server"
-    log0 = (out / "sglang" / "logs-dp2-dp0" / "server-0.log").read_text()
+    log0 = (out / "sglang" / "logs-DP2-dp0" / "server-0.log").read_text()
     assert log0.count("=== pid") == 2 and "restart after" in log0
     assert lines[-1]["rollout_servers_died"] >= 1
     ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
