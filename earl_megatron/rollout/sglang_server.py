@@ -216,6 +216,7 @@ class _Server:
                                          start_new_session=True)
             log.write(f"=== pid {self.proc.pid} (process group {self.proc.pid})\n".encode())
             log.flush()
+        self._watch_owner()
         deadline = t0 + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -231,6 +232,20 @@ class _Server:
             f"SGLang server {self.index} (port {self.port}) did not answer /health within "
             f"{self.config.startup_timeout_s:.0f} s (raise startup_timeout_s for big models). "
             f"Log {self.log_path}:\n{self.log_tail()}")
+
+    def _watch_owner(self) -> None:
+        """A watchdog in the server's process group kills the group once this process is gone.
+
+        The server runs in its own session (so stop() reaches its children), which also means
+        nothing stops it when its owner dies without running close() (SIGKILL, a launcher's
+        kill after a timeout). The watchdog polls the owner's pid; stop()'s killpg ends it too.
+        """
+        pgid = self.proc.pid
+        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; "
+                  f"kill -KILL -{pgid} 2>/dev/null")
+        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         process_group=pgid)
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None:

@@ -105,3 +105,15 @@ class Reference:
 @pytest.fixture(scope="session")
 def references(tiny_models) -> dict[str, Reference]:
     return {name: Reference(path) for name, path in tiny_models.items()}
+
+
+@pytest.fixture
+def run_dir():
+    """A directory of the test's own: pytest's tmp_path keeps only the newest 3 sessions, and on
+    a machine where others run pytest too, a run of several minutes lost its dir mid-run."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="earl-sglang-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

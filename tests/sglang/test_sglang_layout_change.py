@@ -10,7 +10,11 @@ and the old servers' ports are free again.
 
 from __future__ import annotations
 
+import pytest
+
 from earl_megatron.testing.multiproc import run_distributed
+
+pytestmark = pytest.mark.timeout(1800)  # three server starts take minutes on 2 busy cores
 
 
 def _play_in_two_layouts(python: str, out: str):
@@ -56,8 +60,8 @@ def _play_in_two_layouts(python: str, out: str):
     return found, freed
 
 
-def test_layout_change_restarts_servers_and_carries_weights(sglang_python, tmp_path):
-    results = run_distributed(_play_in_two_layouts, 2, sglang_python, str(tmp_path),
+def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_dir):
+    results = run_distributed(_play_in_two_layouts, 2, sglang_python, str(run_dir),
                               timeout=1500, collective_timeout_s=900)
     for rank, (found, freed) in enumerate(results):
         print(rank, found)

@@ -21,8 +21,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
+
+pytestmark = pytest.mark.timeout(1800)  # server starts take minutes on 2 busy cores
 
 
 def _train(cfg):
@@ -42,10 +46,10 @@ def _kill_first_server_after_first_line(out: Path, done: threading.Event, killed
 
 
 def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sglang_python,
-                                                                              tmp_path):
+                                                                              run_dir):
     from earl_megatron.rollout.sglang_server import _port_free
 
-    out = tmp_path / "run"
+    out = run_dir / "run"
     cfg = TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
@@ -87,3 +91,7 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
     assert lines[-1]["rollout_servers_died"] >= 1
     ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
     assert all(_port_free("127.0.0.1", p) for p in ports)
+    for p in out.glob("sglang/logs-*/server-*.log"):  # every server of the run has exited
+        for pid in map(int, re.findall(r"=== pid (\d+)", p.read_text())):
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pid, 0)
