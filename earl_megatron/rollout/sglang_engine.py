@@ -236,6 +236,10 @@ class SGLangEngine:
         if weight_version is not None:
             payload["weight_version"] = weight_version  # every later /generate answer carries it
             self.expected_version = weight_version
+            for s in self._servers:  # the log says which weights each later answer came from
+                with open(s.log_path, "ab") as log:
+                    log.write(f"\n=== weight version {weight_version}: {len(payload['names'])} "
+                              f"tensors pushed\n".encode())
 
         def update_then_end() -> list[Any]:
             try:
