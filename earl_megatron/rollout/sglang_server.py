@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -211,12 +212,11 @@ class _Server:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             log.flush()
             # Own session: the server's children share its process group, stopped as one.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(_owned(cmd), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True)
             log.write(f"=== pid {self.proc.pid} (process group {self.proc.pid})\n".encode())
             log.flush()
-        self._watch_owner()
         deadline = t0 + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -232,20 +232,6 @@ class _Server:
             f"SGLang server {self.index} (port {self.port}) did not answer /health within "
             f"{self.config.startup_timeout_s:.0f} s (raise startup_timeout_s for big models). "
             f"Log {self.log_path}:\n{self.log_tail()}")
-
-    def _watch_owner(self) -> None:
-        """A watchdog in the server's process group kills the group once this process is gone.
-
-        The server runs in its own session (so stop() reaches its children), which also means
-        nothing stops it when its owner dies without running close() (SIGKILL, a launcher's
-        kill after a timeout). The watchdog polls the owner's pid; stop()'s killpg ends it too.
-        """
-        pgid = self.proc.pid
-        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; "
-                  f"kill -KILL -{pgid} 2>/dev/null")
-        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         process_group=pgid)
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None:
@@ -297,6 +283,17 @@ class _Server:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def _owned(cmd: list[str]) -> list[str]:
+    """``cmd`` under a shell that kills the whole process group when the server exits or when
+    this process (its owner) is gone. The server runs in its own session so stop() reaches its
+    children, which also means nothing would stop it if the owner died without close()
+    (SIGKILL, a launcher's kill after a timeout): seen here, servers outlived a killed trainer."""
+    script = (f"{shlex.join(cmd)} & server=$!; "
+              f"while kill -0 {os.getpid()} 2>/dev/null && kill -0 $server 2>/dev/null; "
+              f"do sleep 2; done; kill -KILL 0")
+    return ["/bin/sh", "-c", script]
 
 
 def _port_free(host: str, port: int) -> bool:
