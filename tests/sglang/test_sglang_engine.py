@@ -325,3 +325,38 @@ def test_restarts_are_bounded_with_a_clear_error(engine):
     with pytest.raises(SGLangServerError, match="unreachable for /generate after 0 restarts"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     assert not engine.health().healthy and engine.server_pids[0] == pid
+
+
+def test_a_server_dies_with_its_owner():
+    # _owned: SIGKILL of the owning process (no close(), no atexit) still ends the server group
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import subprocess, time\n"
+            "from earl_megatron.rollout.sglang_server import _owned\n"
+            "p = subprocess.Popen(_owned(['sleep', '300']), start_new_session=True)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    group = int(owner.stdout.readline())
+    try:
+        time.sleep(1.0)
+        os.killpg(group, 0)  # alive while its owner lives
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+        raise AssertionError("the server's process group outlived its owner by 30 s")
+    finally:
+        owner.kill()
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
