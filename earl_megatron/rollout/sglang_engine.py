@@ -95,11 +95,23 @@ class SGLangEngine:
         """The weight version of the last distributed push; answers tagged otherwise raise."""
         atexit.register(self.close)
         try:
-            self.startup_s = list(self._pool.map(lambda s: s.start(self._model_path),
-                                                 self._servers))
+            self.startup_s = list(self._pool.map(self._first_start, self._servers))
         except BaseException:
             self.close()
             raise
+
+    def _first_start(self, server: _Server) -> float:
+        """Start with up to max_restarts retries: on a shared host a start can fail on a memory
+        reading taken while other jobs allocate ("Loaded weights leave no GPU memory for the KV
+        cache", seen here); the next attempt usually succeeds."""
+        for attempt in range(self.config.max_restarts + 1):
+            try:
+                return server.start(self._model_path)
+            except SGLangServerError:
+                if attempt == self.config.max_restarts:
+                    raise
+                server.stop(grace_s=2.0)
+        raise AssertionError("unreachable")
 
     # -- RolloutEngine ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
