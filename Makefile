@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed test-sglang test-slurm bench clean
+.PHONY: install demo selfcheck test test-unit test-distributed sglang test-sglang test-slurm bench clean
 
 install: $(VENV)/.installed
 
@@ -34,7 +34,7 @@ selfcheck: install
 
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests --ignore=tests/slurm $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests --ignore=tests/slurm $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -42,10 +42,18 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
 
-# Opt-in: a real SGLang server on CPU (build its venv once with ../shared/sglang-cpu/setup.sh).
-test-sglang: install
-	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$${EARL_SGLANG_VENV:-$$HOME/.cache/earl-sglang-cpu} \
-	    $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+# SGLang's own venv (it pins its own torch): CPU servers for tests and demos, built when missing.
+SGLANG_VENV ?= $(or $(EARL_SGLANG_VENV),$(HOME)/.cache/earl-sglang-cpu)
+
+sglang: $(SGLANG_VENV)/.earl-ready
+
+$(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_custom_ops.py
+	tools/sglang_cpu/setup.sh $(SGLANG_VENV)
+	touch $@
+
+# Real SGLang servers on CPU: the engine's tests and trainer runs with rollout.engine=sglang.
+test-sglang: install sglang
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
 
 # A real Slurm on this host (Debian's slurmctld + two slurmd "nodes" + munge; root, installs the
 # packages when missing): up, submit recipes/slurm/train.sbatch as the README does, down.

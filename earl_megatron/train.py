@@ -57,9 +57,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
     if cfg.env.name not in list_envs():
         raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment; known: "
                           f"{list(list_envs())}")
-    if cfg.rollout.engine != "embedded":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: the trainer drives only the "
-                          "embedded engine so far; use rollout.engine=embedded")
+    if cfg.rollout.engine == "sglang":
+        from earl_megatron.trainer.sglang_rollout import check_sglang_python
+        check_sglang_python(cfg.rollout.sglang_python)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     per_node = cfg.cluster.devices_per_node
     if per_node is not None and per_node != local:
@@ -79,6 +79,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
                 raise ConfigError(f"layout.{stage}={text}: {e}") from e
             if stage == "rollout" and lay.cp != 1:
                 raise ConfigError(f"layout.rollout={text}: rollout decodes with cp=1")
+            if stage == "rollout" and lay.pp != 1 and cfg.rollout.engine == "sglang":
+                raise ConfigError(f"layout.rollout={text}: SGLang servers take tp x dp "
+                                  "layouts (pp=1); use e.g. tp2 or dp2")
     if cfg.rollout.episodes_per_iteration < world:
         raise ConfigError(f"rollout.episodes_per_iteration={cfg.rollout.episodes_per_iteration} "
                           f"< world size {world}: some dp rank would train on nothing")

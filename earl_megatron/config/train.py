@@ -82,11 +82,17 @@ class RolloutConfig:
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
     ids, its tags one token each) or an HF tokenizer directory."""
     sglang_python: Optional[str] = None
+    """engine=sglang: Python of the SGLang venv (`make sglang` builds a CPU one); checked on
+    every rank before any model or server is built."""
     sglang_device: str = "cuda"
+    """engine=sglang: "cuda" (servers colocated on the rollout replica's GPUs, memory saver on)
+    or "cpu" (separate processes, the kit's flags; tests and tiny models)."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
             raise ConfigError(f"rollout.engine={self.engine!r}: use 'embedded' or 'sglang'")
+        if self.sglang_device not in ("cuda", "cpu"):
+            raise ConfigError(f"rollout.sglang_device={self.sglang_device!r}: use cuda or cpu")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
@@ -125,8 +131,14 @@ class AlgorithmConfig:
     """Padded tokens per micro-batch at most (None: no limit); a longer sample trains alone, so
     activation memory follows the longest episode, not micro_batch_size times it."""
     use_distributed_optimizer: bool = False
+    old_logprobs: str = "rollout"
+    """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled) or "recompute" (the
+    policy re-scores its episodes before TRAIN; trainer/old_logprobs.py)."""
 
     def __post_init__(self):
+        if self.old_logprobs not in ("rollout", "recompute"):
+            raise ConfigError(f"algorithm.old_logprobs={self.old_logprobs!r}: use rollout or "
+                              "recompute")
         _at_least(self, "algorithm", 1, "group_size", "epochs", "micro_batch_size",
                   "micro_batch_tokens")
         if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:

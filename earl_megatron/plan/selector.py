@@ -44,6 +44,8 @@ class SelectorConfig:
     max_tp: Optional[int] = None
     max_cp: Optional[int] = None
     max_pp: Optional[int] = None
+    rollout_max_pp: Optional[int] = None
+    """Cap on pp for ROLLOUT (None: max_pp). 1 for SGLang servers, which take tp x dp only."""
     rollout_cp: bool = False
     """Allow cp > 1 for ROLLOUT. Off: Megatron-Core's inference engines and SGLang do not split
     a KV cache by sequence position."""
@@ -203,8 +205,11 @@ class Selector:
         """Layouts valid for the world and model, within the config's caps, for ``stage``."""
         c = self.config
         max_cp = 1 if stage is Stage.ROLLOUT and not c.rollout_cp else c.max_cp
+        max_pp = c.max_pp
+        if stage is Stage.ROLLOUT and c.rollout_max_pp is not None:
+            max_pp = min(c.rollout_max_pp, max_pp or c.rollout_max_pp)
         return enumerate_layouts(self.cluster.world_size, self.model, max_tp=c.max_tp,
-                                 max_cp=max_cp, max_pp=c.max_pp)
+                                 max_cp=max_cp, max_pp=max_pp)
 
     def memory(self, layout: ParallelLayout, workload: StageWorkload,
                resident_bytes: int = 0) -> MemoryEstimate:

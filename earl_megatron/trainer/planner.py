@@ -32,7 +32,8 @@ FIRST_ROLLOUT_TOKENS = 128
 
 class StagePlanner:
     def __init__(self, model: ModelConfig, layout: LayoutConfig, cluster: ClusterConfig,
-                 world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape):
+                 world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
+                 rollout_max_pp: Optional[int] = None):
         self.model, self.layout_cfg, self.world = model, layout, world
         self.episodes, self.batch = episodes, batch
         self.auto = layout.mode == "auto"
@@ -41,7 +42,8 @@ class StagePlanner:
                                  SelectorConfig(memory_margin=layout.memory_margin,
                                                 hysteresis=layout.hysteresis,
                                                 max_tp=layout.max_tp, max_cp=layout.max_cp,
-                                                max_pp=layout.max_pp))
+                                                max_pp=layout.max_pp,
+                                                rollout_max_pp=rollout_max_pp))
         self.state = SelectorState()
         self.predicted_memory: dict[str, int] = {}
         self.reasons: dict[str, str] = {}

@@ -11,7 +11,8 @@ episodes). The sample id of the i-th episode of an iteration is i; GRPO groups a
     replica       0     |       1          every rank of a replica plays its block
 
 Engines: ``embedded`` (EmbeddedRollout: Megatron-Core's own model, KV cache, in the rollout
-layout; the default and the CPU path). Other engines plug in here with the same ``play``.
+layout; the default and the CPU path) and ``sglang`` (SGLangRollout, trainer/sglang_rollout.py:
+SGLang servers in the rollout layout, weights pushed by ``sync`` after every TRAIN step).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class Rollout(Protocol):
         is called by every rank of the replica before every turn; True raises
         rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout)."""
 
+    def sync(self, policy: ModelOnLayout) -> None:
+        """After TRAIN: make the engine serve ``policy``'s weights (all ranks call it)."""
+
+    def metrics(self) -> dict:
+        """Engine facts for the iteration's metrics line (the same on every rank)."""
+
     def close(self) -> None:
         ...
 
@@ -90,12 +97,24 @@ class EmbeddedRollout:
             engine.close()
         return list(block), episodes
 
+    def sync(self, policy: ModelOnLayout) -> None:
+        pass  # the engine decodes with the policy itself: nothing to copy
+
+    def metrics(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 
 
-def make_rollout(engine: str, spec: EpisodeSpec, tokenizer) -> Rollout:
-    """The engine of ``rollout.engine`` (validated by the config)."""
+def make_rollout(engine: str, spec: EpisodeSpec, tokenizer, *, model=None, python=None,
+                 device: str = "cuda", out_dir=None) -> Rollout:
+    """The engine of ``rollout.engine`` (validated by the config); ``model``, ``python``,
+    ``device`` and ``out_dir`` (SGLang's logs and start model) serve ``sglang`` only."""
     if engine == "embedded":
         return EmbeddedRollout(spec, tokenizer)
-    raise NotImplementedError(f"rollout.engine={engine!r} has no trainer backend")
+    if engine == "sglang":
+        from earl_megatron.trainer.sglang_rollout import SGLangRollout
+        return SGLangRollout(spec, tokenizer, model, python=python, device=device,
+                             out_dir=out_dir)
+    raise ValueError(f"rollout.engine={engine!r}: use embedded or sglang")

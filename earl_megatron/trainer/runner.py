@@ -15,9 +15,10 @@ it: ``StagePlanner`` (trainer/planner.py), ``Models`` (trainer/models.py), the r
 (trainer/record.py). Only this module and train.py read ``TrainConfig``; everything below takes
 the values it uses.
 
-Old logprobs: on-policy (``algorithm.epochs == 1``) the engine's rollout logprobs serve as the
-old logprobs (equal to the trainer's recomputed ones within 1e-4 in fp32, tested with the
-engine), so the policy is never re-scored; PPO epochs > 1 reuse them.
+Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
+trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
+the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re-scored, to
+record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs.
 
 Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
 and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
@@ -51,6 +52,7 @@ from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint,
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.models import Models, build_models
+from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
 from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds, make_rollout
@@ -79,11 +81,16 @@ class Trainer:
                                        use_distributed_optimizer=a.use_distributed_optimizer)
         self.planner = StagePlanner(cfg.model, cfg.layout, cfg.cluster, self.world,
                                     distributed_optimizer=a.use_distributed_optimizer,
-                                    episodes=r.episodes_per_iteration, batch=self.batch)
+                                    episodes=r.episodes_per_iteration, batch=self.batch,
+                                    rollout_max_pp=1 if r.engine == "sglang" else None)
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
-            max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer)
+            max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer, model=cfg.model,
+            python=r.sglang_python, device=r.sglang_device, out_dir=self.out)
+        # the trainer re-scores the episodes on the old policy: for recompute, and always for
+        # SGLang (the logprob diff proves the servers hold the trainer's weights)
+        self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
         self.history: list[dict] = []
         self.stop = StopControl.from_env()
         self._completed: dict = {}
@@ -120,12 +127,19 @@ class Trainer:
             return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
+        engine_metrics = {"rollout_engine": cfg.rollout.engine}
+        if self.rescore:
+            with t("old_logprob"):
+                episodes, found = rescore(policy, ids, episodes, tokens, self.tok.pad_token_id,
+                                          self.batch, temperature=cfg.rollout.temperature,
+                                          replace=cfg.algorithm.old_logprobs == "recompute")
+            engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
                                            plan.train_bytes(policy.layout))
         layouts["train"] = plan.plan("train", lengths, policy.layout,
                                      plan.weight_bytes(layouts.get("logprob")))
-        ref_lp, moved_lp, metrics, kl = {}, 0, {}, None
+        ref_lp, moved_lp, metrics, kl = {}, 0, dict(engine_metrics), None
         if ref is not None:
             with t("logprob"):
                 ref_lp, moved_lp = reference_logprobs(
@@ -147,6 +161,9 @@ class Trainer:
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                            cfg.algorithm.epochs)
+        with t("weight_sync"):
+            self.rollout.sync(trainee)
+        metrics.update(self.rollout.metrics())
         plan.last_lengths = lengths
         metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
                        clip_fraction=res.clip_fraction,

@@ -54,7 +54,8 @@ def micro_batch_plan(layout: ParallelLayout, tokens: dict[int, int],
 
 def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[int],
                        token_ids: dict[int, list[int]], tokens: dict[int, int], pad_id: int,
-                       shape: BatchShape) -> tuple[dict[int, torch.Tensor], int]:
+                       shape: BatchShape, temperature: float = 1.0
+                       ) -> tuple[dict[int, torch.Tensor], int]:
     """The LOGPROB stage: the reference model's logprob of every prediction of this replica's
     episodes, on every rank of the replica. Returns ({sample id: [tokens - 1]}, bytes received).
 
@@ -81,7 +82,8 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     batches = microbatches(result.tensors, groups_of_ids,
                            seq_lens=plan.micro_batch_lengths(me.dp), cp=lay.cp, cp_rank=me.cp,
                            tensors=LOGPROB_TENSORS)
-    out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
+    out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows,
+                           temperature=temperature)
     back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
                                 for i, s in enumerate(mb)}}
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d

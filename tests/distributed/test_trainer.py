@@ -122,6 +122,19 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
     assert hist[1]["kl"] > 0 and hist[0]["entropy"] > 0
 
 
+def test_recomputed_old_logprobs_with_the_embedded_engine(tmp_path):
+    # algorithm.old_logprobs=recompute: the policy re-scores its episodes (in the TP2 rollout
+    # layout) before TRAIN, and the engine's logprobs agree with it within 1e-4 in fp32
+    cfg = _cfg(str(tmp_path / "re"), 2, {"old_logprobs": "recompute"},
+               mode="static", rollout="tp2", logprob="tp2", train="dp2")
+    hist = run_distributed(_train, 2, cfg, timeout=400)[0]
+    for h in hist:
+        assert h["rollout_engine"] == "embedded"
+        assert 0 <= h["rollout_logprob_diff"] <= h["rollout_logprob_diff_max"] < 1e-4, h
+    with pytest.raises(ConfigError, match="algorithm.old_logprobs='both'"):
+        TrainConfig.from_dict({"algorithm": {"old_logprobs": "both"}})
+
+
 def test_kl_in_the_reward_with_auto_layouts(tmp_path):
     # no group cache: the policy and the reference are rebuilt by same-layout switches
     cfg = _cfg(str(tmp_path / "klr"), 3, {"kl_mode": "reward", "kl_coef": 0.1},
@@ -194,10 +207,18 @@ def test_bad_config_stops_before_training(tmp_path):
     msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
         "cluster": {"nodes": 2}, "run": {"output_dir": str(tmp_path / "z")}}), timeout=120)
     assert "cluster.nodes=2" in msgs[0]
-    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-        "rollout": {"engine": "sglang"}, "run": {"output_dir": str(tmp_path / "w")}}),
-        timeout=120)
-    assert "rollout.engine=sglang" in msgs[0] and "embedded" in msgs[0]
+    # a missing or broken SGLang python stops every rank before any model or server exists
+    import sys
+    for python, says in ((None, "needs rollout.sglang_python"),
+                         (str(tmp_path / "no-venv" / "python"), "is not an executable file"),
+                         (sys.executable, "cannot import sglang")):
+        out = tmp_path / f"sg{len(says)}"
+        msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
+            "rollout": {"engine": "sglang", "sglang_python": python},
+            "run": {"output_dir": str(out)}}), timeout=120)
+        assert all(m.startswith("ConfigError") and says in m and "EARL_SGLANG_PYTHON" in m
+                   and "make sglang" in m for m in msgs), msgs
+        assert not (out / "checkpoints").exists() and not (out / "sglang").exists()
     with pytest.raises(ConfigError, match="run.iterations=0 must be >= 1"):
         TrainConfig.from_dict({"run": {"iterations": 0}})
     with pytest.raises(ConfigError, match="rollout.top_p"):

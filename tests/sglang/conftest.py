@@ -1,7 +1,7 @@
 """Fixtures for the opt-in SGLang tests: the venv's python, tiny HF Llama models, a reference.
 
 The server tests run only when EARL_SGLANG_VENV names a venv built with
-../shared/sglang-cpu/setup.sh; otherwise they are skipped with the command that enables them.
+tools/sglang_cpu/setup.sh (`make sglang`); otherwise they are skipped with the command that enables them.
 The tiny models are random Llamas built from a config with transformers (no download).
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ENABLE_HINT = ("build the venv with `../shared/sglang-cpu/setup.sh ~/.cache/earl-sglang-cpu` "
-               "and run `EARL_SGLANG_VENV=~/.cache/earl-sglang-cpu pytest -m sglang tests/sglang`")
+ENABLE_HINT = ("run `make test-sglang` (builds the venv with tools/sglang_cpu/setup.sh when "
+               "missing), or EARL_SGLANG_VENV=~/.cache/earl-sglang-cpu pytest tests/sglang")
 
 # Config ids 2..33 are EOS for the served model: SGLang stops on them unless told otherwise,
 # which exercises the engine's "continue past an EOS the caller did not ask for" path.
@@ -105,3 +105,15 @@ class Reference:
 @pytest.fixture(scope="session")
 def references(tiny_models) -> dict[str, Reference]:
     return {name: Reference(path) for name, path in tiny_models.items()}
+
+
+@pytest.fixture
+def run_dir():
+    """A directory of the test's own: pytest's tmp_path keeps only the newest 3 sessions, and on
+    a machine where others run pytest too, a run of several minutes lost its dir mid-run."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="earl-sglang-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

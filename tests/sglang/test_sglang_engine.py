@@ -22,7 +22,7 @@ import pytest
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.sglang_engine import (CPU_FLAGS, SGLangConfig, SGLangEngine,
                                                  SGLangRequestError, SGLangServerError,
-                                                 parse_generation,
+                                                 parse_generation, server_env,
                                                  server_command, sglang_sampling_params,
                                                  split_evenly, trainer_weight_update_group)
 
@@ -49,8 +49,14 @@ def test_server_command_cpu_and_gpu():
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--base-gpu-id") + 1] == "6"
     assert "--device" not in cmd and "--enable-memory-saver" in cmd
     assert "--sleep-on-idle" not in cmd
-    with pytest.raises(ValueError, match="tp_size=1"):
-        SGLangConfig(python="p", model_path="m", device="cpu", tp_size=2)
+    assert "--tp-size" not in server_command(cpu, 0, 31000, "/m")
+    assert server_env(cpu) == {"SGLANG_CPU_OMP_THREADS_BIND": "0"}
+    cpu2 = SGLangConfig(python="p", model_path="m", device="cpu", tp_size=2)
+    assert server_command(cpu2, 0, 1, "/m").count("--tp-size") == 1
+    env = server_env(cpu2)  # DESIGN.md: the two variables SGLang needs for tp > 1 on CPU
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] in ("0|1", "0|0")
+    assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
+    assert server_env(gpu) == {}
     with pytest.raises(ValueError, match="one port per server"):
         SGLangConfig(python="p", model_path="m", num_servers=2, ports=(1,))
 
@@ -319,3 +325,38 @@ def test_restarts_are_bounded_with_a_clear_error(engine):
     with pytest.raises(SGLangServerError, match="unreachable for /generate after 0 restarts"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     assert not engine.health().healthy and engine.server_pids[0] == pid
+
+
+def test_a_server_dies_with_its_owner():
+    # _owned: SIGKILL of the owning process (no close(), no atexit) still ends the server group
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import subprocess, time\n"
+            "from earl_megatron.rollout.sglang_server import _owned\n"
+            "p = subprocess.Popen(_owned(['sleep', '300']), start_new_session=True)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    group = int(owner.stdout.readline())
+    try:
+        time.sleep(1.0)
+        os.killpg(group, 0)  # alive while its owner lives
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+        raise AssertionError("the server's process group outlived its owner by 30 s")
+    finally:
+        owner.kill()
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -20,11 +20,7 @@ READ_ELSEWHERE = {
     # LayoutConfig.static(stage) reads getattr(self, stage) for stage in STAGES
     ("layout", s): "LayoutConfig.static" for s in STAGES
 }
-REJECTED = {
-    # only rollout.engine=sglang reads them, and train.validate refuses that engine until the
-    # trainer drives SGLang servers (tests/distributed/test_trainer.py checks the refusal)
-    ("rollout", "sglang_python"), ("rollout", "sglang_device"),
-}
+REJECTED: set[tuple[str, str]] = set()  # keys accepted but refused at validation: none today
 
 
 def _reads() -> set[tuple[str, str]]:

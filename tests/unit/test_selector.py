@@ -208,3 +208,16 @@ def test_suggested_recompute_and_context_really_fit():
     if "recompute=" in sugg:
         rc = Recompute(re.search(r"recompute=(\w+)", sugg).group(1))
         Selector(model, cluster, TrainOptions(recompute=rc)).plan(wl)
+
+
+def test_rollout_max_pp_limits_only_the_rollout_stage():
+    # SGLang servers take tp x dp layouts: the trainer sets rollout_max_pp=1 for that engine
+    cluster = ClusterSpec.cpu(ranks=4, memory_budget_bytes=64 * GiB)
+    free = Selector(SMALL, cluster)
+    capped = Selector(SMALL, cluster, config=SelectorConfig(rollout_max_pp=1))
+    assert any(lay.pp > 1 for lay in free.valid_layouts(Stage.ROLLOUT))
+    rollout = capped.valid_layouts(Stage.ROLLOUT)
+    assert rollout and all(lay.pp == 1 and lay.cp == 1 for lay in rollout)
+    assert {(lay.tp, lay.dp) for lay in rollout} == {(1, 4), (2, 2), (4, 1)} & \
+        {(lay.tp, lay.dp) for lay in free.valid_layouts(Stage.ROLLOUT)}
+    assert capped.valid_layouts(Stage.TRAIN) == free.valid_layouts(Stage.TRAIN)

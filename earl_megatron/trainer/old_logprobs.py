@@ -1,0 +1,68 @@
+"""Old logprobs: the rollout engine's, or the policy's recomputed ones, and how far apart they are.
+
+An engine's logprobs are not the trainer's: SGLang runs its own kernels (and on GPU, its own
+precision), and even the embedded engine's KV-cached decode rounds differently from a full
+forward. When the trainer re-scores the episodes on the old policy (the policy as it played,
+before TRAIN), it records the mismatch over sampled tokens (loss mask 1):
+
+    rollout_logprob_diff      mean |logp_train - logp_rollout|
+    rollout_logprob_diff_max  max  |logp_train - logp_rollout|
+
+In fp32 with weights synced every iteration both stay below 1e-4 (tested with SGLang on CPU):
+a larger value means the engine served other weights than the trainer's.
+
+``algorithm.old_logprobs``: "rollout" keeps the engine's logprobs as the old logprobs (PPO ratio
+and clipping against what was sampled); "recompute" replaces them by the trainer's. The
+re-scoring runs whenever either is needed: always for SGLang (the diff is the proof of weight
+sync), and for the embedded engine only with "recompute".
+
+Token alignment: Episode.logprobs[j] is the logprob of token j (0.0 where loss_mask is 0); the
+LOGPROB stage returns one value per prediction, entry j - 1 scoring token j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.rollout.agent_loop import Episode
+from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.trainer.stages import BatchShape, reference_logprobs
+
+
+def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
+            tokens: dict[int, int], pad_id: int, batch: BatchShape, *, temperature: float,
+            replace: bool) -> tuple[list[Episode], dict]:
+    """(episodes, metrics): the policy's logprobs of this replica's episodes (in the layout it
+    played in), their distance to the engine's, and the episodes with the trainer's logprobs
+    when ``replace``. Collective over the world."""
+    if temperature <= 0:
+        raise ValueError("re-scoring needs the sampling temperature > 0 (greedy rollouts have "
+                         "no sampling distribution to compare)")
+    recomputed, _ = reference_logprobs(policy, policy.layout, ids,
+                                       {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
+                                       pad_id, batch, temperature=temperature)
+    total = torch.zeros(2, dtype=torch.float64)  # [sum |diff|, sampled tokens]
+    worst = torch.zeros(1, dtype=torch.float64)
+    out = []
+    for s, e in zip(ids, episodes):
+        mask = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
+        mine = recomputed[s].double()
+        theirs = torch.tensor(e.logprobs[1:], dtype=torch.float64)
+        diff = (mine - theirs).abs()[mask]
+        if diff.numel():
+            total += torch.tensor([float(diff.sum()), diff.numel()], dtype=torch.float64)
+            worst = torch.maximum(worst, diff.max().reshape(1))
+        if replace:
+            lp = [0.0] + [float(v) if m else 0.0 for v, m in zip(mine.tolist(), mask.tolist())]
+            out.append(dataclasses.replace(e, logprobs=tuple(lp)))
+        else:
+            out.append(e)
+    # every rank of a replica holds the same episodes: sums and counts repeat by the same
+    # factor, so their ratio is the mean over all episodes; the max is unaffected
+    dist.all_reduce(total)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    mean = float(total[0] / total[1]) if total[1] > 0 else 0.0
+    return out, {"rollout_logprob_diff": mean, "rollout_logprob_diff_max": float(worst[0])}

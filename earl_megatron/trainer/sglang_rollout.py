@@ -1,0 +1,258 @@
+"""The ROLLOUT stage on SGLang servers: one server per rollout dp replica, weights pushed from
+Megatron after every TRAIN step, servers restarted when the rollout layout changes.
+
+    rollout layout tp2 x dp2, 4 trainer ranks (pp = cp = 1: the selector offers nothing else
+    for this engine):
+
+    ranks      0  1 | 2  3            replica d = ranks d*tp .. d*tp + tp-1 (one node)
+    replica       0 |    1
+    leader     0    | 2               the replica's first rank owns its server
+    server     :p0 tp2 (GPUs 0,1) | :p1 tp2 (GPUs 2,3)     ports published to every rank
+    episodes   leader plays its block over HTTP, broadcasts it in the replica's group
+
+Invariants:
+- Every rank of replica d returns block d of the iteration's episodes (trainer/rollout.py's
+  producer placement), so LOGPROB/TRAIN receive them point to point as with the embedded engine.
+- No answer is used from weights other than the trainer's current ones: each push carries a
+  weight version (``it<k>``), every /generate answer carries the server's version, and the
+  engine raises on a mismatch. Pushes happen after every TRAIN step (``sync``) and before the
+  first request of fresh servers (start, layout change).
+- A server that dies is restarted by SGLangEngine's supervision; ``on_restart`` re-pushes the
+  last weights (the leader keeps that push's HF tensors in host memory) under the same version,
+  and the failed turn's requests are resubmitted: no episode is lost, none sampled from stale
+  weights.
+- Servers are stopped by their process group on close(), at exit, and when a layout changes.
+
+GPU (``rollout.sglang_device=cuda``): servers are colocated with training on the replica's GPUs
+with ``--enable-memory-saver``; memory is resumed before a push or a rollout and released after
+the rollout, before LOGPROB/TRAIN. Not run in this project's CI (no GPU there).
+CPU (``sglang_device=cpu``): servers are separate processes with the kit's flags; weights travel
+over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.train import ConfigError
+from earl_megatron.envs import make_env
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
+from earl_megatron.rollout.engine import split_evenly
+from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.trainer.rollout import EpisodeSpec
+
+BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
+              "sglang` in a separate venv on GPU machines, then set EARL_SGLANG_PYTHON=<venv>/"
+              "bin/python (recipes/rollout/sglang.yaml reads it) or rollout.sglang_python=...")
+
+
+def check_sglang_python(python: Optional[str], timeout_s: float = 300.0) -> str:
+    """ConfigError unless ``python`` is an executable that imports sglang; its version."""
+    if not python:
+        raise ConfigError(f"rollout.engine=sglang needs rollout.sglang_python; {BUILD_HINT}")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ConfigError(f"rollout.sglang_python={python} is not an executable file; "
+                          f"{BUILD_HINT}")
+    try:
+        r = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"rollout.sglang_python={python}: `import sglang` did not finish in "
+                          f"{timeout_s:.0f} s; {BUILD_HINT}") from None
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
+        raise ConfigError(f"rollout.sglang_python={python} cannot import sglang:\n{tail}\n"
+                          f"{BUILD_HINT}")
+    return r.stdout.strip()
+
+
+class SGLangRollout:
+    """``Rollout`` over SGLang servers in the rollout layout (see the module docstring)."""
+
+    def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
+                 device: str, out_dir: Path, startup_timeout_s: float = 600.0):
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
+        self.spec, self.tok, self.model_cfg = spec, tokenizer, model
+        self.python, self.device = python, device
+        self.dir = Path(out_dir) / "sglang"
+        self.startup_timeout_s = startup_timeout_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout: Optional[ParallelLayout] = None  # the servers' (tp, dp); None: none running
+        self.engine = None          # this rank's server (replica leaders only)
+        self.group = None           # weight-update group with that server (leaders only)
+        self.replica_group = None   # ranks of this rank's replica (episodes are broadcast here)
+        self.version = 0            # pushes so far; the served weights are "it<version>"
+        self.last_push: list = []   # HF tensors of the last push (leaders: re-push on restart)
+        self.endpoints: list[str] = []
+        self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0}
+        self._fresh = True          # servers hold no pushed weights yet
+        self._released = False
+
+    # ------------------------------------------------------------------ Rollout
+    def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
+             sample_seed: int, opponent: Optional[str] = None
+             ) -> tuple[list[int], list[Episode]]:
+        lay = policy.layout
+        # training rollouts put the servers in the planned layout; evaluations (an opponent
+        # given) play on the servers as they stand, so they never restart them
+        if self.layout is None or (opponent is None and (lay.tp, lay.dp) !=
+                                   (self.layout.tp, self.layout.dp)):
+            if lay.pp != 1 or lay.cp != 1:
+                raise ValueError(f"SGLang servers take tp x dp layouts; got {lay} (the selector "
+                                 "offers only pp = cp = 1 rollout layouts for this engine)")
+            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp))
+        if self._fresh:
+            self.sync(policy)
+        me = self.layout.coords(self.rank)
+        block = list(split_evenly(len(seeds), self.layout.dp)[me.dp])
+        episodes: list = [None]
+        if self.engine is not None:
+            if self._released:
+                self.engine.resume_memory()
+                self._released = False
+            kwargs = dict(self.spec.env_kwargs)
+            if opponent is not None:
+                kwargs["opponent"] = opponent
+            sp = self.spec
+            cfg = AgentLoopConfig(max_turns=sp.max_turns, max_context_tokens=sp.max_context_tokens,
+                                  max_action_tokens=sp.max_action_tokens, temperature=temperature,
+                                  top_p=sp.top_p, seed=sample_seed)
+            envs = [make_env(sp.env, **kwargs) for _ in block]
+            episodes[0] = run_episodes(self.engine, envs, [seeds[i] for i in block], self.tok,
+                                       cfg)
+            if self.device == "cuda":
+                self.engine.release_memory()  # LOGPROB/TRAIN get the GPU back
+                self._released = True
+        if self.replica_group is not None:
+            dist.broadcast_object_list(episodes, group=self.replica_group, group_src=0)
+        return block, episodes[0]
+
+    def sync(self, policy: ModelOnLayout) -> None:
+        """Push the policy's weights (any layout) into every server: all ranks call it."""
+        from earl_megatron.weights.gather import gather_full
+        from earl_megatron.weights.hf_mapping import to_hf
+
+        if self.layout is None:
+            return  # no servers yet: the first play pushes before its first request
+        t0 = time.perf_counter()
+        full = gather_full(policy.model, policy.cfg, policy.layout)
+        self.version += 1
+        if self.engine is not None:
+            hf = sorted(to_hf(self.model_cfg, full).items())
+            del full
+            if self._released:
+                self.engine.resume_memory()
+                self._released = False
+            self.last_push = hf
+            self.engine.push_weights_distributed(hf, self.group, group_name=self._group_name,
+                                                 weight_version=f"it{self.version}")
+            self.stats["push_bytes"] = sum(t.numel() * t.element_size() for _, t in hf)
+        self._fresh = False
+        self.stats["push_s"] = time.perf_counter() - t0
+        died = torch.tensor([sum(self.engine.restarts) if self.engine is not None else 0])
+        dist.all_reduce(died)  # servers restarted after dying, on every leader, this layout
+        self.stats["died"] = int(died)
+
+    def metrics(self) -> dict:
+        """What the iteration's metrics line records about the servers (same on every rank)."""
+        return {"rollout_servers": list(self.endpoints),
+                "rollout_weight_version": f"it{self.version}",
+                "rollout_push_s": self.stats["push_s"],
+                "rollout_push_bytes": self.stats["push_bytes"],
+                "rollout_layout_restarts": self.stats["restarts"],
+                "rollout_server_restart_s": self.stats["restart_s"],
+                "rollout_servers_died": self.stats.get("died", 0)}
+
+    def close(self) -> None:
+        self._stop()
+
+    # ------------------------------------------------------------------ servers
+    def _start(self, layout: ParallelLayout) -> None:
+        """(Re)start the servers in ``layout``; collective over the world."""
+        from earl_megatron.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+        t0 = time.perf_counter()
+        restart = self.layout is not None
+        self._stop()
+        model_dir = self._initial_model_dir()
+        replicas = [[r for r in range(self.world) if layout.coords(r).dp == d]
+                    for d in range(layout.dp)]
+        self.replica_group = None
+        if len(replicas[0]) > 1:
+            for ranks in replicas:  # every rank creates every group, in the same order
+                g = dist.new_group(ranks, backend="gloo")
+                if self.rank in ranks:
+                    self.replica_group = g
+        self.layout = layout
+        me = layout.coords(self.rank)
+        endpoint = None
+        if self.rank == replicas[me.dp][0]:
+            local = int(os.environ.get("LOCAL_RANK", self.rank))
+            cfg = SGLangConfig(python=self.python, model_path=str(model_dir), tp_size=layout.tp,
+                               device=self.device, base_gpu_id=local,
+                               enable_memory_saver=self.device == "cuda",
+                               startup_timeout_s=self.startup_timeout_s,
+                               log_dir=str(self.dir / f"logs-{layout}-dp{me.dp}"))
+            self.engine = SGLangEngine(cfg, on_restart=self._repush)
+            self._join_group()
+            endpoint = f"{cfg.host}:{self.engine._servers[0].port} tp{layout.tp} (rank {self.rank})"
+        found: list = [None] * self.world
+        dist.all_gather_object(found, endpoint)
+        self.endpoints = [e for e in found if e is not None]
+        self._fresh = True
+        if restart:
+            self.stats["restarts"] += 1
+        self.stats["restart_s"] = time.perf_counter() - t0
+
+    def _initial_model_dir(self) -> Path:
+        """An HF directory the servers start from (config + weights of the right shapes); the
+        trainer's weights are pushed before the first request, so its values never serve."""
+        from earl_megatron.weights.hf_io import write_hf_dir
+        from earl_megatron.weights.hf_mapping import hf_shapes, to_hf_config
+
+        path = self.dir / "initial-model"
+        if self.rank == 0 and not (path / "config.json").is_file():
+            tensors = {n: torch.zeros(s, dtype=torch.float32)
+                       for n, s in hf_shapes(self.model_cfg).items()}
+            write_hf_dir(path, tensors, to_hf_config(self.model_cfg))
+        dist.barrier()
+        return path
+
+    def _join_group(self) -> None:
+        from earl_megatron.rollout.sglang_server import _free_ports
+        from earl_megatron.rollout.sglang_weights import trainer_weight_update_group
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        host = self.engine.config.host
+        port = _free_ports(host, 1)[0]
+        self._groups_made = getattr(self, "_groups_made", 0) + 1
+        self._group_name = f"earl_weights_{self.rank}_{self._groups_made}"
+        pending = self.engine.start_init_weights_update_group(host, port, self._group_name,
+                                                              backend=backend)
+        self.group = trainer_weight_update_group(host, port, self.engine.weight_update_world_size,
+                                                 self._group_name, backend=backend)
+        pending.result()
+
+    def _repush(self, index: int) -> None:
+        """After a server restart (supervision thread, leader only): same weights, same version."""
+        self._join_group()
+        self.engine.push_weights_distributed(self.last_push, self.group,
+                                             group_name=self._group_name,
+                                             weight_version=f"it{self.version}")
+
+    def _stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.group = None
+        self.layout = None

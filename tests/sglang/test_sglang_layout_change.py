@@ -1,0 +1,74 @@
+"""SGLangRollout across a rollout layout change on real CPU servers (opt-in: EARL_SGLANG_VENV).
+
+2 ranks, the same policy weights: play in DP2 (two tp1 servers), then in TP2 (one tp2 server,
+SGLang's all-reduce over gloo). The second play restarts the servers in the new layout and pushes
+the weights before its first request. Checked on both layouts: every rank returns its replica's
+block (DP2: one block per rank; TP2: both ranks the whole batch), the episodes' SGLang logprobs
+equal the trainer's recomputed ones within 1e-4 (fp32), the endpoints changed (2 servers -> 1),
+and the old servers' ports are free again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from earl_megatron.testing.multiproc import run_distributed
+
+pytestmark = pytest.mark.timeout(1800)  # three server starts take minutes on 2 busy cores
+
+
+def _play_in_two_layouts(python: str, out: str):
+    import torch
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.rollout.sglang_server import _port_free
+    from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer
+    from earl_megatron.runtime.build import OptimizerSpec
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.trainer.models import build_models
+    from earl_megatron.trainer.old_logprobs import rescore
+    from earl_megatron.trainer.record import gather_by_sample
+    from earl_megatron.trainer.rollout import EpisodeSpec, make_rollout
+    from earl_megatron.trainer.stages import BatchShape
+
+    torch.set_num_threads(1)
+    tok = char_tokenizer(GAME_ALPHABET)
+    model = ModelConfig.tiny(vocab_size=32)
+    spec = EpisodeSpec(env="connect_four", env_kwargs={"system_prompt": ""}, max_turns=3,
+                       max_context_tokens=512, max_action_tokens=4, top_p=1.0)
+    seeds = [11, 12, 13, 14]
+    found = []
+    with cpu_backend():
+        models = build_models(model, ParallelLayout(dp=2), None, optimizer=OptimizerSpec(lr=1e-3),
+                              seed=0)
+        rollout = make_rollout("sglang", spec, tok, model=model, python=python, device="cpu",
+                               out_dir=out)
+        try:
+            for lay in (ParallelLayout(dp=2), ParallelLayout(tp=2)):
+                policy = models.policy_in(lay)
+                ids, eps = rollout.play(policy, seeds, temperature=1.0, sample_seed=5)
+                tokens = gather_by_sample(ids, [len(e.token_ids) for e in eps])
+                _, diff = rescore(policy, ids, eps, tokens, tok.pad_token_id, BatchShape(2),
+                                  temperature=1.0, replace=False)
+                found.append((str(lay), ids, len(eps), diff, list(rollout.endpoints),
+                              rollout.metrics()["rollout_weight_version"]))
+            old_ports = [int(e.split()[0].split(":")[1]) for e in found[0][4]]
+            freed = all(_port_free("127.0.0.1", p) for p in old_ports)
+        finally:
+            rollout.close()
+    return found, freed
+
+
+def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_dir):
+    results = run_distributed(_play_in_two_layouts, 2, sglang_python, str(run_dir),
+                              timeout=1500, collective_timeout_s=900)
+    for rank, (found, freed) in enumerate(results):
+        print(rank, found)
+        (lay0, ids0, n0, diff0, ends0, v0), (lay1, ids1, n1, diff1, ends1, v1) = found
+        assert lay0 == "DP2" and ids0 == ([0, 1] if rank == 0 else [2, 3]) and n0 == 2
+        assert lay1 == "TP2" and ids1 == [0, 1, 2, 3] and n1 == 4
+        assert diff0["rollout_logprob_diff_max"] < 1e-4 and diff1["rollout_logprob_diff_max"] < 1e-4
+        assert len(ends0) == 2 and len(ends1) == 1 and "tp2" in ends1[0]
+        assert (v0, v1) == ("it1", "it2")  # a push into the fresh servers of each layout
+        assert freed
