@@ -23,7 +23,7 @@ def _sft_losses(path, layouts):
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.trainer.sft import tokenize_traces, train_sft
     from earl_megatron.trainer.stages import BatchShape
-    from earl_megatron.weights.sharding import reference_weights
+    from earl_megatron.models.sharding import reference_weights
 
     tok = tool_tokenizer()
     cfg = ModelConfig.tiny(vocab_size=64)
