@@ -36,7 +36,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,8 +100,13 @@ class SGLangRollout:
 
     # ------------------------------------------------------------------ Rollout
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None
+             sample_seed: int, opponent: Optional[str] = None,
+             should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
+        # ``should_stop`` is a collective over the replica, but here only the replica's first
+        # rank runs the agent loop (the others wait in the broadcast): a stop request is
+        # honoured at the next stage boundary instead of the next turn
+        del should_stop
         lay = policy.layout
         # training rollouts put the servers in the planned layout; evaluations (an opponent
         # given) play on the servers as they stand, so they never restart them

@@ -147,7 +147,7 @@ def test_kl_in_the_reward_with_auto_layouts(tmp_path):
 
 
 def test_auto_layouts_change_under_a_memory_budget(tmp_path):
-    cfg = _cfg(str(tmp_path / "auto"), 2, mode="auto", memory_budget_gb=0.05)
+    cfg = _cfg(str(tmp_path / "auto"), 2, mode="auto", memory_budget_gb=0.1)
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert len(hist) == 2 and "predicted_memory_gb" in hist[0]
 
