@@ -290,9 +290,10 @@ def _owned(cmd: list[str]) -> list[str]:
     this process (its owner) is gone. The server runs in its own session so stop() reaches its
     children, which also means nothing would stop it if the owner died without close()
     (SIGKILL, a launcher's kill after a timeout): seen here, servers outlived a killed trainer."""
-    script = (f"{shlex.join(cmd)} & server=$!; "
-              f"while kill -0 {os.getpid()} 2>/dev/null && kill -0 $server 2>/dev/null; "
-              f"do sleep 2; done; kill -KILL 0")
+    # the server exec's into the shell, so its pid is the one the engine watches and a test
+    # kills; the watchdog subshell polls both ($$ stays the server's pid in a subshell)
+    script = (f"( while kill -0 {os.getpid()} 2>/dev/null && kill -0 $$ 2>/dev/null; "
+              f"do sleep 2; done; kill -KILL 0 ) & exec {shlex.join(cmd)}")
     return ["/bin/sh", "-c", script]
 
 
