@@ -11,11 +11,11 @@ import time
 import pytest
 from slurm_helpers import SMALL, metrics, strip
 
-# > 30 s per iteration even on an idle 2-core machine (19 s at 320 games there, 40-60 s under
-# load): 2 ranks (one per node) play and train on 640 Connect Four games of up to 6 turns
+# > 30 s per iteration even on an idle 2-core machine (19 s at 320 games and 1 epoch there, 40-60 s under
+# load): 2 ranks (one per node) play 320 Connect Four games of up to 6 turns and train 3 epochs
 SLOW = [o for o in SMALL if not o.startswith("rollout.max_turns=")] + [
     "layout=static", "layout.rollout=dp2", "layout.logprob=dp2", "layout.train=tp2",
-    "rollout.episodes_per_iteration=640", "rollout.max_turns=6", "run.iterations=2",
+    "rollout.episodes_per_iteration=320", "algorithm.epochs=3", "rollout.max_turns=6", "run.iterations=2",
     "run.checkpoint_every=2", "layout.memory_budget_gb=1"]
 
 
