@@ -6,8 +6,8 @@ exists, i.e. during iteration 1's rollout. Checked:
 - every iteration's metrics line exists, with rollout_engine "sglang" and
   rollout_logprob_diff_max < 1e-4 (fp32): the servers held the trainer's weights every time
   (every answer also carried the pushed weight version, or the engine would have raised);
-- the weight version advanced once per TRAIN step; the killed server was restarted (a second
-  start in its log) and the iteration still has all its episodes;
+- the weight version advanced once per TRAIN step; the killed server was restarted once (a start
+  after the killed pid in its log) and the iteration still has all its episodes;
 - after the run every server's port is free again (stopped by process group on close).
 """
 
@@ -87,7 +87,11 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
     assert [x["rollout_weight_version"] for x in lines] == ["it2", "it3", "it4"]
     assert killed, "the watcher never killed a server"
     log0 = (out / "sglang" / "logs-DP2-dp0" / "server-0.log").read_text()
-    assert log0.count("=== pid") == 2 and "restart after" in log0
+    # a first start may itself be retried on a busy host (SGLangEngine._first_start), so the
+    # log can hold more than two starts: what matters is a start after the killed process
+    pids0 = [int(x) for x in re.findall(r"=== pid (\d+)", log0)]
+    assert killed[0] in pids0 and pids0.index(killed[0]) < len(pids0) - 1, (killed, pids0)
+    assert "=== restart after" in log0
     assert lines[-1]["rollout_servers_died"] >= 1
     ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
     assert all(_port_free("127.0.0.1", p) for p in ports)
