@@ -134,6 +134,10 @@ class AlgorithmConfig:
     old_logprobs: str = "rollout"
     """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled) or "recompute" (the
     policy re-scores its episodes before TRAIN; trainer/old_logprobs.py)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling of the rollout/train mismatch: each sampled token's policy
+    gradient weighted by min(pi_old / pi_rollout, tis_cap) (verl, slime; 2.0 is their usual
+    value). None: off. Needs old_logprobs=recompute (pi_old is the trainer's re-scoring)."""
 
     def __post_init__(self):
         if self.old_logprobs not in ("rollout", "recompute"):
@@ -156,6 +160,13 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
+        if self.tis_cap is not None:
+            if self.tis_cap <= 0:
+                raise ConfigError(f"algorithm.tis_cap={self.tis_cap} must be > 0 (or null: off)")
+            if self.old_logprobs != "recompute":
+                raise ConfigError("algorithm.tis_cap weights by pi_old / pi_rollout, which needs "
+                                  "the trainer's old logprobs: set algorithm.old_logprobs="
+                                  "recompute (with 'rollout' the ratio is 1 by definition)")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,14 @@ tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding
   broadcast over the episode's policy tokens, ``grpo_advantages``. With KL in the reward the
   episode's summed k1 comes off r_i first (a sequence-level penalty).
 
+- Truncated importance sampling (TIS; Yao et al. 2025, verl's ``tis_imp_ratio_cap``, slime's
+  ``--use-tis``): the engine that sampled (SGLang, its own kernels) is not the trainer's old
+  policy, so each sampled token's policy-gradient term is weighted by
+  ``w = min(pi_old / pi_rollout, cap)``, detached, ``truncated_is_weights``. Every term of the
+  clipped surrogate (dual clip included) is linear in A and w > 0, so ``w * A`` in place of A is
+  exactly ``w * surrogate``; the KL and entropy terms are not weighted (they are not reached
+  through A).
+
 Invariants: advantages are exactly 0 where mask == 0; GRPO's advantages have mean 0 in every
 group of non-identical rewards; REINFORCE++'s have mean 0 over the batch's policy tokens.
 """
@@ -147,3 +155,15 @@ def grpo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Momen
     if scale:
         a = a / (moments.std[group].item() + eps)
     return a * mask
+
+
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, int]:
+    """(weights, truncated): ``min(exp(old_logp - rollout_logp), cap)`` on policy tokens and 1
+    elsewhere, and how many policy tokens the cap truncated (TIS, module docstring)."""
+    if cap <= 0:
+        raise ValueError(f"TIS cap must be > 0, got {cap}")
+    on = mask.bool()
+    ratio = torch.exp(old_logp.double() - rollout_logp.double())
+    weights = torch.where(on, ratio.clamp(max=cap), torch.ones_like(ratio))
+    return weights.to(old_logp.dtype), int((on & (ratio > cap)).sum())

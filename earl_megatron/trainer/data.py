@@ -64,6 +64,15 @@ def shifted_ids(token_ids: Sequence[int], length: int, pad_id: int = 0
     return ids[:-1].clone(), ids[1:].clone()
 
 
+def padded(values: torch.Tensor, length: int, fill: float = 1.0) -> torch.Tensor:
+    """A sample's per-prediction ``values`` [n - 1] as a [length] row, ``fill`` after them."""
+    if values.numel() > length:
+        raise ValueError(f"{values.numel()} values do not fit a row of {length} predictions")
+    out = torch.full((length,), fill, dtype=torch.float32)
+    out[:values.numel()] = values.float()
+    return out
+
+
 @dataclass(frozen=True)
 class SampleTensors:
     input_ids: torch.Tensor

@@ -16,6 +16,11 @@ and clipping against what was sampled); "recompute" replaces them by the trainer
 re-scoring runs whenever either is needed: always for SGLang (the diff is the proof of weight
 sync), and for the embedded engine only with "recompute".
 
+``algorithm.tis_cap`` (truncated importance sampling, rl/advantages.py): with "recompute", each
+sampled token is also weighted by min(pi_old / pi_rollout, cap), returned per sample for the
+trainer to apply to the advantages; recorded as ``tis_weight_mean`` (over sampled tokens) and
+``tis_truncated_fraction`` (the fraction the cap truncated).
+
 Token alignment: Episode.logprobs[j] is the logprob of token j (0.0 where loss_mask is 0); the
 LOGPROB stage returns one value per prediction, entry j - 1 scoring token j.
 """
@@ -23,10 +28,12 @@ LOGPROB stage returns one value per prediction, entry j - 1 scoring token j.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from earl_megatron.rl.advantages import truncated_is_weights
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.trainer.stages import BatchShape, reference_logprobs
@@ -34,27 +41,33 @@ from earl_megatron.trainer.stages import BatchShape, reference_logprobs
 
 def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
             tokens: dict[int, int], pad_id: int, batch: BatchShape, *, temperature: float,
-            replace: bool) -> tuple[list[Episode], dict]:
-    """(episodes, metrics): the policy's logprobs of this replica's episodes (in the layout it
-    played in), their distance to the engine's, and the episodes with the trainer's logprobs
-    when ``replace``. Collective over the world."""
+            replace: bool, tis_cap: Optional[float] = None
+            ) -> tuple[list[Episode], dict, dict[int, torch.Tensor]]:
+    """(episodes, metrics, tis): the policy's logprobs of this replica's episodes (in the layout
+    it played in), their distance to the engine's, the episodes with the trainer's logprobs when
+    ``replace``, and with ``tis_cap`` each sample's TIS weights (one per prediction, 1 off the
+    sampled tokens; empty without). Collective over the world."""
     if temperature <= 0:
         raise ValueError("re-scoring needs the sampling temperature > 0 (greedy rollouts have "
                          "no sampling distribution to compare)")
     recomputed, _ = reference_logprobs(policy, policy.layout, ids,
                                        {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
                                        pad_id, batch, temperature=temperature)
-    total = torch.zeros(2, dtype=torch.float64)  # [sum |diff|, sampled tokens]
+    # [sum |diff|, sampled tokens, sum of TIS weights, truncated tokens]
+    total = torch.zeros(4, dtype=torch.float64)
     worst = torch.zeros(1, dtype=torch.float64)
-    out = []
+    out, tis = [], {}
     for s, e in zip(ids, episodes):
         mask = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
         mine = recomputed[s].double()
         theirs = torch.tensor(e.logprobs[1:], dtype=torch.float64)
         diff = (mine - theirs).abs()[mask]
         if diff.numel():
-            total += torch.tensor([float(diff.sum()), diff.numel()], dtype=torch.float64)
+            total[:2] += torch.tensor([float(diff.sum()), diff.numel()], dtype=torch.float64)
             worst = torch.maximum(worst, diff.max().reshape(1))
+        if tis_cap is not None:
+            tis[s], cut = truncated_is_weights(mine, theirs, mask, tis_cap)
+            total[2:] += torch.tensor([float(tis[s][mask].sum()), cut], dtype=torch.float64)
         if replace:
             lp = [0.0] + [float(v) if m else 0.0 for v, m in zip(mine.tolist(), mask.tolist())]
             out.append(dataclasses.replace(e, logprobs=tuple(lp)))
@@ -64,5 +77,10 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
     # factor, so their ratio is the mean over all episodes; the max is unaffected
     dist.all_reduce(total)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    mean = float(total[0] / total[1]) if total[1] > 0 else 0.0
-    return out, {"rollout_logprob_diff": mean, "rollout_logprob_diff_max": float(worst[0])}
+    n = max(float(total[1]), 1.0)
+    found = {"rollout_logprob_diff": float(total[0]) / n,
+             "rollout_logprob_diff_max": float(worst[0])}
+    if tis_cap is not None:
+        found.update(tis_weight_mean=float(total[2]) / n,
+                     tis_truncated_fraction=float(total[3]) / n)
+    return out, found, tis

@@ -18,7 +18,8 @@ the values it uses.
 Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
 trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
 the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re-scored, to
-record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs.
+record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
+weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
 Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
 and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
@@ -50,7 +51,7 @@ from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
 from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from earl_megatron.trainer import segments
-from earl_megatron.trainer.data import episode_tensors
+from earl_megatron.trainer.data import episode_tensors, padded
 from earl_megatron.trainer.models import Models, build_models
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
@@ -127,12 +128,14 @@ class Trainer:
             return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
-        engine_metrics = {"rollout_engine": cfg.rollout.engine}
+        engine_metrics, tis = {"rollout_engine": cfg.rollout.engine}, {}
         if self.rescore:
             with t("old_logprob"):
-                episodes, found = rescore(policy, ids, episodes, tokens, self.tok.pad_token_id,
-                                          self.batch, temperature=cfg.rollout.temperature,
-                                          replace=cfg.algorithm.old_logprobs == "recompute")
+                episodes, found, tis = rescore(
+                    policy, ids, episodes, tokens, self.tok.pad_token_id, self.batch,
+                    temperature=cfg.rollout.temperature,
+                    replace=cfg.algorithm.old_logprobs == "recompute",
+                    tis_cap=cfg.algorithm.tis_cap)
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
@@ -156,6 +159,9 @@ class Trainer:
                                           in_reward=cfg.algorithm.kl_mode == "reward")
         adv = advantages(self.adv, policy, ids, samples, len(seeds),
                          kl=kl if self.adv.kl_coef else None)
+        metrics.update(advantage_check(self.adv, policy, ids, samples, adv, len(seeds)))
+        if tis:  # TIS: w * A trains exactly w * surrogate (rl/advantages.py)
+            adv = {s: adv[s] * padded(tis[s], adv[s].numel()) for s in ids}
         with t("switch"):
             trainee = models.policy_in(layouts["train"])
         with t("train"):
@@ -167,8 +173,7 @@ class Trainer:
         plan.last_lengths = lengths
         metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
                        clip_fraction=res.clip_fraction,
-                       dispatch_bytes=res.bytes_received + moved_lp,
-                       **advantage_check(self.adv, policy, ids, samples, adv, len(seeds)))
+                       dispatch_bytes=res.bytes_received + moved_lp)
         if res.entropy is not None:
             metrics["entropy"] = res.entropy
         return self.recorder.record(it, layouts, ids, episodes, lengths, t.total(), metrics,

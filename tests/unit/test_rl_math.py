@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from earl_megatron.rl.advantages import (grpo_advantage, local_moments, moment_sums,
                                          moments_from, normalize, squared_deviations,
-                                         token_returns, turn_ids, turn_returns)
+                                         token_returns, truncated_is_weights, turn_ids,
+                                         turn_returns)
 from earl_megatron.rl.losses import PolicyLossConfig, clipped_surrogate, k3_kl, policy_loss
 
 # two turns: tokens 1-2 (reward 0.5 at 2) and 4-5 (reward 1 at 5); 0, 3 are env tokens
@@ -137,6 +138,35 @@ def test_clipping_stops_gradient_beyond_trust_region():
     assert clipped.item() == 1.0
     assert logp.grad.item() == 0.0
     assert loss.item() == pytest.approx(-1.2)
+
+
+def test_tis_weights_by_hand():
+    old = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.3, 0.6]))
+    rollout = torch.log(torch.tensor([0.5, 0.4, 0.3, 0.3, 0.1]))
+    mask = torch.tensor([0., 1., 1., 0., 1.])
+    w, cut = truncated_is_weights(old, rollout, mask, cap=2.0)
+    # 0.2/0.4 = 0.5; 0.9/0.3 = 3 -> 2; off-mask 1; 0.6/0.1 = 6 -> 2
+    assert w.tolist() == pytest.approx([1.0, 0.5, 2.0, 1.0, 2.0])
+    assert cut == 2
+    with pytest.raises(ValueError, match="TIS cap must be > 0"):
+        truncated_is_weights(old, rollout, mask, cap=0.0)
+
+
+@pytest.mark.parametrize("ratio_cap", [None, 3.0])
+def test_tis_weighted_advantages_are_the_weighted_surrogate(ratio_cap):
+    # A * w in place of A trains w * surrogate, token by token, through clipping and dual clip
+    torch.manual_seed(0)
+    logp = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    old = (logp.detach() + 0.8 * torch.randn(64, dtype=torch.float64))
+    adv = torch.randn(64, dtype=torch.float64) * 2
+    w = torch.rand(64, dtype=torch.float64) * 2 + 0.01
+    cfg = PolicyLossConfig(ratio_cap=ratio_cap)
+    folded = clipped_surrogate(logp, old, adv * w, cfg)[0]
+    weighted = w * clipped_surrogate(logp, old, adv, cfg)[0]
+    assert torch.allclose(folded, weighted, rtol=1e-12, atol=1e-12)
+    g1, = torch.autograd.grad(folded.sum(), logp)
+    g2, = torch.autograd.grad(weighted.sum(), logp)
+    assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-12)
 
 
 def test_policy_loss_requires_ref_for_kl():
