@@ -4,10 +4,14 @@
    one thread, T=1 sampling, ``--engine-cases`` (default 16 prompts x 64 tokens, 32 new; 64 x
    256, 128 new): tokens/s (generated tokens / wall time of one batched call, prefill included,
    median of ``--reps`` interleaved repetitions) of the transformers reference engine (HFEngine,
-   outside the CPU backend, which it does not need), the embedded Megatron-Core engine (TP1),
-   and a real SGLang CPU server when its venv exists (``--sglang-venv``; the server's radix
-   cache is flushed before every repetition, or repeated prompts would be answered from cache).
-   Ratios embedded / HF and embedded / SGLang; target >= 1.0.
+   outside the CPU backend, which it does not need) and the embedded Megatron-Core engine (TP1);
+   then, when the SGLang venv exists (``--sglang-venv``, built by ``make sglang``), real SGLang
+   CPU servers in ``--sglang-layouts`` (tp1, tp2, dp2; radix caches flushed before every
+   repetition, or repeated prompts would be answered from cache; benchmarks/sglang_bench.py).
+   Ratios embedded / HF and embedded / SGLang tp1; target >= 1.0. Weight sync: the full state
+   dict of ``--sync-model`` pushed into one server with update_weights_from_distributed (gloo,
+   the trainer's path) vs written to disk and loaded with update_weights_from_disk: seconds,
+   bytes and the ratio.
 1. Decode throughput. For each rollout layout (default TP1 on 1 rank and TP2 on 2 ranks) and
    context (default 512 and 2,048 tokens): a batch of prompts of ``context - new`` tokens, then
    ``new`` greedy tokens, (a) with Megatron's StaticInferenceContext (one prefill, then one token
@@ -36,13 +40,9 @@ and >= 1.0x SGLang's CPU server (issue 15).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from earl_megatron.testing.multiproc import run_distributed
@@ -60,27 +60,11 @@ def digit_policy_weights(cfg, tokenizer, seed: int = 3):
 
 ENGINE_MODEL = dict(family="qwen2", num_layers=3, hidden_size=96, ffn_hidden_size=256,
                     num_attention_heads=6, num_query_groups=2)
-SGLANG_SERVE = Path(__file__).resolve().parents[2] / "shared" / "sglang-cpu" / "serve.sh"
+SYNC_MODEL = dict(family="qwen2", num_layers=8, hidden_size=512, ffn_hidden_size=1536,
+                  num_attention_heads=8, num_query_groups=2, vocab_size=4096)
 
 
-def _post(url: str, payload: dict):
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        body = r.read()
-        # /generate answers JSON; /flush_cache answers plain text ("Cache flushed. ...")
-        return json.loads(body) if "json" in r.headers.get("Content-Type", "") else body
-
-
-def _sglang_generate(url: str, prompts, new: int) -> int:
-    """One batched /generate at T=1 (logprobs returned, as the engines return them)."""
-    out = _post(url + "/generate", {"input_ids": prompts, "return_logprob": True,
-                                    "sampling_params": [{"temperature": 1.0, "max_new_tokens": new,
-                                                         "ignore_eos": True}] * len(prompts)})
-    return sum(len(o["output_ids"]) for o in out)
-
-
-def _engines_bench(hf_dir, cases, reps, sglang_url):
+def _engines_bench(hf_dir, cases, reps):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -118,18 +102,13 @@ def _engines_bench(hf_dir, cases, reps, sglang_url):
         greedy = SamplingParams(temperature=0.0, max_new_tokens=new)
         same = ([o.token_ids for o in run_embedded(prompts, greedy)]
                 == [o.token_ids for o in run_hf(prompts, greedy)])  # also the warm-up
-        walls = {"hf": [], "embedded": [], "sglang": []}
+        walls = {"hf": [], "embedded": []}
         for _ in range(reps):  # interleaved: every engine sees the same background load
             for name, fn in (("hf", run_hf), ("embedded", run_embedded)):
                 t0 = time.perf_counter()
                 out = fn(prompts, params)
                 walls[name].append((sum(len(o.token_ids) for o in out),
                                     time.perf_counter() - t0))
-            if sglang_url:
-                _post(sglang_url + "/flush_cache", {})
-                t0 = time.perf_counter()
-                n = _sglang_generate(sglang_url, prompts, new)
-                walls["sglang"].append((n, time.perf_counter() - t0))
         row = {"case": f"{batch} x {plen}, {new} new", "greedy_same": same}
         for name, w in walls.items():
             if w:
@@ -140,85 +119,64 @@ def _engines_bench(hf_dir, cases, reps, sglang_url):
     return rows
 
 
-def _start_sglang(venv: Path, model_dir: str, port: int):
-    """The SGLang CPU server (one thread) and its URL once /health answers; None if it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_CPU_OMP_THREADS_BIND="0")
-    env.pop("PYTHONPATH", None)
-    log = open(Path(model_dir) / "sglang.log", "w")
-    # its own session: the server's scheduler and detokenizer children end with its group
-    proc = subprocess.Popen(["bash", str(SGLANG_SERVE), str(venv), model_dir, str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900  # minutes on a busy 2-core host
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(2)
-    _stop(proc)
-    print(f"SGLang server did not come up (see {log.name}); SGLang column skipped")
-    return None, None
-
-
-def _stop(proc) -> None:
-    """End the server we started and its children (its process group), by id."""
-    import signal
-
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def engines_section(args) -> None:
-    import torch
+def _hf_dir(out: str, model: dict, seed: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from earl_megatron.config.model import ModelConfig
-    from earl_megatron.testing.multiproc import free_port
-    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
     from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
 
-    cfg = ModelConfig.tiny(**ENGINE_MODEL)
+    cfg = ModelConfig.tiny(**model)
+    hc = {k: v for k, v in to_hf_config(cfg).items() if k != "architectures"}
+    hf = Qwen2ForCausalLM(Qwen2Config(**hc)).float()
+    hf.load_state_dict(to_hf(cfg, reference_weights(cfg, seed=seed)), strict=False)
+    hf.save_pretrained(out)
+
+
+def engines_section(args) -> None:
+    from sglang_bench import layout_rates, weight_sync
+
     cases = [tuple(int(x) for x in c.split("x")) for c in args.engine_cases.split(",")]
+    venv = Path(args.sglang_venv).expanduser() if args.sglang_venv else None
+    python = str(venv / "bin" / "python") if venv else ""
+    if venv and not Path(python).is_file():
+        print(f"no SGLang venv at {venv} (`make sglang` builds it): SGLang columns skipped")
+        python = ""
+    layouts = [x for x in args.sglang_layouts.split(",") if x] if python else []
     with tempfile.TemporaryDirectory() as tmp:
-        hc = {k: v for k, v in to_hf_config(cfg).items() if k != "architectures"}
-        model = Qwen2ForCausalLM(Qwen2Config(**hc)).float()
-        model.load_state_dict(to_hf(cfg, reference_weights(cfg, seed=7)), strict=False)
-        model.save_pretrained(tmp)
-        venv = Path(args.sglang_venv).expanduser() if args.sglang_venv else None
-        proc, url = None, args.sglang_url
-        if url:
-            print(f"SGLang: the running server at {url} (it must serve the same weights: "
-                  f"{ENGINE_MODEL}, reference_weights(seed=7))")
-        elif venv and (venv / "bin" / "python").is_file():
-            proc, url = _start_sglang(venv, tmp, free_port())
-        elif venv:
-            print(f"no SGLang venv at {venv}: SGLang column skipped")
-        try:
-            rows = run_distributed(_engines_bench, 1, tmp, cases, args.reps, url,
-                                   timeout=1800)[0]
-        finally:
-            if proc is not None:
-                _stop(proc)
-    print("engines: tiny Qwen2 (3 layers, hidden 96), one thread, T=1, tokens/s (wall, median "
-          f"of {args.reps} interleaved reps, prefill included)")
-    print(f"{'case':>22} {'HF':>8} {'embedded':>9} {'SGLang':>8} {'emb/HF':>7} "
-          f"{'emb/SGLang':>10} {'greedy emb == HF':>17}")
-    for r in rows:
-        sg, emb = r.get("sglang"), r["embedded"]
-        sg_tok, sg_ratio = (f"{sg:.0f}", f"{emb / sg:.2f}x") if sg else ("-", "-")
-        print(f"{r['case']:>22} {r['hf']:>8.0f} {emb:>9.0f} {sg_tok:>8} "
-              f"{emb / r['hf']:>6.2f}x {sg_ratio:>10} {str(r['greedy_same']):>17}")
+        _hf_dir(tmp, ENGINE_MODEL, seed=7)
+        rows = run_distributed(_engines_bench, 1, tmp, cases, args.reps, timeout=1800)[0]
+        sglang = layout_rates(python, tmp, cases, args.reps, layouts) if layouts else {}
+    print("engines: tiny Qwen2 (3 layers, hidden 96), one thread per rank, T=1, tokens/s "
+          f"(wall, median of {args.reps} reps, prefill included)")
+    heads = "".join(f" {'SGLang ' + n:>11}" for n in sglang)
+    print(f"{'case':>22} {'HF':>8} {'embedded':>9}{heads} {'emb/HF':>7} {'emb/SGL tp1':>11} "
+          f"{'greedy emb == HF':>17}")
+    for i, r in enumerate(rows):
+        emb = r["embedded"]
+        cols = "".join(f" {v[i]:>11.0f}" for v in sglang.values())
+        tp1 = f"{emb / sglang['tp1'][i]:.2f}x" if "tp1" in sglang else "-"
+        print(f"{r['case']:>22} {r['hf']:>8.0f} {emb:>9.0f}{cols} {emb / r['hf']:>6.2f}x "
+              f"{tp1:>11} {str(r['greedy_same']):>17}")
     print()
+    if python and args.sync_reps > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            _hf_dir(tmp, SYNC_MODEL, seed=5)
+            s = weight_sync(python, tmp, args.sync_reps)
+        mb = s["bytes"] / 2**20
+        disk = s["disk_write_s"] + s["disk_load_s"]
+        print(f"weight sync into one SGLang tp1 server: Qwen2 {SYNC_MODEL['num_layers']} layers, "
+              f"hidden {SYNC_MODEL['hidden_size']}, {s['tensors']} tensors, {mb:.1f} MiB fp32 "
+              f"(median of {args.sync_reps})")
+        print(f"  update_weights_from_distributed (gloo): {s['distributed_s']:.2f} s, "
+              f"{mb:.1f} MiB broadcast, {mb / s['distributed_s']:.0f} MiB/s")
+        print(f"  disk: write {s['disk_write_s']:.2f} s + update_weights_from_disk "
+              f"{s['disk_load_s']:.2f} s = {disk:.2f} s, {s['disk_bytes'] / 2**20:.1f} MiB "
+              f"written and read")
+        print(f"  ratio disk / distributed: {disk / s['distributed_s']:.2f}x; same greedy tokens "
+              f"after both: {s['same_greedy']} (and other tokens on the other weight set: "
+              f"{s['base_differs']})")
+        print()
 
 
 def _decode_bench(layout_name, contexts, new, batch, reps):
@@ -324,8 +282,12 @@ def main() -> None:
     ap.add_argument("--engine-cases", default="16x64x32,64x256x128",
                     help="prompts x prompt tokens x new tokens, comma-separated; 'none' skips")
     ap.add_argument("--sglang-venv", default="~/.cache/earl-sglang-cpu",
-                    help="SGLang CPU venv (../shared/sglang-cpu/setup.sh); '' skips SGLang")
-    ap.add_argument("--sglang-url", help="use this running SGLang server instead of starting one")
+                    help="SGLang CPU venv (`make sglang` builds it); '' skips SGLang")
+    ap.add_argument("--sglang-layouts", default="tp1,tp2,dp2",
+                    help="SGLang server layouts for the engines table (tpN: one server of N "
+                         "ranks; dpN: N tp1 servers)")
+    ap.add_argument("--sync-reps", type=int, default=3,
+                    help="weight-sync repetitions, distributed vs disk (0 skips)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.engine_cases != "none":

@@ -132,8 +132,9 @@ class SGLangEngine:
             out.extend(f.result())
         return out
 
-    def update_weights(self, source: Any) -> None:
-        """Load an HF checkpoint directory (same architecture) into every server."""
+    def update_weights(self, source: Any, weight_version: Optional[str] = None) -> None:
+        """Load an HF checkpoint directory (same architecture) into every server; answers must
+        carry ``weight_version`` afterwards (None: the version is no longer checked)."""
         path = Path(os.fspath(source)).resolve()
         if not (path / "config.json").is_file():
             raise ValueError(f"update_weights takes an HF model directory; {str(path)!r} has no "
@@ -143,10 +144,19 @@ class SGLangEngine:
         self._model_path = str(path)  # restarts from here on load these weights
         self._weights_on_disk = True
         payload = {"model_path": str(path), "flush_cache": True}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        self.expected_version = weight_version
         for result in self._pool.map(lambda s: self._call(s, "/update_weights_from_disk", payload),
                                      self._servers):
             if not result.get("success", False):
                 raise SGLangRequestError(f"update_weights_from_disk failed: {result}")
+
+    def flush_cache(self) -> None:
+        """Empty every server's radix cache (benchmarks: a repeated prompt is otherwise served
+        from the cache)."""
+        self._check_open()
+        self._post_all("/flush_cache", [(s, {}) for s in self._servers])
 
     def release_memory(self) -> None:
         self._memory_occupation("/release_memory_occupation")

@@ -276,7 +276,12 @@ class _Server:
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException,
                 TimeoutError, OSError) as e:
             raise _Unreachable(f"{type(e).__name__}: {e}") from None
-        return json.loads(body) if body else None
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:  # some routes answer plain text (/flush_cache: "Cache flushed...")
+            return body.decode(errors="replace")
 
     def log_tail(self, lines: int = 30) -> str:
         try:
