@@ -84,6 +84,10 @@ class RolloutConfig:
     sglang_python: Optional[str] = None
     """engine=sglang: Python of the SGLang venv (`make sglang` builds a CPU one); checked on
     every rank before any model or server is built."""
+    sglang_bucket_mb: float = 512.0
+    """engine=sglang: weight sync after each TRAIN step moves the model in buckets of at most
+    this many MiB (gathered, converted to HF names, broadcast, freed), so no rank holds more
+    than one bucket of other ranks' shards at once (slime's update_weight_buffer_size: 512 MB)."""
     sglang_device: str = "cuda"
     """engine=sglang: "cuda" (servers colocated on the rollout replica's GPUs, memory saver on)
     or "cpu" (separate processes, the kit's flags; tests and tiny models)."""
@@ -91,6 +95,8 @@ class RolloutConfig:
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
             raise ConfigError(f"rollout.engine={self.engine!r}: use 'embedded' or 'sglang'")
+        if self.sglang_bucket_mb <= 0:
+            raise ConfigError(f"rollout.sglang_bucket_mb={self.sglang_bucket_mb} must be > 0")
         if self.sglang_device not in ("cuda", "cpu"):
             raise ConfigError(f"rollout.sglang_device={self.sglang_device!r}: use cuda or cpu")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")

@@ -108,13 +108,14 @@ class EmbeddedRollout:
 
 
 def make_rollout(engine: str, spec: EpisodeSpec, tokenizer, *, model=None, python=None,
-                 device: str = "cuda", out_dir=None) -> Rollout:
+                 device: str = "cuda", out_dir=None, bucket_mb: float = 512.0) -> Rollout:
     """The engine of ``rollout.engine`` (validated by the config); ``model``, ``python``,
-    ``device`` and ``out_dir`` (SGLang's logs and start model) serve ``sglang`` only."""
+    ``device``, ``out_dir`` (SGLang's logs and start model) and ``bucket_mb`` (weight-sync
+    buckets) serve ``sglang`` only."""
     if engine == "embedded":
         return EmbeddedRollout(spec, tokenizer)
     if engine == "sglang":
         from earl_megatron.trainer.sglang_rollout import SGLangRollout
         return SGLangRollout(spec, tokenizer, model, python=python, device=device,
-                             out_dir=out_dir)
+                             out_dir=out_dir, bucket_bytes=int(bucket_mb * 2**20))
     raise ValueError(f"rollout.engine={engine!r}: use embedded or sglang")

@@ -88,7 +88,8 @@ class Trainer:
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer, model=cfg.model,
-            python=r.sglang_python, device=r.sglang_device, out_dir=self.out)
+            python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
+            bucket_mb=r.sglang_bucket_mb)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"

@@ -17,8 +17,12 @@ Invariants:
   weight version (``it<k>``), every /generate answer carries the server's version, and the
   engine raises on a mismatch. Pushes happen after every TRAIN step (``sync``) and before the
   first request of fresh servers (start, layout change).
+- Weights travel in buckets of at most ``rollout.sglang_bucket_mb`` (weights/gather.py
+  ``gather_buckets``: each pp_stage's owners contribute their layers, every rank holds one
+  bucket of others' shards at a time); only the last bucket carries the new version, so no
+  answer matches it before every bucket is in.
 - A server that dies is restarted by SGLangEngine's supervision; ``on_restart`` re-pushes the
-  last weights (the leader keeps that push's HF tensors in host memory) under the same version,
+  last weights (the leader keeps that push's HF buckets in host memory) under the same version,
   and the failed turn's requests are resubmitted: no episode is lost, none sampled from stale
   weights.
 - Servers are stopped by their process group on close(), at exit, and when a layout changes.
@@ -79,22 +83,25 @@ class SGLangRollout:
     """``Rollout`` over SGLang servers in the rollout layout (see the module docstring)."""
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
-                 device: str, out_dir: Path, startup_timeout_s: float = 600.0):
+                 device: str, out_dir: Path, startup_timeout_s: float = 600.0,
+                 bucket_bytes: int = 512 << 20):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
         self.spec, self.tok, self.model_cfg = spec, tokenizer, model
         self.python, self.device = python, device
         self.dir = Path(out_dir) / "sglang"
         self.startup_timeout_s = startup_timeout_s
+        self.bucket_bytes = bucket_bytes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout: Optional[ParallelLayout] = None  # the servers' (tp, dp); None: none running
         self.engine = None          # this rank's server (replica leaders only)
         self.group = None           # weight-update group with that server (leaders only)
         self.replica_group = None   # ranks of this rank's replica (episodes are broadcast here)
         self.version = 0            # pushes so far; the served weights are "it<version>"
-        self.last_push: list = []   # HF tensors of the last push (leaders: re-push on restart)
+        self.last_push: list = []   # HF buckets of the last push (leaders: re-push on restart)
         self.endpoints: list[str] = []
-        self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0}
+        self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0,
+                            "push_buckets": 0, "push_bucket_max_bytes": 0}
         self._fresh = True          # servers hold no pushed weights yet
         self._released = False
 
@@ -143,25 +150,32 @@ class SGLangRollout:
         return block, episodes[0]
 
     def sync(self, policy: ModelOnLayout) -> None:
-        """Push the policy's weights (any layout) into every server: all ranks call it."""
-        from earl_megatron.weights.gather import gather_full
+        """Push the policy's weights (any layout) into every server, bucket by bucket (at most
+        ``bucket_bytes`` each, weights/gather.py): all ranks call it."""
+        from earl_megatron.weights.gather import gather_buckets
         from earl_megatron.weights.hf_mapping import to_hf
 
         if self.layout is None:
             return  # no servers yet: the first play pushes before its first request
         t0 = time.perf_counter()
-        full = gather_full(policy.model, policy.cfg, policy.layout)
         self.version += 1
+        if self.engine is not None and self._released:
+            self.engine.resume_memory()
+            self._released = False
+        self.last_push = []  # never two copies of the model in the leader's host memory
+        pushed, total, largest, count = [], 0, 0, 0
+        for i, n, bucket in gather_buckets(policy.model, policy.cfg, policy.layout,
+                                           self.bucket_bytes):
+            hf = sorted(to_hf(self.model_cfg, bucket, partial=True).items())
+            del bucket
+            size = sum(t.numel() * t.element_size() for _, t in hf)
+            total, largest, count = total + size, max(largest, size), n
+            if self.engine is not None:
+                self._push(hf, last=i == n - 1)
+                pushed.append(hf)
         if self.engine is not None:
-            hf = sorted(to_hf(self.model_cfg, full).items())
-            del full
-            if self._released:
-                self.engine.resume_memory()
-                self._released = False
-            self.last_push = hf
-            self.engine.push_weights_distributed(hf, self.group, group_name=self._group_name,
-                                                 weight_version=f"it{self.version}")
-            self.stats["push_bytes"] = sum(t.numel() * t.element_size() for _, t in hf)
+            self.last_push = pushed  # the leader's host memory: re-pushed after a restart
+        self.stats.update(push_bytes=total, push_buckets=count, push_bucket_max_bytes=largest)
         self._fresh = False
         self.stats["push_s"] = time.perf_counter() - t0
         died = torch.tensor([sum(self.engine.restarts) if self.engine is not None else 0])
@@ -174,6 +188,8 @@ class SGLangRollout:
                 "rollout_weight_version": f"it{self.version}",
                 "rollout_push_s": self.stats["push_s"],
                 "rollout_push_bytes": self.stats["push_bytes"],
+                "rollout_push_buckets": self.stats["push_buckets"],
+                "rollout_push_bucket_max_bytes": self.stats["push_bucket_max_bytes"],
                 "rollout_layout_restarts": self.stats["restarts"],
                 "rollout_server_restart_s": self.stats["restart_s"],
                 "rollout_servers_died": self.stats.get("died", 0)}
@@ -248,12 +264,20 @@ class SGLangRollout:
                                                  self._group_name, backend=backend)
         pending.result()
 
+    def _push(self, hf: list, last: bool) -> None:
+        """One bucket of HF tensors into this leader's server; the last one carries the weight
+        version, so answers match it only once every bucket is in. NCCL (GPU) broadcasts from
+        the device: the bucket is copied there and freed after."""
+        if self.device == "cuda":
+            hf = [(name, t.to(torch.cuda.current_device())) for name, t in hf]
+        self.engine.push_weights_distributed(hf, self.group, group_name=self._group_name,
+                                             weight_version=f"it{self.version}" if last else None)
+
     def _repush(self, index: int) -> None:
         """After a server restart (supervision thread, leader only): same weights, same version."""
         self._join_group()
-        self.engine.push_weights_distributed(self.last_push, self.group,
-                                             group_name=self._group_name,
-                                             weight_version=f"it{self.version}")
+        for i, hf in enumerate(self.last_push):
+            self._push(hf, last=i == len(self.last_push) - 1)
 
     def _stop(self) -> None:
         if self.engine is not None:

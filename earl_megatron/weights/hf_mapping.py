@@ -128,10 +128,14 @@ def to_megatron(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torc
     return {r.name: combine(r, cfg, [hf[n] for n in r.hf]) for r in rules(cfg)}
 
 
-def to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full Megatron tensors -> HF state dict (small models, tests)."""
+def to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor], *,
+          partial: bool = False) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors -> HF state dict (small models, tests). ``partial``: only the
+    tensors ``full`` holds (a bucket of a weight sync); otherwise every one must be there."""
     out: dict[str, torch.Tensor] = {}
     for r in rules(cfg):
+        if partial and r.name not in full:
+            continue
         out.update(split(r, cfg, full[r.name]))
     return out
 

@@ -6,7 +6,7 @@ exists, i.e. during iteration 1's rollout. Checked:
 - every iteration's metrics line exists, with rollout_engine "sglang" and
   rollout_logprob_diff_max < 1e-4 (fp32): the servers held the trainer's weights every time
   (every answer also carried the pushed weight version, or the engine would have raised);
-- the weight version advanced once per TRAIN step; the killed server was restarted once (a start
+- the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB; the killed server was restarted once (a start
   after the killed pid in its log) and the iteration still has all its episodes;
 - after the run every server's port is free again (stopped by process group on close).
 """
@@ -56,7 +56,8 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
         "env": {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
                 "eval_opponents": ["random"]},
         "rollout": {"engine": "sglang", "sglang_python": sglang_python, "sglang_device": "cpu",
-                    "episodes_per_iteration": 4, "max_turns": 4},
+                    "episodes_per_iteration": 4, "max_turns": 4,
+                    "sglang_bucket_mb": 0.1},  # the ~0.8 MB model in buckets of <= 100 KiB
         "algorithm": {"micro_batch_size": 2},
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
@@ -85,6 +86,9 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
         assert x["layouts"]["rollout"] == "DP2" and len(x["rollout_servers"]) == 2
     # pushes: one before the start evaluation, then one after every TRAIN step
     assert [x["rollout_weight_version"] for x in lines] == ["it2", "it3", "it4"]
+    for x in lines:  # bucketed pushes: several buckets, each within the cap but single tensors
+        assert x["rollout_push_buckets"] > 3, x["rollout_push_buckets"]
+        assert x["rollout_push_bucket_max_bytes"] <= 0.1 * 2**20
     assert killed, "the watcher never killed a server"
     log0 = (out / "sglang" / "logs-DP2-dp0" / "server-0.log").read_text()
     # a first start may itself be retried on a busy host (SGLangEngine._first_start), so the
