@@ -78,6 +78,8 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def with_(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``; the family's features are already resolved here, so a new
+        ``family`` keeps this config's add_qkv_bias / qk_layernorm unless given as None."""
         return replace(self, **changes)
 
     @classmethod
