@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.model import FAMILIES, ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import Selector, SelectorState
@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    ap.add_argument("--family", choices=FAMILIES, default="llama")
     ap.add_argument("--measured", help="use this measurement instead of measuring")
     ap.add_argument("--calibration", help="ProfileTable from a different run (calibration)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.model import FAMILIES, ModelConfig
 from earl_megatron.plan.layout import enumerate_layouts
 from earl_megatron.plan.tensor_table import num_parameters
 from earl_megatron.runtime import groups
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--family", default="llama", choices=["llama", "qwen2"])
+    ap.add_argument("--family", default="llama", choices=FAMILIES)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = init_distributed()

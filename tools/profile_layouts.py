@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.model import FAMILIES, ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.specs import Stage, StageWorkload
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "TrainOptions() assumes)")
     p.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model: ModelConfig.tiny(family) with optional overrides")
-    m.add_argument("--family", choices=("llama", "qwen2"), default="llama")
+    m.add_argument("--family", choices=FAMILIES, default="llama")
     for flag, field in [("--layers", "num_layers"), ("--hidden", "hidden_size"),
                         ("--ffn", "ffn_hidden_size"), ("--heads", "num_attention_heads"),
                         ("--kv-heads", "num_query_groups"), ("--vocab", "vocab_size")]:

@@ -1,12 +1,15 @@
-"""Model architecture config for the Llama / Qwen2 family: one frozen value, no torch imports.
+"""Model architecture config for the Llama / Qwen2 / Qwen3 family: one frozen value, no torch.
 
 ``ModelConfig`` describes a decoder-only transformer with RMSNorm, SwiGLU, rotary embeddings and
-grouped-query attention, optionally with a qkv bias (Qwen2) and tied embeddings. It is the one
+grouped-query attention, optionally with a qkv bias (Qwen2), RMSNorm on queries and keys per head
+(Qwen3, Megatron-Core's ``qk_layernorm``) and tied embeddings. It is the one
 model value every layer uses: layouts are checked against it (plan/layout.py), its tensors are
 listed from it (plan/tensor_table.py, which also counts its parameters) and models/provider.py
 turns it into Megatron-Core's TransformerConfig.
 Invariants: ``num_attention_heads % num_query_groups == 0``;
-``kv_channels`` defaults to ``hidden_size // num_attention_heads``.
+``kv_channels`` defaults to ``hidden_size // num_attention_heads`` (Qwen3 sets it: its head_dim
+is independent of hidden_size / heads); ``add_qkv_bias`` and ``qk_layernorm`` left None take the
+family's value (qwen2: bias; qwen3: q/k norms), so ``model.family=qwen3`` alone switches a recipe.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
+# What each family's HF architecture always has (the values None resolves to).
+FAMILY_FEATURES = {"llama": {"add_qkv_bias": False, "qk_layernorm": False},
+                   "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
+                   "qwen3": {"add_qkv_bias": False, "qk_layernorm": True}}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = "llama"
-    """Architecture family: "llama" (no qkv bias) or "qwen2" (qkv bias)."""
+    """Architecture family: "llama" (no qkv bias), "qwen2" (qkv bias) or "qwen3" (q/k norms)."""
     num_layers: int = 4
     hidden_size: int = 64
     ffn_hidden_size: int = 128
@@ -29,11 +36,16 @@ class ModelConfig:
     """Number of KV heads (GQA); equal to num_attention_heads for plain multi-head attention."""
     vocab_size: int = 128
     kv_channels: Optional[int] = None
-    """Head dim; None means hidden_size // num_attention_heads."""
+    """Head dim (HF ``head_dim``); None means hidden_size // num_attention_heads, and that value
+    given explicitly is stored as None (one spelling: a recipe and a checkpoint compare equal)."""
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-6
-    add_qkv_bias: bool = False
+    add_qkv_bias: Optional[bool] = None
+    """Bias on the q/k/v projections; None: the family's (True for qwen2 only)."""
+    qk_layernorm: Optional[bool] = None
+    """RMSNorm over each query and key head (weights of shape [head_dim]) before rotary;
+    None: the family's (True for qwen3 only)."""
     tie_word_embeddings: bool = False
     params_dtype: str = "float32"
     """"float32" or "bfloat16"."""
@@ -41,6 +53,16 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; supported: {FAMILIES}")
+        # None -> the family's value, stored as a bool (equality and hashing see the resolved value)
+        for key, value in FAMILY_FEATURES[self.family].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels={self.kv_channels} must be >= 1 (or null: "
+                             "hidden_size // num_attention_heads)")
+        if self.kv_channels is not None and \
+                self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple "
                              f"of num_query_groups={self.num_query_groups}")
@@ -56,10 +78,12 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def with_(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``; the family's features are already resolved here, so a new
+        ``family`` keeps this config's add_qkv_bias / qk_layernorm unless given as None."""
         return replace(self, **changes)
 
     @classmethod
     def tiny(cls, family: str = "llama", **overrides) -> "ModelConfig":
-        """The test/demo model: 4 layers, d=64, 8 heads, 4 KV groups, vocab 128 (~0.2M params)."""
-        base = cls(family=family, add_qkv_bias=(family == "qwen2"))
-        return replace(base, **overrides)
+        """The test/demo model: 4 layers, d=64, 8 heads, 4 KV groups, vocab 128 (~0.2M params),
+        with the family's qkv bias / q-k norms."""
+        return cls(family=family, **overrides)

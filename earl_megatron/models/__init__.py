@@ -1,1 +1,1 @@
-"""Megatron-Core GPTModel providers for the Llama/Qwen2 family and CP attention without TE."""
+"""Megatron-Core GPTModel providers for the Llama/Qwen2/Qwen3 family and CP attention without TE."""

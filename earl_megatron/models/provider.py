@@ -1,10 +1,13 @@
-"""Megatron-Core GPTModel for the Llama / Qwen2 family, built for a given layout.
+"""Megatron-Core GPTModel for the Llama / Qwen2 / Qwen3 family, built for a given layout.
 
 ``build_gpt_model(cfg, layout)`` returns Megatron-Core's own ``GPTModel`` for this rank's
 pp_stage (pre_process on the first, post_process on the last), with:
 
 - RMSNorm, SwiGLU (gated_linear_unit + silu), rotary embeddings (``rotary_base``), GQA
-  (``num_query_groups``), optional qkv bias (Qwen2), tied or untied embeddings;
+  (``num_query_groups``), head dim ``kv_channels`` (Qwen3's ``head_dim``, independent of
+  hidden / heads), optional qkv bias (Qwen2), optional RMSNorm on every query and key head
+  (Qwen3: ``qk_layernorm``, the spec's ``q_layernorm`` / ``k_layernorm``), tied or untied
+  embeddings;
 - TransformerEngine layer specs when TE is importable and CUDA is present; otherwise Megatron's
   local spec, whose core attention is replaced by ``AllGatherKVAttention`` when cp > 1 (Megatron's
   own DotProductAttention refuses CP without TE);
@@ -65,6 +68,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -101,14 +105,15 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(layout: ParallelLayout):
-    """TE spec when usable, else the local spec (with CP attention when cp > 1)."""
+def layer_spec(layout: ParallelLayout, cfg: ModelConfig):
+    """TE spec when usable, else the local spec (with CP attention when cp > 1); both with
+    Megatron's own q/k norms when ``cfg.qk_layernorm``."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if te_available():
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     if layout.cp > 1:
         from earl_megatron.models.cp_attention import AllGatherKVAttention
 
@@ -125,7 +130,7 @@ def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bo
     tcfg = config or transformer_config(cfg, layout)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(layout),
+        transformer_layer_spec=layer_spec(layout, cfg),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

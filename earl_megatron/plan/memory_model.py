@@ -115,9 +115,12 @@ def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: i
     RMSNorm keeps its input, the normalised input, its output and 1/rms (3h + 1); Q, the context
     and K, V repeated to every query head (the unfused GQA path) a*d/t each; SwiGLU 5f/t (fc1
     output 2f, silu output, gate x up, the chunk copy); rotary cos/sin for q and k (4d); the
-    softmax output (a/t x s_kv per query token) and the causal mask (1 B per score, per layer).
+    softmax output (a/t x s_kv per query token) and the causal mask (1 B per score, per layer);
+    Qwen3's q/k norms (``qk_layernorm``) keep the same three tensors and 1/rms per head:
+    (3(q + kv) + a + g)/t.
     ``fused_attention=True`` is the TransformerEngine path (Korthikanti et al. 2022 accounting
-    without dropout): norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU 4f/t, fp32 log-sum-exp.
+    without dropout): norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU 4f/t, fp32 log-sum-exp;
+    q/k norms their input (q + kv)/t and an fp32 1/rms per head (not measured: no TE here).
     """
     t, c, h, f = layout.tp, layout.cp, model.hidden_size, model.ffn_hidden_size
     a, d = model.num_attention_heads, model.head_dim
@@ -125,12 +128,15 @@ def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: i
     local = math.ceil(tokens / c)
     # Packed sequences: sum of s_i^2 over the micro-batch is at most tokens * longest.
     scores = math.ceil(tokens * min(longest, tokens) / c)
+    # q/k norms (Qwen3): their elements and their rows (one 1/rms per head) on this tp rank
+    qk, qk_rows = ((q + kv) // t, (a + model.num_query_groups) // t) if model.qk_layernorm \
+        else (0, 0)
     if fused_attention:
-        per_token = act_bytes * (4 * h + (q + 2 * kv) // t + q // t + 4 * f // t)
-        return local * (per_token + (a // t) * 4)            # + fp32 log-sum-exp per head
+        per_token = act_bytes * (4 * h + (q + 2 * kv) // t + q // t + 4 * f // t + qk)
+        return local * (per_token + (a // t + qk_rows) * 4)  # + fp32 log-sum-exp, 1/rms
     kv_mult = c                 # the all-gather CP attention keeps the gathered K and V
     per_token = act_bytes * (2 * (3 * h + 1) + 2 * (q // t) * kv_mult + 2 * (q // t)
-                             + 5 * f // t + 4 * d)
+                             + 5 * f // t + 4 * d + 3 * qk + qk_rows)
     total = local * per_token
     if keep_scores:
         total += scores * ((a // t) * act_bytes + 1)

@@ -28,6 +28,12 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=32, num_query_groups=8, vocab_size=128256,
         max_position_embeddings=8192, rotary_base=500000.0, norm_epsilon=1e-5,
         add_qkv_bias=False, tie_word_embeddings=False, params_dtype="bfloat16"),
+    # Qwen/Qwen3-8B: 8,190,735,360 parameters (q/k norms; head_dim 128 given explicitly).
+    "qwen3-8b": ModelConfig(
+        family="qwen3", num_layers=36, hidden_size=4096, ffn_hidden_size=12288,
+        num_attention_heads=32, num_query_groups=8, kv_channels=128, vocab_size=151936,
+        max_position_embeddings=40960, rotary_base=1e6, norm_epsilon=1e-6,
+        tie_word_embeddings=False, params_dtype="bfloat16"),
     # The repository's test model (ModelConfig.tiny): 164,416 parameters.
     "tiny": ModelConfig.tiny(),
 }

@@ -2,7 +2,7 @@
 
 Pure. Its readers: the reshard and state plans, shard/unshard and TP attributes (models/), the
 HF mapping, the memory model's parameter counts and the selector's switch pricing. For the
-Llama / Qwen2 GPTModel (layer i)::
+Llama / Qwen2 / Qwen3 GPTModel (layer i)::
 
     local spec name (TE spec name if it differs)       split stride HF tensors (combine)
     embedding.word_embeddings.weight                      0     1   embed_tokens
@@ -10,6 +10,8 @@ Llama / Qwen2 GPTModel (layer i)::
       (TE: decoder.layers.i.self_attention.linear_qkv.layer_norm_weight)
     decoder.layers.i.self_attention.linear_qkv.weight     0     1   q, k, v (qkv)
     decoder.layers.i.self_attention.linear_qkv.bias       0     1   q, k, v biases (Qwen2)
+    decoder.layers.i.self_attention.q_layernorm.weight    -     1   q_norm (Qwen3, [head_dim])
+    decoder.layers.i.self_attention.k_layernorm.weight    -     1   k_norm (Qwen3, [head_dim])
     decoder.layers.i.self_attention.linear_proj.weight    1     1   o_proj
     decoder.layers.i.pre_mlp_layernorm.weight             -     1   post_attention_layernorm
       (TE: decoder.layers.i.mlp.linear_fc1.layer_norm_weight)
@@ -21,6 +23,9 @@ Llama / Qwen2 GPTModel (layer i)::
 - TransformerEngine fuses the two pre-norms into linear_qkv / linear_fc1 (``layer_norm_weight``);
   the tensor, its shape and its placement are the same, so a TE name and a local name of one row
   describe the same bytes and switch and convert alike (``TensorTable.row`` accepts either).
+  The q/k norms (``qk_layernorm``) keep their names in both specs: one [head_dim] weight shared
+  by every head, replicated on every tp rank (Megatron's finalize_model_grads sums their grads
+  over tp, since each rank's heads contribute a part).
 - qkv rows are grouped per KV group ``[q heads of g | k_g | v_g]``, so a contiguous dim-0 TP
   split hands each tp rank whole groups; SwiGLU fc1 is ``[gate; up]`` with partition stride 2:
   tp rank r holds ``[gate_r; up_r]``.
@@ -178,7 +183,7 @@ def _row(name, shape, split_dim, stride, layer, hf, combine, tied_to=None) -> Te
 @functools.lru_cache(maxsize=64)
 def tensor_table(cfg: ModelConfig) -> TensorTable:
     """Every tensor of ``cfg``'s GPTModel (Megatron-Core 0.16, RMSNorm, SwiGLU, no linear
-    biases except the optional qkv bias). Cached: a ModelConfig is a frozen value."""
+    biases except the optional qkv bias, optional per-head q/k norms). Cached: a ModelConfig is a frozen value."""
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
     q = cfg.num_attention_heads * d
     qkv = q + 2 * cfg.num_query_groups * d
@@ -194,6 +199,10 @@ def tensor_table(cfg: ModelConfig) -> TensorTable:
         if cfg.add_qkv_bias:
             rows.append(_row(m + "self_attention.linear_qkv.bias", (qkv,), 0, 1, i,
                              tuple(f"{attn}{x}_proj.bias" for x in "qkv"), "qkv"))
+        if cfg.qk_layernorm:
+            for x in "qk":
+                rows.append(_row(f"{m}self_attention.{x}_layernorm.weight", (d,), None, 1, i,
+                                 (f"{attn}{x}_norm.weight",), "copy"))
         rows.append(_row(m + "self_attention.linear_proj.weight", (h, q), 1, 1, i,
                          (attn + "o_proj.weight",), "copy"))
         rows.append(_row(m + "pre_mlp_layernorm.weight", (h,), None, 1, i,

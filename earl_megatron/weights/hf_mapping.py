@@ -1,10 +1,12 @@
-"""Hugging Face <-> Megatron-Core tensors and configs (Llama, Qwen2): pure, over the tensor table.
+"""Hugging Face <-> Megatron-Core tensors and configs (Llama, Qwen2, Qwen3): pure, over the
+tensor table.
 
 Which HF tensors make each Megatron-Core tensor, and how, is a column of the tensor table
 (plan/tensor_table.py: ``TensorRow.hf`` and ``TensorRow.combine``); this module turns that
 into row/column ranges to read and tensor transforms:
 
-- "copy": one HF tensor, the same shape (embedding, norms, o_proj, down_proj, lm_head);
+- "copy": one HF tensor, the same shape (embedding, norms, Qwen3's per-head q_norm / k_norm,
+  o_proj, down_proj, lm_head);
 - "qkv": rows grouped per KV group g = 0..ng-1 as ``[q heads of g | k_g | v_g]`` (weight and,
   for Qwen2, bias), so a contiguous dim-0 TP split hands each rank whole groups;
 - "fc1": ``[gate; up]`` (SwiGLU, partition stride 2 under TP: rank r holds ``[gate_r; up_r]``).
@@ -24,16 +26,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.model import FAMILY_FEATURES, ModelConfig
 from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
 _FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UnsupportedModelError(ValueError):
-    """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2 GPTModel."""
+    """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2/Qwen3 GPTModel."""
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,13 @@ def _architecture(hf: dict[str, Any]) -> str:
     if archs:
         arch = archs[0]
     else:  # configs built without a model (tests) carry only model_type
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-            hf.get("model_type", ""), f"model_type={hf.get('model_type')!r}")
+        arch = _FAMILY_ARCH.get(hf.get("model_type", ""),
+                                f"model_type={hf.get('model_type')!r}")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch} is not supported; supported: {sorted(ARCHITECTURES)} (dense "
-            "decoder-only, RMSNorm, SwiGLU, default rope, no sliding window, no MoE)")
+            "decoder-only, RMSNorm, SwiGLU, default rope, no sliding window, no MoE; "
+            "docs/conversion.md says what stands in the way of MoE families such as Qwen3-MoE)")
     return arch
 
 
@@ -181,9 +185,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu/SwiGLU)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true")
-    if family == "llama" and hf.get("attention_bias"):
-        problems.append("attention_bias=true (Llama with biases on q/k/v/o)")
-    if family == "qwen2" and hf.get("use_sliding_window"):
+    if family in ("llama", "qwen3") and hf.get("attention_bias"):
+        problems.append("attention_bias=true (biases on q/k/v/o)")
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
     if hf.get("num_local_experts") or hf.get("num_experts"):
         problems.append("mixture of experts")
@@ -203,14 +207,18 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         kv_channels=(int(head_dim) if head_dim and int(head_dim) * heads != hidden else None),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rotary_base=_rope_theta(hf), norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        add_qkv_bias=(family == "qwen2"),
+        **FAMILY_FEATURES[family],
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), params_dtype=dtype)
 
 
 def to_hf_config(cfg: ModelConfig, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """ModelConfig -> HF config.json dict; ``base`` (the original config) keeps its other keys."""
-    if cfg.family == "llama" and cfg.add_qkv_bias:
-        raise UnsupportedModelError("a llama ModelConfig with add_qkv_bias has no HF equivalent")
+    for key, value in FAMILY_FEATURES[cfg.family].items():
+        if getattr(cfg, key) != value:
+            raise UnsupportedModelError(
+                f"a {cfg.family} ModelConfig with {key}={getattr(cfg, key)} has no HF "
+                f"equivalent ({_FAMILY_ARCH[cfg.family]} always has {key}={value}); leave "
+                f"model.{key} unset (null) or pick the family that has it")
     out = dict(base or {})
     theta = float(cfg.rotary_base)
     out.update(
@@ -224,8 +232,10 @@ def to_hf_config(cfg: ModelConfig, base: Optional[dict[str, Any]] = None) -> dic
         # transformers >= 5 reads rope_parameters, older versions rope_theta
         rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta)
     out.pop("torch_dtype", None)
+    if cfg.family in ("llama", "qwen3"):
+        out.update(attention_bias=False)
     if cfg.family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
+        out.update(mlp_bias=False)
     else:
         out.setdefault("use_sliding_window", False)
     return out

@@ -2,7 +2,9 @@
 
 Tiny random models are built with transformers from a config (no download) and saved:
 Llama (untied, GQA 8 heads / 2 KV heads, rope base 5000, sharded safetensors with an index) and
-Qwen2 (tied embeddings, qkv bias, 8 heads / 4 KV heads, one safetensors file). One launch per
+Qwen2 (tied embeddings, qkv bias, 8 heads / 4 KV heads, one safetensors file), Qwen3 with odd
+shapes (per-head q/k norms, head_dim 16 != hidden 48 / 6 heads, 2 KV heads, untied) and a tied
+Qwen3 (head_dim 12, hidden 40, 8 heads / 2 KV heads). One launch per
 world size: world 1 converts both ways and loads TP1; world 4 loads TP2, PP2 (each with dp=2) and
 TP2xPP2 and checks that TP4 is refused before anything is loaded. Each layout loads both the
 converted checkpoint (dist_checkpointing resharding on load) and the HF directory directly
@@ -18,19 +20,27 @@ from earl_megatron.testing.multiproc import run_distributed
 
 TOL = 1e-4
 BATCH, SEQ = 2, 16
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_tied")   # models, by family (and tying)
 
 
 def _hf_model(family: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=8, max_position_embeddings=256, rms_norm_eps=1e-6)
     if family == "llama":
         cfg = LlamaConfig(num_key_value_heads=2, rope_theta=5000.0, **common)
-    else:
+    elif family == "qwen2":
         cfg = Qwen2Config(num_key_value_heads=4, tie_word_embeddings=True, **common)
-    torch.manual_seed({"llama": 1, "qwen2": 2}[family])
+    elif family == "qwen3":
+        cfg = Qwen3Config(**dict(common, hidden_size=48, intermediate_size=96,
+                                 num_attention_heads=6), num_key_value_heads=2, head_dim=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+                          tie_word_embeddings=False)
+    else:
+        cfg = Qwen3Config(**dict(common, hidden_size=40, intermediate_size=80),
+                          num_key_value_heads=2, head_dim=12, tie_word_embeddings=True)
+    torch.manual_seed(FAMILIES.index(family) + 1)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make them matter
         for name, p in model.named_parameters():

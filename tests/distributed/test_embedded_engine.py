@@ -1,7 +1,8 @@
 """The embedded Megatron-Core engine: KV-cached decoding equals recomputation on every layout.
 
-One 2-rank launch loops over rollout layouts (dp2 = two TP1 replicas, tp2, pp2; Llama, and Qwen2
-with qkv bias and tied embeddings on pp2) and checks, per layout:
+One 2-rank launch loops over rollout layouts (dp2 = two TP1 replicas, tp2, pp2; Llama, Qwen2
+with qkv bias and tied embeddings on pp2, Qwen3 with q/k norms and head_dim 12 != 64 / 8 heads
+on tp2; earl_megatron/testing/models.py) and checks, per layout:
 - greedy tokens of the KV-cached engine, batched over prompts of different lengths (left-padded),
   equal the KV-cached engine one prompt at a time and a no-cache reference that recomputes the
   whole unpadded sequence every step with the same Megatron model;
@@ -10,13 +11,14 @@ with qkv bias and tied embeddings on pp2) and checks, per layout:
 - stop tokens end a row with finish_reason "stop"; every rank returns the same generations.
 Then Connect Four episodes run through the engine with ``run_episodes`` (tp2) and the loss mask
 covers exactly the tokens the engine sampled; ``update_weights`` loads a dict and a live model.
-The greedy tokens are also compared with the transformers reference engine (HFEngine) on the same
-weights, mapped from Megatron-Core's layout to LlamaForCausalLM's in this file.
+The greedy tokens (Llama and Qwen3, tp2) are also compared with the transformers reference engine
+(HFEngine) on the same weights, mapped to LlamaForCausalLM / Qwen3ForCausalLM by the HF mapping.
 """
 
 import pytest
 import torch
 
+from earl_megatron.testing.models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 from earl_megatron.testing.weights import biased_weights
 
@@ -24,14 +26,14 @@ PROMPTS = [[5, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 20, 30, 40, 50, 60, 70], [1],
            [100, 2, 64, 99, 17, 8, 8]]
 NEW = 12
 LOGPROB_TOL = 1e-4
-LAYOUTS = [("llama", "dp2"), ("llama", "tp2"), ("llama", "pp2"), ("qwen2", "pp2")]
+LAYOUTS = [("llama", "dp2"), ("llama", "tp2"), ("llama", "pp2"), ("qwen2", "pp2"),
+           ("qwen3", "tp2")]
 
 
 def _check_layout(family, name, weights_seed):
     """Everything one rollout layout must satisfy; returns what the main process compares."""
     import torch.distributed as dist
 
-    from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
     from earl_megatron.rollout.recompute import recompute_logprobs
@@ -39,7 +41,7 @@ def _check_layout(family, name, weights_seed):
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.models.sharding import reference_weights
 
-    cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
+    cfg = tiny_model(family)
     lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
     mol = build_on_layout(cfg, lay, weights=reference_weights(cfg, seed=weights_seed), ddp=False)
     engine = EmbeddedEngine(mol)
@@ -297,27 +299,23 @@ def test_update_weights_and_release(results):
 
 
 @pytest.mark.distributed
-def test_greedy_equals_transformers_reference(results):
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_equals_transformers_reference(results, family):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from earl_megatron.config.model import ModelConfig
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.hf_engine import HFEngine
     from earl_megatron.models.sharding import reference_weights
-    from earl_megatron.weights.hf_mapping import to_hf
+    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
 
-    cfg = ModelConfig.tiny("llama")
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False))
+    cfg = tiny_model(family)
+    hf_cfg = to_hf_config(cfg)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(
         to_hf(cfg, reference_weights(cfg, seed=7)), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     gens = HFEngine(hf).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW))
-    ours = results[0][("llama", "tp2")]
+    ours = results[0][(family, "tp2")]
     assert [g.token_ids for g in gens] == ours["batched"]
     gap = max(abs(a - b) for g, lps in zip(gens, ours["batched_lp"])
               for a, b in zip(g.logprobs, lps))

@@ -4,7 +4,8 @@ built with it, and trains identically once the same weights are loaded.
 Megatron-Core 0.16 sets ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` only
 inside its init functions; ``build_on_layout(init=False)`` (the switcher's path, and the default
 when weights are given) sets them itself (models/provider.py::set_tensor_parallel_attributes).
-One 4-rank launch; for llama (untied, SwiGLU stride 2) and qwen2 (tied embeddings, qkv bias) on
+One 4-rank launch; for llama (untied, SwiGLU stride 2), qwen2 (tied embeddings, qkv bias) and
+qwen3 (q/k norms replicated over tp, head_dim 12 != hidden / heads) on
 dp4, tp2-dp2, tp4, pp2-dp2, tp2-pp2 (tied with pp > 1: the last pp_stage's output_layer copy):
 
 - every parameter's attribute names and (non-tensor) values after DDP + optimizer (a superset of
@@ -13,11 +14,12 @@ dp4, tp2-dp2, tp4, pp2-dp2, tp2-pp2 (tied with pp > 1: the last pp_stage's outpu
   loss (clipping is where a wrong ``tensor_model_parallel`` shows: TP shards counted once only).
 """
 
+from earl_megatron.testing.models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 
 WORLD = 4
 LAYOUTS = ["dp4", "tp2-dp2", "tp4", "pp2-dp2", "tp2-pp2"]
-FAMILIES = ["llama", "qwen2"]
+FAMILIES = ["llama", "qwen2", "qwen3"]
 SEQ, GLOBAL_BATCH, MBS = 8, 4, 1
 
 
@@ -33,7 +35,6 @@ def _attrs(module) -> dict:
 def _job():
     import torch.distributed as dist
 
-    from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
@@ -44,7 +45,7 @@ def _job():
     spec = OptimizerSpec(lr=1e-3, clip_grad=1e-3)  # a small clip: clipping always acts
     with cpu_backend():
         for family in FAMILIES:
-            cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"))
+            cfg = tiny_model(family)
             ref = reference_weights(cfg, seed=3)
             batch = random_batch(GLOBAL_BATCH, SEQ, cfg.vocab_size, seed=5)
             for name in LAYOUTS:

@@ -1,8 +1,9 @@
-"""Fixtures for the opt-in SGLang tests: the venv's python, tiny HF Llama models, a reference.
+"""Fixtures for the opt-in SGLang tests: the venv's python, tiny HF models, a reference.
 
 The server tests run only when EARL_SGLANG_VENV names a venv built with
 tools/sglang_cpu/setup.sh (`make sglang`); otherwise they are skipped with the command that enables them.
-The tiny models are random Llamas built from a config with transformers (no download).
+The tiny models are random Llamas and one Qwen3 built from a config with transformers (no
+download).
 """
 
 from __future__ import annotations
@@ -55,11 +56,33 @@ def build_tiny_llama(path: Path, seed: int) -> Path:
     return path
 
 
+def build_tiny_qwen3(path: Path, seed: int) -> Path:
+    """Random 2-layer Qwen3 with odd shapes: hidden 64, 4 heads of head_dim 24 (96 != 64), 2 KV
+    heads, tied embeddings, q/k norm weights drawn around 1 (HF initialises them to 1) so they
+    matter; float32, saved to path. Same vocab, EOS ids and peaked init as the Llamas."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                      max_position_embeddings=1024, initializer_range=0.2, rms_norm_eps=1e-6,
+                      bos_token_id=1, eos_token_id=EOS_IDS, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = tmp_path_factory.mktemp("sglang-models")
-    return {"a": build_tiny_llama(root / "a", seed=1), "b": build_tiny_llama(root / "b", seed=2)}
+    return {"a": build_tiny_llama(root / "a", seed=1), "b": build_tiny_llama(root / "b", seed=2),
+            "qwen3": build_tiny_qwen3(root / "qwen3", seed=3)}
 
 
 class Reference:
@@ -67,10 +90,10 @@ class Reference:
 
     def __init__(self, path: Path):
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def log_softmax(self, ids: list[int], temperature: float = 1.0):
         # One thread: next to a server's busy CPU threads, two OpenMP threads here ran ~15x

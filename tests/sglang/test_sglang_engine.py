@@ -1,6 +1,8 @@
 """SGLangEngine against a real SGLang server on CPU (opt-in: EARL_SGLANG_VENV), plus pure parts.
 
-One server for the whole module (startup ~20-50 s on 2 cores). What the server tests show:
+One Llama server for the whole module (startup ~20-50 s on 2 cores), and a second one serving a
+tiny Qwen3 (q/k norms, head_dim 24 != 64 / 4 heads, tied) for its logprob case. What the server
+tests show:
 greedy tokens equal transformers' no-cache greedy decode; logprobs equal transformers'
 log_softmax(logits / T) within LOGPROB_TOL; multi-turn episodes; stop tokens (including the
 model's own EOS ids being continued past); weights updated from disk change the outputs to the
@@ -152,18 +154,34 @@ def test_greedy_matches_transformers(engine, tiny_models, references):
     assert worst < LOGPROB_TOL
 
 
+@pytest.fixture(scope="module")
+def qwen3_engine(sglang_python, tiny_models):
+    config = SGLangConfig(python=sglang_python, model_path=str(tiny_models["qwen3"]),
+                          device="cpu", num_servers=1, startup_timeout_s=600,
+                          request_timeout_s=120)
+    with SGLangEngine(config) as eng:
+        print(f"\n[sglang] qwen3 server up in {eng.startup_s[0]:.1f} s")
+        yield eng
+
+
 @pytest.mark.sglang
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_logprobs_match_transformers(engine, tiny_models, references, temperature, top_p):
-    load(engine, tiny_models["a"])
+@pytest.mark.parametrize("model,temperature,top_p", [("a", 1.0, 1.0), ("a", 0.7, 0.9),
+                                                     ("qwen3", 0.7, 0.9)])
+def test_sampled_logprobs_match_transformers(request, tiny_models, references, model,
+                                             temperature, top_p):
+    if model == "a":
+        engine = request.getfixturevalue("engine")
+        load(engine, tiny_models["a"])
+    else:  # another architecture: its own server (a disk update keeps the model class)
+        engine = request.getfixturevalue("qwen3_engine")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16)
     gens = engine.generate(PROMPTS * 2, params)
     worst = 0.0
     for prompt, gen in zip(PROMPTS * 2, gens, strict=True):
         assert len(gen.token_ids) == 16 and gen.finish_reason == "length"
-        ref = references["a"].logprobs(prompt, list(gen.token_ids), temperature)
+        ref = references[model].logprobs(prompt, list(gen.token_ids), temperature)
         worst = max(worst, max_abs(gen.logprobs, ref))
-    print(f"[sglang] T={temperature} top_p={top_p}: logprobs max diff {worst:.2e}")
+    print(f"[sglang] {model} T={temperature} top_p={top_p}: logprobs max diff {worst:.2e}")
     assert worst < LOGPROB_TOL
     # sampling: identical prompts (i and i+4) should not all give identical continuations
     assert any(gens[i].token_ids != gens[i + 4].token_ids for i in range(4))

@@ -46,6 +46,25 @@ def test_table_llama_untied_and_qwen2_tied():
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 128)
 
 
+def test_table_qwen3_qk_norms_and_head_dim_apart_from_hidden():
+    # hidden 48, 6 heads of head_dim 16 (6 * 16 = 96 != 48), 2 KV heads
+    cfg = ModelConfig.tiny("qwen3", num_layers=2, hidden_size=48, num_attention_heads=6,
+                           num_query_groups=2, kv_channels=16)
+    assert (cfg.qk_layernorm, cfg.add_qkv_bias, cfg.head_dim) == (True, False, 16)
+    by = {r.name: r for r in hfm.rules(cfg)}
+    assert len(by) == 1 + 8 * 2 + 1 + 1          # + q_norm and k_norm per layer
+    for x in "qk":
+        norm = by[f"decoder.layers.1.self_attention.{x}_layernorm.weight"]
+        assert (norm.hf, norm.shape, norm.split_dim, norm.combine, norm.te_name) == (
+            (f"model.layers.1.self_attn.{x}_norm.weight",), (16,), None, "copy", norm.name)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" not in by
+    assert by["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (96 + 2 * 32, 48)
+    shapes = hfm.hf_shapes(cfg)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (96, 48)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (48, 96)
+    assert shapes["model.layers.0.self_attn.k_norm.weight"] == (16,)
+
+
 # ----------------------------------------------------------------------------- transforms
 def test_qkv_rows_grouped_per_kv_group():
     # 4 query heads in 2 KV groups, head_dim 1: q heads 0,1 belong to group 0, 2,3 to group 1
@@ -84,9 +103,11 @@ def _read(tensors, src, rename=None):
     return t.narrow(src.dim, src.start, src.stop - src.start)
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False),
+                                         ("qwen3", True)])
 def test_sources_give_exactly_the_tp_shard_and_split_inverts(family, tied):
-    cfg = ModelConfig.tiny(family, num_layers=2, tie_word_embeddings=tied)
+    cfg = ModelConfig.tiny(family, num_layers=2, tie_word_embeddings=tied,
+                           **({"kv_channels": 12} if family == "qwen3" else {}))
     hf = hfm.to_hf(cfg, reference_weights(cfg, seed=3))
     assert set(hf) == set(hfm.hf_shapes(cfg))
     assert all(tuple(hf[n].shape) == s for n, s in hfm.hf_shapes(cfg).items())
@@ -127,7 +148,11 @@ def test_config_parsing_new_and_old_rope_keys_and_round_trip():
     qwen = hfm.from_hf_config({**_hf_llama_dict(), "architectures": ["Qwen2ForCausalLM"],
                                "model_type": "qwen2", "tie_word_embeddings": True})
     assert qwen.add_qkv_bias and qwen.tie_word_embeddings and qwen.family == "qwen2"
-    for c in (cfg, qwen, ModelConfig.tiny("llama", kv_channels=16)):
+    qwen3 = hfm.from_hf_config({**_hf_llama_dict(head_dim=128), "architectures":
+                                ["Qwen3ForCausalLM"], "model_type": "qwen3"})
+    assert (qwen3.family, qwen3.qk_layernorm, qwen3.add_qkv_bias, qwen3.head_dim) == (
+        "qwen3", True, False, 128)
+    for c in (cfg, qwen, qwen3, ModelConfig.tiny("llama", kv_channels=16)):
         hf = hfm.to_hf_config(c, base={"bos_token_id": 7, "torch_dtype": "float16"})
         assert hf["bos_token_id"] == 7 and "torch_dtype" not in hf
         assert hf["rope_parameters"]["rope_theta"] == c.rotary_base == hf["rope_theta"]
@@ -143,10 +168,26 @@ def test_config_parsing_new_and_old_rope_keys_and_round_trip():
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
      ["Qwen2ForCausalLM", "use_sliding_window"]),
     ({"hidden_act": "gelu"}, ["gelu"]),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
+     ["Qwen3ForCausalLM", "attention_bias"]),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128},
+     ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "docs/conversion.md"]),
 ])
 def test_unsupported_architectures_are_named(changes, words):
     with pytest.raises(hfm.UnsupportedModelError) as e:
         hfm.from_hf_config(_hf_llama_dict(**changes))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("cfg,words", [
+    (ModelConfig.tiny("qwen3", qk_layernorm=False), ["qwen3", "qk_layernorm=False"]),
+    (ModelConfig.tiny("llama", qk_layernorm=True), ["llama", "qk_layernorm=True", "unset"]),
+    (ModelConfig.tiny("qwen2", add_qkv_bias=False), ["Qwen2ForCausalLM", "add_qkv_bias=True"]),
+])
+def test_configs_without_an_hf_architecture_are_refused_on_export(cfg, words):
+    with pytest.raises(hfm.UnsupportedModelError) as e:
+        hfm.to_hf_config(cfg)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 

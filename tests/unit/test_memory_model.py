@@ -53,15 +53,16 @@ _LIVE = textwrap.dedent("""
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     ps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
 
-    def build(layers, h, f, heads, groups, vocab, bias=False, tie=False):
+    def build(layers, h, f, heads, groups, vocab, bias=False, tie=False, qk=False, kv=None):
         tc = TransformerConfig(num_layers=layers, hidden_size=h, ffn_hidden_size=f,
             num_attention_heads=heads, num_query_groups=groups, normalization="RMSNorm",
             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=bias, use_cpu_initialization=True,
+            add_bias_linear=False, add_qkv_bias=bias, qk_layernorm=qk, kv_channels=kv,
+            use_cpu_initialization=True,
             hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
             masked_softmax_fusion=False)
         return GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm"), vocab_size=vocab, max_sequence_length=512,
+            normalization="RMSNorm", qk_layernorm=qk), vocab_size=vocab, max_sequence_length=512,
             share_embeddings_and_output_weights=tie, position_embedding_type="rope")
 
     def saved_bytes(model, seq):
@@ -85,17 +86,26 @@ _LIVE = textwrap.dedent("""
             out["params"][f"{bias} {tie}"] = sum(p.numel() for p in m.parameters())
     with cpu_backend():
         model_parallel_cuda_manual_seed(1)
-        for dims, seq in (((64, 128, 8, 4, 128), 64), ((96, 200, 6, 2, 64), 100)):
-            one, two = (saved_bytes(build(n, *dims), seq) for n in (1, 2))
+        for dims, seq in ACTIVATION_CASES:
+            one, two = (saved_bytes(build(n, *dims[:5], qk=dims[5], kv=dims[6]), seq)
+                        for n in (1, 2))
             out["layer_bytes"][f"{dims} {seq}"] = two - one
     print(json.dumps(out))
 """)
 
 
+# (h, f, heads, groups, vocab, qk_layernorm, kv_channels), tokens: Llama-like, Qwen3-like with
+# a head_dim apart from h / heads (12 != 64 / 8, 16 != 96 / 6), and that head_dim without norms
+ACTIVATION_CASES = (((64, 128, 8, 4, 128, False, None), 64),
+                    ((96, 200, 6, 2, 64, False, None), 100), ((64, 128, 8, 4, 128, False, 12), 64), ((64, 128, 8, 4, 128, True, 12), 64),
+                    ((96, 200, 6, 2, 64, True, 16), 100))
+
+
 def _run_live():
     pytest.importorskip("megatron.core")
     from earl_megatron.runtime.dist import free_port
-    proc = subprocess.run([sys.executable, "-c", _LIVE], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", f"ACTIVATION_CASES = {ACTIVATION_CASES!r}\n"
+                           + _LIVE], capture_output=True, text=True,
                           timeout=180, env={"PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                                             "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,13 +128,14 @@ def test_param_count_matches_live_gptmodel_tp1_pp1(live):
 def test_cpu_activation_bytes_match_what_autograd_saves(live):
     """The local-spec (CPU) activation term equals the bytes autograd saves for one layer (the
     difference between a 2-layer and a 1-layer GPTModel forward), fp32, tp = cp = 1."""
-    for (h, f, heads, groups, vocab), seq in (((64, 128, 8, 4, 128), 64),
-                                               ((96, 200, 6, 2, 64), 100)):
+    for dims, seq in ACTIVATION_CASES:
+        h, f, heads, groups, vocab, qk, kv = dims
         model = ModelConfig(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
-                            num_query_groups=groups, vocab_size=vocab)
+                            num_query_groups=groups, vocab_size=vocab, qk_layernorm=qk,
+                            kv_channels=kv)
         predicted = layer_activation_bytes(model, ParallelLayout(), seq, seq, 4,
                                            fused_attention=False)
-        assert live["layer_bytes"][f"{(h, f, heads, groups, vocab)} {seq}"] == predicted
+        assert live["layer_bytes"][f"{dims} {seq}"] == predicted, dims
 
 
 @pytest.mark.parametrize("layout,measured", [(ParallelLayout(tp=2), 291_328),
@@ -142,13 +153,14 @@ def test_cpu_activation_bytes_match_measured_tp_and_cp(layout, measured):
 @given(name=st.sampled_from(sorted(PRESETS)), tied=st.booleans(),
        world=st.sampled_from([1, 2, 4, 8, 16, 32]), data=st.data())
 def test_shards_sum_to_the_whole_model(name, tied, world, data):
-    """tp ranks of a pp_stage split everything but the norms; pp_stages split the layers."""
+    """tp ranks of a pp_stage split everything but the norms (Qwen3's q/k norms included);
+    pp_stages split the layers."""
     model = PRESETS[name].with_(tie_word_embeddings=tied)
     layouts = enumerate_layouts(world, model)
     layout = data.draw(st.sampled_from(layouts))
     t, h, L = layout.tp, model.hidden_size, model.num_layers
     total = sum(param_count_per_rank(model, layout, r) for r in range(layout.pp)) * t
-    norms = 2 * h * L + h
+    norms = (2 * h + (2 * model.head_dim if model.qk_layernorm else 0)) * L + h
     extra_output = model.vocab_size * h if (tied and layout.pp > 1) else 0
     assert total == num_parameters(model) + (t - 1) * norms + extra_output
 

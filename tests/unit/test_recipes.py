@@ -22,13 +22,39 @@ def test_cpu_default():
 
 @pytest.mark.parametrize("override", ["algorithm=grpo", "algorithm=ppo", "env=calculator",
                                       "layout=static", "rollout=sglang", "cluster=h100",
-                                      "model=qwen2.5-7b"])
+                                      "model=qwen2.5-7b", "model=qwen3-8b"])
 def test_every_group_option(override):
     extra = ["algorithm.group_size=4"] if override == "algorithm=grpo" else []
     _load("config", [override, *extra])
 
 
-@pytest.mark.parametrize("name, nodes, layers", [("qwen2.5-7b", 1, 28), ("qwen2.5-72b", 16, 80)])
+def test_tiny_model_of_every_family():
+    """model.family alone switches the tiny model: the family's qkv bias / q-k norms follow."""
+    got = {f: _load("config", [f"model.family={f}"]).model for f in ("llama", "qwen2", "qwen3")}
+    assert [(m.add_qkv_bias, m.qk_layernorm) for m in got.values()] == [
+        (False, False), (True, False), (False, True)]
+    odd = _load("config", ["model.family=qwen3", "model.kv_channels=12"]).model
+    assert odd.head_dim == 12 and odd.hidden_size == 64
+
+
+def test_qwen3_8b_recipe_equals_the_hf_config():
+    """recipes/model/qwen3-8b.yaml equals what Qwen/Qwen3-8B's config.json converts to (the
+    trainer compares them for run.init) and the planning preset."""
+    from earl_megatron.plan.presets import PRESETS
+    from earl_megatron.weights.hf_mapping import from_hf_config
+
+    hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+          "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+          "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
+          "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_scaling": None,
+          "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+          "use_sliding_window": False, "vocab_size": 151936}
+    model = _load("qwen3-8b", ["run.init=/ckpt/hf"]).model
+    assert model == from_hf_config(hf) == PRESETS["qwen3-8b"]
+
+
+@pytest.mark.parametrize("name, nodes, layers", [("qwen2.5-7b", 1, 28), ("qwen2.5-72b", 16, 80),
+                                                 ("qwen3-8b", 1, 36)])
 def test_gpu_recipes(name, nodes, layers):
     cfg = _load(name, ["run.init=/ckpt/hf"])
     assert cfg.cluster.nodes == nodes and cfg.model.num_layers == layers

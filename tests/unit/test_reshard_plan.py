@@ -22,6 +22,10 @@ CFGS = {
     "qwen2_tied": ModelConfig.tiny("qwen2", num_layers=4, hidden_size=32, ffn_hidden_size=64,
                                    num_attention_heads=8, num_query_groups=8, vocab_size=64,
                                    tie_word_embeddings=True),
+    # q/k norms (replicated over tp), head_dim 6 != 32 / 8 heads
+    "qwen3": ModelConfig.tiny("qwen3", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                              num_attention_heads=8, num_query_groups=8, vocab_size=64,
+                              kv_channels=6),
 }
 LAYOUTS = {w: {k: enumerate_layouts(w, c) for k, c in CFGS.items()} for w in (4, 8)}
 

@@ -8,7 +8,7 @@ from earl_megatron.models.sharding import reference_weights, shard, unshard
 from earl_megatron.plan.tensor_table import tensor_table
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_roundtrip_bit_exact(family, tp):
     cfg = ModelConfig.tiny(family)

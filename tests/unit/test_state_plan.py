@@ -28,6 +28,10 @@ CFGS = {
     "qwen2_tied": ModelConfig.tiny("qwen2", num_layers=4, hidden_size=16, ffn_hidden_size=32,
                                    num_attention_heads=4, num_query_groups=4, vocab_size=32,
                                    tie_word_embeddings=True),
+    # q/k norms (replicated over tp), head_dim 6 != 16 / 4 heads
+    "qwen3": ModelConfig.tiny("qwen3", num_layers=4, hidden_size=16, ffn_hidden_size=32,
+                              num_attention_heads=4, num_query_groups=4, vocab_size=32,
+                              kv_channels=6),
 }
 LAYOUTS = {w: {k: enumerate_layouts(w, c) for k, c in CFGS.items()} for w in (4, 8)}
 

@@ -8,7 +8,8 @@ from earl_megatron.plan.layout import enumerate_layouts
 from earl_megatron.plan.tensor_table import TE_RENAMES, num_parameters, tensor_table
 from earl_megatron.runtime.switcher import plan_names
 
-CFGS = [ModelConfig.tiny("llama"), ModelConfig.tiny("qwen2", tie_word_embeddings=True)]
+CFGS = [ModelConfig.tiny("llama"), ModelConfig.tiny("qwen2", tie_word_embeddings=True),
+        ModelConfig.tiny("qwen3", kv_channels=12)]
 
 
 def test_rows_by_hand():
@@ -30,6 +31,19 @@ def test_rows_by_hand():
         t.row("decoder.layers.0.mystery.weight")
 
 
+def test_qwen3_q_and_k_norms_per_head():
+    t = tensor_table(CFGS[2])          # h=64, 8 heads of head_dim 12 (96 != 64), 4 groups
+    for x in "qk":
+        norm = t.row(f"decoder.layers.3.self_attention.{x}_layernorm.weight")
+        assert (norm.shape, norm.split_dim, norm.layer, norm.te_name) == (
+            (12,), None, 3, norm.name)                    # same name in the TE spec
+        assert norm.tp_rows(1, 2) == ((0, 12),)           # replicated on every tp rank
+    assert t.row("decoder.layers.0.self_attention.linear_qkv.weight").shape == (96 + 96, 64)
+    assert t.row("decoder.layers.0.self_attention.linear_proj.weight").shape == (64, 96)
+    # 4 layers x (192*64 + 64*96 + 2*12 + 256*64 + 64*128 + 2*64) + 64 + 2 * 128*64
+    assert num_parameters(t.cfg) == 4 * (12288 + 6144 + 24 + 16384 + 8192 + 128) + 64 + 16384
+
+
 def test_tied_output_layer():
     t = tensor_table(CFGS[1])
     out = t.row("output_layer.weight")
@@ -40,7 +54,7 @@ def test_tied_output_layer():
     assert t.source_of("output_layer.weight", 1, 2).name == "embedding.word_embeddings.weight"
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=["llama", "qwen2_tied"])
+@pytest.mark.parametrize("cfg", CFGS, ids=["llama", "qwen2_tied", "qwen3"])
 def test_te_and_local_spec_describe_the_same_bytes_on_every_rank(cfg):
     """Per pp_stage of every layout, the parameters named the TE way and the local way map to
     the same rows and plan names: the same elements, shapes and placement."""
@@ -75,3 +89,13 @@ def test_te_renames_are_megatrons_own():
     for local, te in TE_RENAMES.items():
         prefix = local.split(".")[0] + "."
         assert keys_map[prefix] + local[len(prefix):] == te
+
+
+def test_preset_parameter_counts_are_the_published_ones():
+    """plan/presets.py's comments: each model's published parameter count (Qwen3-8B with its
+    q/k norms and head_dim 128)."""
+    from earl_megatron.plan.presets import PRESETS
+
+    assert {n: num_parameters(m) for n, m in PRESETS.items()} == {
+        "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+        "llama3-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "tiny": 164_416}
