@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ConfigError
+from earl_megatron.config.train import ConfigError, sglang_mem_fraction
 from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
@@ -79,9 +79,11 @@ class SGLangRollout:
     """``Rollout`` over SGLang servers in the rollout layout (see the module docstring)."""
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
-                 device: str, out_dir: Path, startup_timeout_s: float = 600.0):
+                 device: str, out_dir: Path, startup_timeout_s: float = 600.0,
+                 mem_fraction: Optional[float] = None):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
+        self.mem_fraction = sglang_mem_fraction(mem_fraction, device)
         self.spec, self.tok, self.model_cfg = spec, tokenizer, model
         self.python, self.device = python, device
         self.dir = Path(out_dir) / "sglang"
@@ -95,6 +97,7 @@ class SGLangRollout:
         self.last_push: list = []   # HF tensors of the last push (leaders: re-push on restart)
         self.endpoints: list[str] = []
         self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0}
+        self.starts: list[tuple[int, float]] = []  # (tp, seconds) not yet taken by the planner
         self._fresh = True          # servers hold no pushed weights yet
         self._released = False
 
@@ -178,6 +181,10 @@ class SGLangRollout:
                 "rollout_server_restart_s": self.stats["restart_s"],
                 "rollout_servers_died": self.stats.get("died", 0)}
 
+    def take_starts(self) -> list[tuple[int, float]]:
+        taken, self.starts = self.starts, []
+        return taken
+
     def close(self) -> None:
         self._stop()
 
@@ -205,6 +212,7 @@ class SGLangRollout:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             cfg = SGLangConfig(python=self.python, model_path=str(model_dir), tp_size=layout.tp,
                                device=self.device, base_gpu_id=local,
+                               mem_fraction_static=self.mem_fraction,
                                enable_memory_saver=self.device == "cuda",
                                startup_timeout_s=self.startup_timeout_s,
                                log_dir=str(self.dir / f"logs-{layout}-dp{me.dp}"))
@@ -217,7 +225,12 @@ class SGLangRollout:
         self._fresh = True
         if restart:
             self.stats["restarts"] += 1
-        self.stats["restart_s"] = time.perf_counter() - t0
+        # the slowest rank's seconds: every rank records the same value, so every rank's
+        # selector prices the next restart alike (plans must agree across ranks)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        self.stats["restart_s"] = float(took)
+        self.starts.append((layout.tp, float(took)))
 
     def _initial_model_dir(self) -> Path:
         """An HF directory the servers start from (config + weights of the right shapes); the
