@@ -18,6 +18,18 @@ from earl_megatron.config.sft import SFTConfig
 
 STAGES = ("rollout", "logprob", "train")
 
+SGLANG_MEM_FRACTION = {"cpu": 0.05, "cuda": 0.8}
+"""``--mem-fraction-static`` of the trainer's SGLang servers when rollout.sglang_mem_fraction is
+null, by rollout.sglang_device. cpu: the kit's 0.05 of host memory (docs/sglang.md). cuda: 0.8,
+below SGLang's own ~0.88 because the server is colocated with training (SGLang fills the device
+up to the fraction counting the trainer's memory) and the selector keeps layout.memory_margin
+(0.1) free: 0.8 + 0.1 leaves a tenth of the device for SGLang's activations and CUDA graphs."""
+
+
+def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
+    """The one number the servers are started with and the selector plans with."""
+    return SGLANG_MEM_FRACTION[device] if configured is None else configured
+
 
 class ConfigError(ValueError):
     pass
@@ -91,6 +103,16 @@ class RolloutConfig:
     sglang_device: str = "cuda"
     """engine=sglang: "cuda" (servers colocated on the rollout replica's GPUs, memory saver on)
     or "cpu" (separate processes, the kit's flags; tests and tiny models)."""
+    sglang_mem_fraction: Optional[float] = None
+    """engine=sglang: the servers' ``--mem-fraction-static`` (weights + static KV pool as a
+    fraction of device memory; on cpu of host memory), also what the selector's memory model
+    sizes their pool with. None: ``SGLANG_MEM_FRACTION`` (0.05 cpu, 0.8 cuda)."""
+    sglang_restart_s: float = 60.0
+    """engine=sglang: seconds the selector charges for restarting the servers in a new rollout
+    (tp, dp) until the first start with that tp has been measured (the trainer records every
+    start in its profile table, saved with checkpoints). 60: a server start measured 23-70 s on
+    this 2-core CPU when quiet (minutes under load); on GPUs SGLang's imports, weight load and
+    CUDA graph capture take about a minute as well."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
@@ -99,6 +121,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sglang_bucket_mb={self.sglang_bucket_mb} must be > 0")
         if self.sglang_device not in ("cuda", "cpu"):
             raise ConfigError(f"rollout.sglang_device={self.sglang_device!r}: use cuda or cpu")
+        if self.sglang_mem_fraction is not None and not 0 < self.sglang_mem_fraction < 1:
+            raise ConfigError(f"rollout.sglang_mem_fraction={self.sglang_mem_fraction} must be "
+                              "in (0, 1) (null: 0.05 on cpu, 0.8 on cuda)")
+        if not self.sglang_restart_s >= 0:
+            raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "

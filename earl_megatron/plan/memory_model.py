@@ -33,6 +33,11 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   less than one whole sequence, and never more than all of them need: the running batch is
   what the pool holds (time_model.py), so long contexts and many responses cost throughput,
   not memory, until ONE sequence does not fit. Prefill runs in chunks of ``micro_batch_tokens``.
+  Inference servers (``DecodeEngine.servers``, SGLang as the trainer starts it) allocate their
+  pool statically: ``memory_fraction`` x device memory minus what the device already holds
+  (the trainer's weights and resident bytes, the server's own weights, reserved), whatever the
+  responses need; a pool smaller than one sequence does not fit (``server_pool_fits``).
+- server_weights (ROLLOUT on servers): the server's own copy, weights / tp (pp = cp = 1).
 - comm_buffers: pipeline p2p send/recv tensors (two each way in TRAIN) and the transient gathered
   K/V of one layer for CP outside TRAIN. TP all-reduces run in place; DDP and the distributed
   optimizer communicate inside their own buffers.
@@ -84,6 +89,7 @@ class MemoryEstimate:
     comm_buffers: int
     reserved: int
     resident: int
+    server_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -171,7 +177,8 @@ def rollout_kv(model: ModelConfig, layout: ParallelLayout, workload: StageWorklo
     if not engine.paged_kv:
         return RolloutKV(requested, requested, per_seq, requested * per_seq)
     pool = int(device_memory_bytes * engine.memory_fraction) - other_bytes
-    cache = max(per_seq, min(requested * per_seq, pool))
+    # servers take their whole pool at start; a trainer-side pool only what the responses need
+    cache = max(per_seq, pool if engine.servers else min(requested * per_seq, pool))
     # Pages are taken as tokens arrive: over its decode a sequence holds its prefilled part and,
     # on average, half of what it generates; the pool admits that many sequences at once.
     occupancy = math.ceil(math.ceil(workload.mean_context * (1 - workload.decode_fraction / 2))
@@ -199,7 +206,7 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
     local_mb = math.ceil(mb / c)
     vocab_local = model.vocab_size // t
 
-    grads = optimizer = kv_cache = 0
+    grads = optimizer = kv_cache = server_weights = 0
     layer_full = layer_activation_bytes(model, layout, mb, longest, b, fused_attention=fused)
     if stage is Stage.TRAIN:
         grads = params * opts.grad_bytes
@@ -237,13 +244,35 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
             comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
         engine = cluster.decode_engine if cluster is not None else DecodeEngine.embedded()
         memory = cluster.device_memory_bytes if cluster is not None else 0
-        kv_cache = rollout_kv(model, layout, workload,
-                              params * b + activations + logits + comm + reserved + resident,
-                              engine, memory, b).cache_bytes
+        held = params * b + activations + logits + comm + reserved + resident
+        if engine.servers:
+            if pp != 1 or c != 1:
+                raise ValueError(f"{engine.name} servers take tp x dp rollout layouts (pp = cp = "
+                                 f"1), got {layout}: use e.g. tp{t} x dp{layout.world_size // t}")
+            server_weights = params * b
+            held = params * b + server_weights + reserved + resident   # at the server's start
+        kv_cache = rollout_kv(model, layout, workload, held, engine, memory, b).cache_bytes
     return MemoryEstimate(stage=stage, layout=layout, pp_rank=pp_rank, weights=params * b,
                           grads=grads, optimizer=optimizer, activations=activations,
                           logits=logits, kv_cache=kv_cache, comm_buffers=comm,
-                          reserved=reserved, resident=resident)
+                          reserved=reserved, resident=resident, server_weights=server_weights)
+
+
+def pool_held_bytes(estimate: MemoryEstimate, engine: DecodeEngine) -> int:
+    """The ``other_bytes`` a ROLLOUT estimate's pool was sized against (``rollout_kv``)."""
+    if engine.servers:
+        return estimate.weights + estimate.server_weights + estimate.reserved + estimate.resident
+    return estimate.total - estimate.kv_cache
+
+
+def server_pool_fits(estimate: MemoryEstimate, cluster: ClusterSpec) -> bool:
+    """False when servers' static pool (``memory_fraction`` x device memory minus what the
+    device holds at their start) cannot hold one sequence: the server would refuse it."""
+    engine = cluster.decode_engine
+    if estimate.stage is not Stage.ROLLOUT or not engine.servers:
+        return True
+    return pool_held_bytes(estimate, engine) + estimate.kv_cache <= \
+        int(cluster.device_memory_bytes * engine.memory_fraction)
 
 
 def memory_by_pp_rank(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,

@@ -11,6 +11,12 @@ contexts never measured still get a prediction::
                                 analytic_for=lambda lay: lambda ctx, ld: seconds(lay, ctx, ld))
 
 ``load`` is the number of sequences of the measured step (responses in flight for ROLLOUT).
+
+Server restarts (rollout.engine=sglang): ``record_restart(model, tp, seconds)`` keeps the
+measured seconds of the last start of inference servers with that tp for that model (a
+plan/server_restart.py ``model_key``); ``restart_seconds(model, tp)`` reads it back (None: never
+measured, the selector takes its configured default). The trainer records every start and saves
+the table with its checkpoints. Files without a ``restarts`` list (older ones) load with none.
 The scale factor is measured / analytic at each measured point, interpolated linearly in
 log2(context) between buckets and in log2(load) between loads, clamped outside the measured
 range. A layout with no entry for the stage gets the geometric mean factor of the stage's measured
@@ -53,6 +59,15 @@ class ProfileEntry:
     """Measured wall-clock seconds of the whole stage step (median of repeats)."""
 
 
+@dataclass(frozen=True, order=True)
+class RestartEntry:
+    model: str
+    """The model's key (plan/server_restart.py ``model_key``)."""
+    tp: int
+    seconds: float
+    """Measured wall-clock seconds of the servers' last (re)start (stop, start, weight group)."""
+
+
 def _key(e: ProfileEntry) -> tuple:
     return (e.stage, e.layout, e.context_bucket, e.load)
 
@@ -62,6 +77,8 @@ class ProfileTable:
     entries: tuple[ProfileEntry, ...] = ()
     meta: tuple[tuple[str, str], ...] = ()
     """Free-form provenance (model, cluster, date, tool version) as sorted (key, value) pairs."""
+    restarts: tuple[RestartEntry, ...] = ()
+    """Measured server restarts, one per (model, tp), sorted."""
 
     def record(self, stage: Stage, layout: ParallelLayout, context_bucket: int, load: int,
                seconds: float) -> "ProfileTable":
@@ -75,11 +92,28 @@ class ProfileTable:
             raise ProfileTableError(f"seconds must be a positive finite number, got {seconds}")
         new = ProfileEntry(stage.value, layout, int(context_bucket), int(load), float(seconds))
         kept = [e for e in self.entries if _key(e) != _key(new)]
-        return ProfileTable(tuple(sorted(kept + [new])), self.meta)
+        return ProfileTable(tuple(sorted(kept + [new])), self.meta, self.restarts)
+
+    def record_restart(self, model: str, tp: int, seconds: float) -> "ProfileTable":
+        """A new table with this server restart measurement (replacing the (model, tp) one)."""
+        if not isinstance(model, str) or not model:
+            raise ProfileTableError(f"restart model must be a non-empty string, got {model!r}")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+            raise ProfileTableError(f"restart tp must be a positive int, got {tp!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ProfileTableError(f"restart seconds must be a positive finite number, got "
+                                    f"{seconds}")
+        kept = [r for r in self.restarts if (r.model, r.tp) != (model, tp)]
+        new = RestartEntry(model, tp, float(seconds))
+        return ProfileTable(self.entries, self.meta, tuple(sorted(kept + [new])))
+
+    def restart_seconds(self, model: str, tp: int) -> Optional[float]:
+        """The measured restart seconds of (model, tp); None if never measured."""
+        return next((r.seconds for r in self.restarts if (r.model, r.tp) == (model, tp)), None)
 
     def with_meta(self, **meta: str) -> "ProfileTable":
         merged = dict(self.meta) | {k: str(v) for k, v in meta.items()}
-        return ProfileTable(self.entries, tuple(sorted(merged.items())))
+        return ProfileTable(self.entries, tuple(sorted(merged.items())), self.restarts)
 
     def _points(self, stage: Stage, layout: ParallelLayout) -> dict[int, list[tuple[int, float]]]:
         """load -> [(context_bucket, seconds)] ascending, for one stage and layout."""
@@ -139,7 +173,9 @@ class ProfileTable:
                 "entries": [{"stage": e.stage, "layout": {"tp": e.layout.tp, "cp": e.layout.cp,
                                                           "pp": e.layout.pp, "dp": e.layout.dp},
                              "context_bucket": e.context_bucket, "load": e.load,
-                             "seconds": e.seconds} for e in self.entries]}
+                             "seconds": e.seconds} for e in self.entries],
+                "restarts": [{"model": r.model, "tp": r.tp, "seconds": r.seconds}
+                             for r in self.restarts]}
 
     @classmethod
     def from_json(cls, data: object, source: str = "<data>") -> "ProfileTable":
@@ -165,6 +201,15 @@ class ProfileTable:
             except (KeyError, TypeError, ValueError) as exc:
                 raise bad(f"entry {i} is malformed ({type(exc).__name__}: {exc}); expected keys "
                           "stage, layout{tp,cp,pp,dp}, context_bucket, load, seconds") from None
+        restarts = data.get("restarts", [])
+        if not isinstance(restarts, list):
+            raise bad("'restarts' must be a list")
+        for i, r in enumerate(restarts):
+            try:
+                table = table.record_restart(r["model"], r["tp"], r["seconds"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise bad(f"restart {i} is malformed ({type(exc).__name__}: {exc}); expected "
+                          "keys model, tp, seconds") from None
         return table
 
     def save(self, path: "str | Path") -> None:

@@ -9,7 +9,12 @@ For one stage's workload::
 Switch cost: the bytes each rank receives in the reshard plan the switcher runs
 (plan/reshard_plan.py, ``receive_bytes``: what the rank owns in the new layout and did not hold
 in the old one) for the weights and, for TRAIN, the optimizer state (which lives in the TRAIN
-layout), over the slowest link a reshard may use, plus the fixed regroup time.
+layout), over the slowest link a reshard may use, plus the fixed regroup time. When ROLLOUT
+runs on inference servers (``ClusterSpec.decode_engine.servers``: SGLang), a ROLLOUT layout
+whose (tp, dp) differs from the servers' (the last ROLLOUT choice) also pays their restart and a
+weight push (plan/server_restart.py: measured restart seconds per (model, tp) from the profile
+table, else ``SelectorConfig.server_restart_s``); such layouts are tp x dp only, and fit only if
+the servers' static KV pool holds one sequence.
 
 Hysteresis: the previous choice for the stage is kept unless the best candidate's cost is lower
 by more than ``hysteresis`` (a fraction), so a workload that oscillates around a boundary does not
@@ -28,9 +33,11 @@ from typing import Optional, Sequence
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.memory_model import MemoryEstimate, memory_breakdown, param_count_per_rank
+from earl_megatron.plan.memory_model import (MemoryEstimate, memory_breakdown,
+                                             param_count_per_rank, server_pool_fits)
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.reshard_plan import receive_bytes
+from earl_megatron.plan.server_restart import server_switch_seconds
 from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
                                      human_bytes)
 from earl_megatron.plan.time_model import StageTime, stage_time
@@ -45,14 +52,19 @@ class SelectorConfig:
     max_cp: Optional[int] = None
     max_pp: Optional[int] = None
     rollout_max_pp: Optional[int] = None
-    """Cap on pp for ROLLOUT (None: max_pp). 1 for SGLang servers, which take tp x dp only."""
+    """Cap on pp for ROLLOUT (None: max_pp). Servers (SGLang) get pp = cp = 1 regardless."""
     rollout_cp: bool = False
     """Allow cp > 1 for ROLLOUT. Off: Megatron-Core's inference engines and SGLang do not split
     a KV cache by sequence position."""
+    server_restart_s: float = 60.0
+    """Seconds a restart of the rollout servers costs (decode engine ``servers``) until the
+    profile table holds a measurement for the (model, tp) (plan/server_restart.py)."""
 
     def __post_init__(self):
         if not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
+        if not self.server_restart_s >= 0:
+            raise ValueError(f"server_restart_s must be >= 0, got {self.server_restart_s}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
 
@@ -208,6 +220,8 @@ class Selector:
         max_pp = c.max_pp
         if stage is Stage.ROLLOUT and c.rollout_max_pp is not None:
             max_pp = min(c.rollout_max_pp, max_pp or c.rollout_max_pp)
+        if stage is Stage.ROLLOUT and self.cluster.decode_engine.servers:
+            max_cp = max_pp = 1             # SGLang servers: tp x dp only
         return enumerate_layouts(self.cluster.world_size, self.model, max_tp=c.max_tp,
                                  max_cp=max_cp, max_pp=max_pp)
 
@@ -215,6 +229,10 @@ class Selector:
                resident_bytes: int = 0) -> MemoryEstimate:
         return memory_breakdown(self.model, layout, workload, self.train_opts,
                                 cluster=self.cluster, resident_bytes=resident_bytes)
+
+    def fits(self, estimate: MemoryEstimate) -> bool:
+        """Within the budget (and, on servers, their static pool holds one sequence)."""
+        return estimate.total <= self.budget_bytes and server_pool_fits(estimate, self.cluster)
 
     def evaluate(self, layout: ParallelLayout, workload: StageWorkload, *,
                  current: Optional[ParallelLayout] = None, state: SelectorState = SelectorState(),
@@ -231,6 +249,10 @@ class Selector:
         opt_src = state.previous(Stage.TRAIN) if workload.stage is Stage.TRAIN else None
         sw = switch_seconds(self.model, self.cluster, current, layout, self.train_opts,
                             optimizer_src=opt_src)
+        if workload.stage is Stage.ROLLOUT and self.cluster.decode_engine.servers:
+            sw += server_switch_seconds(self.model, self.cluster, state.previous(Stage.ROLLOUT),
+                                        layout, self.profile, self.config.server_restart_s,
+                                        self.train_opts)
         return Candidate(layout, self.memory(layout, workload, resident_bytes), t, scale, sw)
 
     def plan(self, workload: StageWorkload, *, current: Optional[ParallelLayout] = None,
@@ -244,7 +266,7 @@ class Selector:
         fitting, oom, smallest = [], [], None
         for lay in valid:
             mem = self.memory(lay, workload, resident_bytes)
-            if mem.total <= budget:
+            if self.fits(mem):
                 fitting.append(self.evaluate(lay, workload, current=current, state=state,
                                              resident_bytes=resident_bytes))
             else:
@@ -263,7 +285,8 @@ class Selector:
                 and best.cost >= incumbent.cost * (1 - self.config.hysteresis):
             chosen, runner_up = incumbent, best
             reason = (f"kept {prev}: best alternative {best.layout} is only "
-                      f"{100 * (1 - best.cost / incumbent.cost):.1f}% cheaper, under the "
+                      f"{100 * (1 - best.cost / incumbent.cost):.1f}% cheaper (switch "
+                      f"{best.switch_seconds:.3g} s included), under the "
                       f"{100 * self.config.hysteresis:.0f}% hysteresis")
         else:
             gone = prev is not None and incumbent is None
@@ -296,7 +319,7 @@ class Selector:
         best = None
         for lay in self.valid_layouts(workload.stage):
             mem = self.memory(lay, workload, resident_bytes)
-            if mem.total <= self.budget_bytes and (best is None or mem.total < best.total):
+            if self.fits(mem) and (best is None or mem.total < best.total):
                 best = mem
         return best
 

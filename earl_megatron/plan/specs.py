@@ -92,6 +92,13 @@ class DecodeEngine:
     ``--mem-fraction-static`` default is 0.88)."""
     step_overhead_s: float = 1e-3
     """Fixed seconds per decode step outside the GPU kernels (scheduler, sampling, launches)."""
+    servers: bool = False
+    """True: separate inference servers the trainer starts (``sglang_servers``): each holds its
+    own copy of the weights (weights / tp, pp = 1) next to the trainer's, allocates its whole KV
+    pool at start (static: ``memory_fraction`` x device memory minus everything already on the
+    device, as SGLang's ``--mem-fraction-static`` sizes it) and restarts when the rollout tp or
+    dp changes (the selector prices that: plan/server_restart.py). False: a pool or cache of
+    the trainer's own model, sized by what the responses need."""
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -103,7 +110,16 @@ class DecodeEngine:
 
     @classmethod
     def sglang(cls) -> "DecodeEngine":
+        """A generic SGLang-like paged pool (the presets' what-if planning)."""
         return cls()
+
+    @classmethod
+    def sglang_servers(cls, memory_fraction: float,
+                       step_overhead_s: float = 1e-3) -> "DecodeEngine":
+        """The SGLang servers the trainer starts (rollout.engine=sglang), with the
+        ``--mem-fraction-static`` they are started with."""
+        return cls(name="sglang", paged_kv=True, memory_fraction=memory_fraction,
+                   step_overhead_s=step_overhead_s, servers=True)
 
     @classmethod
     def embedded(cls, step_overhead_s: float = 2e-3) -> "DecodeEngine":

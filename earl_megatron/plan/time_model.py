@@ -49,7 +49,7 @@ from functools import lru_cache
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import (RolloutKV, memory_breakdown, param_count_per_rank,
-                                             rollout_kv)
+                                             pool_held_bytes, rollout_kv)
 from earl_megatron.plan.specs import ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions
 
 
@@ -202,7 +202,7 @@ def rollout_running_batch(model: ModelConfig, layout: ParallelLayout, workload: 
     """The KV cache and running batch of one rollout replica (memory_model.rollout_kv) on the
     most loaded pp_stage, as the memory model sizes them."""
     est = memory_breakdown(model, layout, workload, opts, cluster=cluster)
-    others = est.total - est.kv_cache
+    others = pool_held_bytes(est, cluster.decode_engine)
     return rollout_kv(model, layout, workload, others, cluster.decode_engine,
                       cluster.device_memory_bytes, opts.param_bytes(model))
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from earl_megatron.config.train import SGLANG_MEM_FRACTION
 from earl_megatron.rollout.engine import SamplingParams
 
 # Flags that pick SGLang's code paths that run without a GPU (docs/sglang.md, CPU section).
@@ -68,7 +69,9 @@ class SGLangConfig:
     dtype: Optional[str] = None
     """None: "float32" on cpu, SGLang's "auto" on cuda."""
     mem_fraction_static: Optional[float] = None
-    """None: 0.05 on cpu (KV pool as a share of host RAM), SGLang's default on cuda."""
+    """None: config.train.SGLANG_MEM_FRACTION["cpu"] (0.05, KV pool as a share of host RAM) on
+    cpu, SGLang's own default on cuda. The trainer always passes rollout.sglang_mem_fraction's
+    value, which its selector plans the servers' memory with."""
     enable_memory_saver: bool = False
     """Launch with --enable-memory-saver so release_memory/resume_memory work (GPU only)."""
     sleep_on_idle: Optional[bool] = None
@@ -106,7 +109,8 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
     if config.device == "cpu":
         cmd += list(CPU_FLAGS)
         cmd += ["--dtype", config.dtype or "float32",
-                "--mem-fraction-static", str(config.mem_fraction_static or 0.05)]
+                "--mem-fraction-static",
+                str(config.mem_fraction_static or SGLANG_MEM_FRACTION["cpu"])]
         if config.tp_size > 1:
             cmd += ["--tp-size", str(config.tp_size)]
     else:

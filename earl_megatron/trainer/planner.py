@@ -9,21 +9,34 @@ Memory of the other model: the reference shard stays resident while the policy r
 trains, and the policy's weights, grads and Adam state stay resident while the reference scores:
 ``resident_bytes`` carries it into each stage's plan or check.
 
-State: the selector's last choice per stage, saved with checkpoints (``state_json``) and
-restored on resume (``restore``); the planner holds nothing else between iterations.
+SGLang rollouts (``sglang_mem_fraction`` given): the cluster's decode engine is the servers
+(``DecodeEngine.sglang_servers`` with the fraction they are started with: weights / tp plus a
+static KV pool, tp x dp layouts only), and a ROLLOUT layout change costs a server restart
+(plan/server_restart.py). ``record_start`` keeps each measured server start in the profile
+table by (model, tp), so later plans price a restart with the measurement instead of
+``sglang_restart_s``.
+
+State: the selector's last choice per stage and the profile table (server starts), saved with
+checkpoints (``state_json``, ``profile_json``) and restored on resume (``restore``); the
+planner holds nothing else between iterations.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.train import ClusterConfig, ConfigError, LayoutConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.memory_model import param_count_per_rank, train_state_bytes
+from earl_megatron.plan.memory_model import (param_count_per_rank, server_pool_fits,
+                                             train_state_bytes)
+from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import (LayoutOverBudgetError, Selector, SelectorConfig,
                                          SelectorState)
-from earl_megatron.plan.specs import ClusterSpec, GiB, Stage, StageWorkload, TrainOptions
+from earl_megatron.plan.server_restart import model_key
+from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, GiB, Stage, StageWorkload,
+                                      TrainOptions, human_bytes)
 from earl_megatron.trainer.stages import BatchShape
 
 FIRST_ROLLOUT_TOKENS = 128
@@ -33,17 +46,27 @@ FIRST_ROLLOUT_TOKENS = 128
 class StagePlanner:
     def __init__(self, model: ModelConfig, layout: LayoutConfig, cluster: ClusterConfig,
                  world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
-                 rollout_max_pp: Optional[int] = None):
+                 sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0):
         self.model, self.layout_cfg, self.world = model, layout, world
         self.episodes, self.batch = episodes, batch
         self.auto = layout.mode == "auto"
         self.opts = TrainOptions(distributed_optimizer=distributed_optimizer)
-        self.selector = Selector(model, _cluster_spec(cluster, layout, world), self.opts,
+        spec = _cluster_spec(cluster, layout, world)
+        if sglang_mem_fraction is not None:
+            if sglang_mem_fraction > 1 - layout.memory_margin:
+                raise ConfigError(
+                    f"rollout.sglang_mem_fraction={sglang_mem_fraction} leaves nothing under "
+                    f"layout.memory_margin={layout.memory_margin}: the servers take that "
+                    f"fraction of the device at start; use at most {1 - layout.memory_margin:g}")
+            spec = spec.with_(decode_engine=DecodeEngine.sglang_servers(sglang_mem_fraction))
+        self.selector = Selector(model, spec, self.opts,
                                  SelectorConfig(memory_margin=layout.memory_margin,
                                                 hysteresis=layout.hysteresis,
                                                 max_tp=layout.max_tp, max_cp=layout.max_cp,
                                                 max_pp=layout.max_pp,
-                                                rollout_max_pp=rollout_max_pp))
+                                                server_restart_s=sglang_restart_s))
+        self.servers = sglang_mem_fraction is not None
+        self.profile = ProfileTable()
         self.state = SelectorState()
         self.predicted_memory: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
@@ -57,9 +80,18 @@ class StagePlanner:
         if not self.auto:
             lay = ParallelLayout.parse(self.layout_cfg.static(stage), world_size=self.world,
                                        model=self.model)
+            if stage == "rollout" and self.servers and (lay.pp, lay.cp) != (1, 1):
+                raise ConfigError(f"layout.rollout={lay}: SGLang servers take tp x dp layouts "
+                                  f"(pp = cp = 1); use e.g. layout.rollout=tp{lay.tp}")
             mem = self.selector.memory(lay, wl, resident_bytes)
             if mem.total > self.selector.budget_bytes:
                 raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))
+            if not server_pool_fits(mem, self.selector.cluster):
+                raise ConfigError(
+                    f"layout.rollout={lay}: the SGLang servers' static KV pool (the memory "
+                    f"fraction of {human_bytes(self.selector.cluster.device_memory_bytes)} minus "
+                    f"what the device holds) cannot hold one {max(lengths)}-token sequence "
+                    f"({mem.describe()}): raise rollout.sglang_mem_fraction or use more tp")
             self.predicted_memory[stage] = mem.total
             return lay
         plan, self.state = self.selector.plan(wl, current=current, state=self.state,
@@ -67,6 +99,12 @@ class StagePlanner:
         self.predicted_memory[stage] = plan.predicted_memory_bytes
         self.reasons[stage] = plan.reason
         return plan.layout
+
+    def record_start(self, tp: int, seconds: float) -> None:
+        """A measured server (re)start with this tp (the same value on every rank): later
+        plans price a restart with it."""
+        self.profile = self.profile.record_restart(model_key(self.model), tp, seconds)
+        self.selector = replace(self.selector, profile=self.profile)
 
     def rollout_lengths(self) -> list[int]:
         """Rollout plans on the last iteration's episode lengths (the first: a prompt budget)."""
@@ -98,8 +136,17 @@ class StagePlanner:
         """The selector state (default: the current one) as JSON."""
         return [[s, str(lay)] for s, lay in (state or self.state).chosen]
 
-    def restore(self, chosen: list, last_lengths: list[int]) -> None:
+    def profile_json(self) -> dict:
+        return self.profile.to_json()
+
+    def restore(self, chosen: list, last_lengths: list[int],
+                profile: Optional[dict] = None) -> None:
+        """``profile``: a checkpoint's table (kept on another world too: its restart entries
+        are keyed by (model, tp), not by layout)."""
         self.last_lengths = list(last_lengths)
+        if profile:
+            self.profile = ProfileTable.from_json(profile, "checkpoint loop.json profile")
+            self.selector = replace(self.selector, profile=self.profile)
         if chosen and self.auto:
             self.state = SelectorState(tuple(
                 (s, ParallelLayout.parse(lay, world_size=self.world)) for s, lay in chosen))

@@ -60,6 +60,10 @@ class Rollout(Protocol):
     def metrics(self) -> dict:
         """Engine facts for the iteration's metrics line (the same on every rank)."""
 
+    def take_starts(self) -> list[tuple[int, float]]:
+        """(tp, seconds) of every server (re)start since the last call, the same on every rank
+        (the planner's profile table keeps them); [] for an engine without servers."""
+
     def close(self) -> None:
         ...
 
@@ -103,19 +107,25 @@ class EmbeddedRollout:
     def metrics(self) -> dict:
         return {}
 
+    def take_starts(self) -> list[tuple[int, float]]:
+        return []
+
     def close(self) -> None:
         pass
 
 
 def make_rollout(engine: str, spec: EpisodeSpec, tokenizer, *, model=None, python=None,
-                 device: str = "cuda", out_dir=None, bucket_mb: float = 512.0) -> Rollout:
+                 device: str = "cuda", out_dir=None, mem_fraction=None,
+                 bucket_mb: float = 512.0) -> Rollout:
     """The engine of ``rollout.engine`` (validated by the config); ``model``, ``python``,
-    ``device``, ``out_dir`` (SGLang's logs and start model) and ``bucket_mb`` (weight-sync
-    buckets) serve ``sglang`` only."""
+    ``device``, ``out_dir`` (SGLang's logs and start model), ``mem_fraction`` (the servers'
+    --mem-fraction-static; None: config.train.SGLANG_MEM_FRACTION) and ``bucket_mb``
+    (weight-sync buckets) serve ``sglang`` only."""
     if engine == "embedded":
         return EmbeddedRollout(spec, tokenizer)
     if engine == "sglang":
         from earl_megatron.trainer.sglang_rollout import SGLangRollout
         return SGLangRollout(spec, tokenizer, model, python=python, device=device,
-                             out_dir=out_dir, bucket_bytes=int(bucket_mb * 2**20))
+                             out_dir=out_dir, mem_fraction=mem_fraction,
+                             bucket_bytes=int(bucket_mb * 2**20))
     raise ValueError(f"rollout.engine={engine!r}: use embedded or sglang")

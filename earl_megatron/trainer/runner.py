@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.config.train import ConfigError, TrainConfig, sglang_mem_fraction
 from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
@@ -80,16 +80,20 @@ class Trainer:
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
                                        use_distributed_optimizer=a.use_distributed_optimizer)
+        # one memory fraction: the servers start with it and the selector plans with it
+        frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
+            if r.engine == "sglang" else None
         self.planner = StagePlanner(cfg.model, cfg.layout, cfg.cluster, self.world,
                                     distributed_optimizer=a.use_distributed_optimizer,
                                     episodes=r.episodes_per_iteration, batch=self.batch,
-                                    rollout_max_pp=1 if r.engine == "sglang" else None)
+                                    sglang_mem_fraction=frac,
+                                    sglang_restart_s=r.sglang_restart_s)
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer, model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
-            bucket_mb=r.sglang_bucket_mb)
+            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
@@ -125,6 +129,7 @@ class Trainer:
                                                   should_stop=self.stop.replica_should_stop)
             except RolloutAbandoned:
                 ids, episodes = [], []
+        self._record_server_starts()
         if self.stop.world_should_stop():  # every rank, abandoned or not: stop untrained
             return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
@@ -255,6 +260,11 @@ class Trainer:
         if res is not None:  # None: told to stop meanwhile, nothing recorded
             self.recorder.evaluation(when, res)
 
+    def _record_server_starts(self) -> None:
+        """Measured server (re)starts since the last call into the planner's profile table."""
+        for tp, seconds in self.rollout.take_starts():
+            self.planner.record_start(tp, seconds)
+
     def _mark_completed(self, models: Models, it: int) -> None:
         self._completed = {"iteration": it, "layout": models.policy.layout,
                            "selector": self.planner.state}
@@ -281,13 +291,14 @@ class Trainer:
             state = json.loads((ckpt / "loop.json").read_text())
             elastic = segments.resume_message(state, self.world, self.planner.auto)
             if elastic is None:
-                self.planner.restore(state.get("selector"), state["last_lengths"])
+                self.planner.restore(state.get("selector"), state["last_lengths"],
+                                     state.get("profile"))
                 lay = self._parse(state["layout"])
                 ref_lay = self._parse(state["ref_layout"] or state["layout"])
             else:
                 # another world: the old layouts do not exist here; plan (auto) or take the
                 # config's (static) as a fresh run would, from the last episode lengths
-                self.planner.restore([], state["last_lengths"])
+                self.planner.restore([], state["last_lengths"], state.get("profile"))
                 lay = ref_lay = self.planner.plan("rollout", self.planner.rollout_lengths(),
                                                   None)
             models = build_models(cfg.model, lay, ref_lay if self.kl_on else None,
@@ -343,6 +354,7 @@ class Trainer:
                                                  should_stop=self.stop.replica_should_stop)
                 except RolloutAbandoned:
                     ids, eps = [], []
+                self._record_server_starts()  # the first evaluation may start the servers
                 if self.stop.world_should_stop():  # every rank: no evaluation once stopping
                     return None
                 by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward, tool_row(e))
@@ -367,7 +379,8 @@ class Trainer:
         state = {"iteration": it, "layout": str(done["layout"]), "world_size": self.world,
                  "history": self.history, "last_lengths": self.planner.last_lengths,
                  "ref_layout": str(ref.layout) if ref is not None else None,
-                 "selector": self.planner.state_json(done["selector"])}
+                 "selector": self.planner.state_json(done["selector"]),
+                 "profile": self.planner.profile_json()}
         save_checkpoint(policy, self.out / "checkpoints", it, state)
         self._saved = it
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ConfigError
+from earl_megatron.config.train import ConfigError, sglang_mem_fraction
 from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
@@ -84,9 +84,10 @@ class SGLangRollout:
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
                  device: str, out_dir: Path, startup_timeout_s: float = 600.0,
-                 bucket_bytes: int = 512 << 20):
+                 mem_fraction: Optional[float] = None, bucket_bytes: int = 512 << 20):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
+        self.mem_fraction = sglang_mem_fraction(mem_fraction, device)
         self.spec, self.tok, self.model_cfg = spec, tokenizer, model
         self.python, self.device = python, device
         self.dir = Path(out_dir) / "sglang"
@@ -102,6 +103,7 @@ class SGLangRollout:
         self.endpoints: list[str] = []
         self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0,
                             "push_buckets": 0, "push_bucket_max_bytes": 0}
+        self.starts: list[tuple[int, float]] = []  # (tp, seconds) not yet taken by the planner
         self._fresh = True          # servers hold no pushed weights yet
         self._released = False
 
@@ -194,6 +196,10 @@ class SGLangRollout:
                 "rollout_server_restart_s": self.stats["restart_s"],
                 "rollout_servers_died": self.stats.get("died", 0)}
 
+    def take_starts(self) -> list[tuple[int, float]]:
+        taken, self.starts = self.starts, []
+        return taken
+
     def close(self) -> None:
         self._stop()
 
@@ -221,6 +227,7 @@ class SGLangRollout:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             cfg = SGLangConfig(python=self.python, model_path=str(model_dir), tp_size=layout.tp,
                                device=self.device, base_gpu_id=local,
+                               mem_fraction_static=self.mem_fraction,
                                enable_memory_saver=self.device == "cuda",
                                startup_timeout_s=self.startup_timeout_s,
                                log_dir=str(self.dir / f"logs-{layout}-dp{me.dp}"))
@@ -233,7 +240,12 @@ class SGLangRollout:
         self._fresh = True
         if restart:
             self.stats["restarts"] += 1
-        self.stats["restart_s"] = time.perf_counter() - t0
+        # the slowest rank's seconds: every rank records the same value, so every rank's
+        # selector prices the next restart alike (plans must agree across ranks)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        self.stats["restart_s"] = float(took)
+        self.starts.append((layout.tp, float(took)))
 
     def _initial_model_dir(self) -> Path:
         """An HF directory the servers start from (config + weights of the right shapes); the

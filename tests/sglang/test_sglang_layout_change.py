@@ -5,7 +5,8 @@ SGLang's all-reduce over gloo). The second play restarts the servers in the new 
 the weights before its first request. Checked on both layouts: every rank returns its replica's
 block (DP2: one block per rank; TP2: both ranks the whole batch), the episodes' SGLang logprobs
 equal the trainer's recomputed ones within 1e-4 (fp32), the endpoints changed (2 servers -> 1),
-and the old servers' ports are free again.
+and the old servers' ports are free again. Each start is measured once for the planner's profile
+table, (tp, seconds) with the same seconds on both ranks.
 """
 
 from __future__ import annotations
@@ -55,15 +56,19 @@ def _play_in_two_layouts(python: str, out: str):
                               rollout.metrics()["rollout_weight_version"]))
             old_ports = [int(e.split()[0].split(":")[1]) for e in found[0][4]]
             freed = all(_port_free("127.0.0.1", p) for p in old_ports)
+            starts = rollout.take_starts()
         finally:
             rollout.close()
-    return found, freed
+    return found, freed, starts
 
 
 def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_dir):
     results = run_distributed(_play_in_two_layouts, 2, sglang_python, str(run_dir),
                               timeout=1500, collective_timeout_s=900)
-    for rank, (found, freed) in enumerate(results):
+    # the measured starts the planner prices restarts with: (tp, seconds), equal on every rank
+    assert results[0][2] == results[1][2] and [tp for tp, _ in results[0][2]] == [1, 2]
+    assert all(s > 0 for _, s in results[0][2])
+    for rank, (found, freed, _) in enumerate(results):
         print(rank, found)
         (lay0, ids0, n0, diff0, ends0, v0), (lay1, ids1, n1, diff1, ends1, v1) = found
         assert lay0 == "DP2" and ids0 == ([0, 1] if rank == 0 else [2, 3]) and n0 == 2

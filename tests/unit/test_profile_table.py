@@ -102,3 +102,35 @@ def test_profile_overrides_the_analytic_choice():
     # Unmeasured layouts inherit the stage's geometric-mean factor, sqrt(100 x 1) = 10.
     other = next(lay for lay in base.valid_layouts() if lay not in (fav, second))
     assert calibrated.evaluate(other, wl).scale == pytest.approx(10.0)
+
+
+# ------------------------------------------------------------------ server restarts (SGLang)
+def test_restart_entries_latest_wins_round_trip_and_survive_stage_records(tmp_path):
+    t = ProfileTable().record_restart("m", 2, 40.0).record_restart("m", 1, 25.0)
+    t = t.record_restart("m", 2, 55.0).record_restart("other", 2, 9.0)
+    assert t.restart_seconds("m", 2) == 55.0                  # the latest record wins
+    assert t.restart_seconds("m", 1) == 25.0 and t.restart_seconds("other", 2) == 9.0
+    assert t.restart_seconds("m", 4) is None and t.restart_seconds("x", 1) is None
+    assert len(t.restarts) == 3
+    # recording a stage time or meta keeps the restarts (a table is one value)
+    t2 = t.record(Stage.TRAIN, ParallelLayout(dp=2), 128, 2, 0.5).with_meta(model="tiny")
+    assert t2.restarts == t.restarts and len(t2.entries) == 1
+    path = tmp_path / "p.json"
+    t2.save(path)
+    assert json.loads(path.read_text())["restarts"][0] == {"model": "m", "tp": 1,
+                                                          "seconds": 25.0}
+    assert ProfileTable.load(path) == t2
+
+
+def test_files_without_restarts_load_and_bad_restarts_are_refused():
+    old = _table().to_json()
+    del old["restarts"]                                   # a file written before restarts
+    assert ProfileTable.from_json(old).restarts == ()
+    bad = ProfileTable().record_restart("m", 2, 3.0).to_json()
+    del bad["restarts"][0]["tp"]
+    with pytest.raises(ProfileTableError, match="restart 0 is malformed.*model, tp, seconds"):
+        ProfileTable.from_json(bad)
+    for args, what in ((("", 1, 1.0), "model"), (("m", 0, 1.0), "tp"), (("m", True, 1.0), "tp"),
+                       (("m", 1, 0.0), "seconds"), (("m", 1, float("nan")), "seconds")):
+        with pytest.raises(ProfileTableError, match=what):
+            ProfileTable().record_restart(*args)

@@ -13,8 +13,11 @@ from earl_megatron.plan.presets import PRESETS
 from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.selector import (NoLayoutFitsError, Selector, SelectorConfig,
                                          SelectorState, select_layout, switch_seconds)
-from earl_megatron.plan.specs import (GiB, ClusterSpec, Recompute, Stage, StageWorkload,
-                                      TrainOptions)
+from earl_megatron.plan.memory_model import server_pool_fits
+from earl_megatron.plan.profile_table import ProfileTable
+from earl_megatron.plan.server_restart import model_key, push_seconds
+from earl_megatron.plan.specs import (GiB, ClusterSpec, DecodeEngine, Recompute, Stage,
+                                      StageWorkload, TrainOptions)
 
 TINY = ModelConfig.tiny()
 SMALL = ModelConfig.tiny(num_layers=8, hidden_size=512, ffn_hidden_size=2048, vocab_size=4096)
@@ -221,3 +224,99 @@ def test_rollout_max_pp_limits_only_the_rollout_stage():
     assert {(lay.tp, lay.dp) for lay in rollout} == {(1, 4), (2, 2), (4, 1)} & \
         {(lay.tp, lay.dp) for lay in free.valid_layouts(Stage.ROLLOUT)}
     assert capped.valid_layouts(Stage.TRAIN) == free.valid_layouts(Stage.TRAIN)
+
+
+# ------------------------------------------------------------------ SGLang servers
+SGL = ClusterSpec.cpu(ranks=4).with_(decode_engine=DecodeEngine.sglang_servers(0.5))
+SGL_WL = StageWorkload.of(Stage.ROLLOUT, 256, 16, responses_in_flight=16)
+DP4, TP4 = ParallelLayout(dp=4), ParallelLayout(tp=4)
+
+
+def _sglang(restart_s: float, hysteresis: float = 0.0, profile=None) -> Selector:
+    return Selector(SMALL, SGL, config=SelectorConfig(hysteresis=hysteresis,
+                                                      server_restart_s=restart_s),
+                    profile=profile)
+
+
+def test_sglang_rollout_memory_is_weights_over_tp_plus_the_static_pool():
+    sel = _sglang(60.0)
+    assert all((lay.pp, lay.cp) == (1, 1) for lay in sel.valid_layouts(Stage.ROLLOUT))
+    assert any(lay.pp > 1 for lay in sel.valid_layouts(Stage.TRAIN))
+    with pytest.raises(ValueError, match="tp x dp"):
+        sel.memory(ParallelLayout(pp=2, dp=2), SGL_WL)
+    for lay in (DP4, TP4):
+        m = sel.memory(lay, SGL_WL)
+        w = param_count_per_rank(SMALL, lay, 0) * 4
+        assert m.server_weights == m.weights == w                 # the server's copy: w / tp
+        # the pool fills the device to the fraction, whatever the responses need
+        assert m.kv_cache == int(2 * GiB * 0.5) - (m.weights + m.server_weights)
+        one = sel.memory(lay, SGL_WL.with_(responses_in_flight=1, contexts=((256, 1),)))
+        assert one.kv_cache == m.kv_cache
+        # bytes already on the device shrink the pool, not the total
+        held = sel.memory(lay, SGL_WL, resident_bytes=10 << 20)
+        assert held.kv_cache == m.kv_cache - (10 << 20) and held.total == m.total
+        assert sel.fits(m)
+    tp4, dp4 = sel.memory(TP4, SGL_WL), sel.memory(DP4, SGL_WL)
+    assert tp4.server_weights < dp4.server_weights / 3.5        # tp splits all but the norms
+    # the embedded engine's static cache instead holds every response at its longest context
+    emb = Selector(SMALL, ClusterSpec.cpu(ranks=4)).memory(TP4, SGL_WL)
+    assert emb.server_weights == 0 and emb.kv_cache == 16 * (emb.kv_cache // 16)
+    assert emb.kv_cache < tp4.kv_cache
+
+
+def test_sglang_pool_smaller_than_one_sequence_does_not_fit():
+    tight = replace_engine(0.04)   # 82 MiB: holds TP4's two weight copies (68 MiB), not DP4's
+    m = tight.memory(DP4, SGL_WL)
+    assert m.total <= tight.budget_bytes and not server_pool_fits(m, tight.cluster)
+    assert not tight.fits(m) and tight.fits(tight.memory(TP4, SGL_WL))
+    plan, _ = tight.plan(SGL_WL)
+    assert plan.layout.tp > 1 and DP4 in plan.oom
+    with pytest.raises(NoLayoutFitsError):
+        replace_engine(0.001).plan(SGL_WL)
+
+
+def replace_engine(fraction: float) -> Selector:
+    return Selector(SMALL, SGL.with_(decode_engine=DecodeEngine.sglang_servers(fraction)))
+
+
+def test_sglang_restart_is_priced_against_the_gain_and_kept_under_it():
+    push = push_seconds(SMALL, SGL)
+    # gather the full fp32 model, broadcast it to the server
+    assert push == 2 * 4 * param_count_per_rank(SMALL, ParallelLayout(), 0) / 1.5e9
+    live = SelectorState().with_choice(Stage.ROLLOUT, TP4)        # servers run in TP4
+    base = _sglang(0.0)
+    inc, alt = base.evaluate(TP4, SGL_WL, state=live), base.evaluate(DP4, SGL_WL, state=live)
+    gain = inc.predicted_seconds - alt.predicted_seconds
+    assert inc.switch_seconds == 0.0 and gain > push             # the servers stay: no cost
+    for restart, kept in ((gain - push - 0.05, False), (gain - push + 0.05, True), (60.0, True)):
+        plan, state = _sglang(restart).plan(SGL_WL, state=live)
+        assert plan.chosen.switch_seconds == (0.0 if kept else pytest.approx(restart + push))
+        assert plan.layout == (TP4 if kept else DP4), (restart, gain, plan.reason)
+        assert state.previous(Stage.ROLLOUT) == plan.layout
+    # the reason shows the alternative's cost with its restart
+    assert f"{alt.predicted_seconds + 60 + push:.3g} s for DP4" in \
+        _sglang(60.0).plan(SGL_WL, state=live)[0].reason
+    # hysteresis still applies: a free restart that gains under 5% keeps the servers
+    assert gain + 1e-9 < 0.05 * inc.predicted_seconds + push
+    assert _sglang(0.0, hysteresis=0.05).plan(SGL_WL, state=live)[0].layout == TP4
+    # the Megatron reshard of the trainer's copy is counted on top of the restart
+    sw = _sglang(7.0).evaluate(DP4, SGL_WL, current=TP4, state=live).switch_seconds
+    assert sw == pytest.approx(switch_seconds(SMALL, SGL, TP4, DP4) + 7.0 + push)
+
+
+def test_a_measured_restart_replaces_the_default():
+    live = SelectorState().with_choice(Stage.ROLLOUT, TP4)
+    key = model_key(SMALL)
+    fast = ProfileTable().record_restart(key, 1, 0.01)            # DP4's servers are tp1
+    slow = ProfileTable().record_restart(key, 1, 60.0)
+    assert _sglang(60.0).plan(SGL_WL, state=live)[0].layout == TP4            # default: kept
+    assert _sglang(60.0, profile=fast).plan(SGL_WL, state=live)[0].layout == DP4
+    assert _sglang(0.0).plan(SGL_WL, state=live)[0].layout == DP4             # default: moves
+    # tp1 measured slow: the free (default 0 s) TP2xDP2 restart wins; both slow: kept
+    assert _sglang(0.0, profile=slow).plan(SGL_WL, state=live)[0].layout == \
+        ParallelLayout(tp=2, dp=2)
+    slow = slow.record_restart(key, 2, 60.0)
+    assert _sglang(0.0, profile=slow).plan(SGL_WL, state=live)[0].layout == TP4
+    # a measurement of another tp or another model does not count for tp1 of this model
+    other = ProfileTable().record_restart(key, 4, 0.01).record_restart("x", 1, 0.01)
+    assert _sglang(60.0, profile=other).plan(SGL_WL, state=live)[0].layout == TP4

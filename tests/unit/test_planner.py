@@ -1,0 +1,88 @@
+"""StagePlanner with rollout.engine=sglang: the selector plans the servers it will start (the
+same memory fraction as their command line), prices restarts with the measured starts it is
+given, keeps them across a checkpoint, and refuses static layouts the servers cannot take."""
+
+import json
+
+import pytest
+
+from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ClusterConfig, ConfigError,
+                                        LayoutConfig, TrainConfig, sglang_mem_fraction)
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.server_restart import model_key
+from earl_megatron.plan.specs import Stage
+from earl_megatron.rollout.sglang_server import SGLangConfig, server_command
+from earl_megatron.trainer.planner import StagePlanner
+from earl_megatron.trainer.stages import BatchShape
+
+MODEL = ModelConfig.tiny(vocab_size=32)
+
+
+def _planner(layout=LayoutConfig(), frac=0.05, restart_s=60.0) -> StagePlanner:
+    return StagePlanner(MODEL, layout, ClusterConfig(), 2, distributed_optimizer=True,
+                        episodes=4, batch=BatchShape(2), sglang_mem_fraction=frac,
+                        sglang_restart_s=restart_s)
+
+
+def _flag(cmd: list[str]) -> float:
+    return float(cmd[cmd.index("--mem-fraction-static") + 1])
+
+
+def test_one_memory_fraction_for_the_servers_and_the_selector():
+    cfg = TrainConfig.from_dict({"rollout": {"engine": "sglang", "sglang_device": "cpu"}})
+    frac = sglang_mem_fraction(cfg.rollout.sglang_mem_fraction, cfg.rollout.sglang_device)
+    assert frac == SGLANG_MEM_FRACTION["cpu"] == 0.05
+    engine = _planner(frac=frac).selector.cluster.decode_engine
+    assert engine.servers and engine.memory_fraction == frac
+    cmd = server_command(SGLangConfig(python="py", model_path="m", device="cpu",
+                                      mem_fraction_static=frac), 0, 1234, "m")
+    assert _flag(cmd) == frac
+    # the engine's own CPU default is the same table entry
+    assert _flag(server_command(SGLangConfig(python="py", model_path="m", device="cpu"), 0,
+                                1234, "m")) == frac
+    assert sglang_mem_fraction(0.3, "cuda") == 0.3 and sglang_mem_fraction(None, "cuda") == 0.8
+    with pytest.raises(ConfigError, match="sglang_mem_fraction"):
+        TrainConfig.from_dict({"rollout": {"sglang_mem_fraction": 1.2}})
+    with pytest.raises(ConfigError, match="sglang_restart_s"):
+        TrainConfig.from_dict({"rollout": {"sglang_restart_s": -1}})
+
+
+def test_embedded_planner_keeps_the_embedded_engine():
+    p = StagePlanner(MODEL, LayoutConfig(), ClusterConfig(), 2, distributed_optimizer=True,
+                     episodes=4, batch=BatchShape(2))
+    assert not p.selector.cluster.decode_engine.servers
+    assert p.selector.cluster.decode_engine.name == "embedded"
+
+
+def test_recorded_starts_price_restarts_and_survive_a_checkpoint():
+    p = _planner(restart_s=1e6)   # default: no restart ever pays off
+    first = p.plan("rollout", [128] * 4, None)
+    assert (first.pp, first.cp) == (1, 1)
+    other = next(lay for lay in p.selector.valid_layouts(Stage.ROLLOUT)
+                 if (lay.tp, lay.dp) != (first.tp, first.dp))
+    wl = p._workload("rollout", [128] * 4)
+    assert p.selector.evaluate(other, wl, state=p.state).switch_seconds > 1e6
+    p.record_start(other.tp, 2.5)
+    assert p.selector.profile.restart_seconds(model_key(MODEL), other.tp) == 2.5
+    priced = p.selector.evaluate(other, wl, state=p.state).switch_seconds
+    assert 2.5 < priced < 3.0                                     # 2.5 s + one push
+    saved = json.loads(json.dumps(p.profile_json()))              # what loop.json holds
+    q = _planner(restart_s=1e6)
+    q.restore(p.state_json(), [128] * 4, saved)
+    assert q.selector.profile == p.selector.profile
+    assert q.selector.evaluate(other, wl, state=q.state).switch_seconds == priced
+
+
+def test_static_layouts_the_servers_cannot_take_are_refused():
+    with pytest.raises(ConfigError, match="tp x dp.*layout.rollout=tp1"):
+        _planner(LayoutConfig(mode="static", rollout="pp2", logprob="dp2", train="dp2")).plan(
+            "rollout", [64] * 4, None)
+    tiny_pool = _planner(LayoutConfig(mode="static", rollout="dp2", logprob="dp2", train="dp2"),
+                         frac=1e-5)
+    with pytest.raises(ConfigError, match="cannot hold one 64-token sequence.*sglang_mem_frac"):
+        tiny_pool.plan("rollout", [64] * 4, None)
+    ok = _planner(LayoutConfig(mode="static", rollout="tp2", logprob="dp2", train="dp2"))
+    assert ok.plan("rollout", [64] * 4, None) == ParallelLayout(tp=2)
+    with pytest.raises(ConfigError, match="leaves nothing under layout.memory_margin=0.1"):
+        _planner(frac=0.95)
