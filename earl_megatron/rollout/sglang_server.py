@@ -129,6 +129,20 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
     return cmd + list(config.extra_args)
 
 
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+"""Variables of the trainer's launcher (torchrun) that a server must not inherit: with
+TORCHELASTIC_USE_AGENT_STORE set, SGLang's rendezvous for the weight-update group joins as a
+client of an agent store that does not exist at that port, and the group never forms."""
+
+
+def server_environ(parent: dict[str, str], config: SGLangConfig) -> dict[str, str]:
+    """A server's whole environment: ``parent`` less the launcher's variables, plus
+    ``server_env``."""
+    env = {k: v for k, v in parent.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(server_env(config))
+    return env
+
+
 def server_env(config: SGLangConfig) -> dict[str, str]:
     """Environment variables of a server (on top of os.environ and config.env).
 
@@ -204,8 +218,7 @@ class _Server:
 
     def start(self, model_path: str) -> float:
         """Launch the server and block until /health answers 200; returns seconds taken."""
-        env = dict(os.environ)
-        env.update(server_env(self.config))
+        env = server_environ(os.environ, self.config)
         cmd = server_command(self.config, self.index, self.port, model_path)
         if not _port_free(self.config.host, self.port):
             # someone else's server there would answer our /health checks

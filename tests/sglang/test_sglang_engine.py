@@ -24,7 +24,7 @@ import pytest
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.sglang_engine import (CPU_FLAGS, SGLangConfig, SGLangEngine,
                                                  SGLangRequestError, SGLangServerError,
-                                                 parse_generation, server_env,
+                                                 parse_generation, server_env, server_environ,
                                                  server_command, sglang_sampling_params,
                                                  split_evenly, trainer_weight_update_group)
 
@@ -59,6 +59,10 @@ def test_server_command_cpu_and_gpu():
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] in ("0|1", "0|0")
     assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
     assert server_env(gpu) == {}
+    # under torchrun the servers must not see its agent-store flag (the weight group hung)
+    parent = {"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True",
+              "TORCHELASTIC_RUN_ID": "x", "RANK": "1"}
+    assert server_environ(parent, gpu) == {"PATH": "/bin", "RANK": "1"}
     with pytest.raises(ValueError, match="one port per server"):
         SGLangConfig(python="p", model_path="m", num_servers=2, ports=(1,))
 
