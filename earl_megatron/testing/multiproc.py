@@ -7,7 +7,8 @@ the per-rank results in rank order.
 Workers come from a forkserver that imported torch and Megatron-Core once (``PRELOAD``): a
 spawned worker spends ~6 CPU-seconds importing them, and the test suite starts several hundred
 workers on 2 cores. Each worker gets the caller's environment as it is at the call (as a spawned
-one would) and nothing else of the caller's state. Invariants:
+one would) and nothing else of the caller's state; their stdout and stderr go to files that
+are copied onto the caller's own, rank by rank, when the job ends. Invariants:
 
 - A worker that raises makes the whole call raise, with that worker's traceback in the message.
 - A job that runs past ``timeout`` is killed (every process) and raises ``TimeoutError``: a
@@ -22,6 +23,9 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
+import shutil
+import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -48,7 +52,13 @@ def _context():
 
 
 def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
-            fn: Callable, args: tuple, results, env: dict) -> None:
+            fn: Callable, args: tuple, results, env: dict, logs: tuple[str, str]) -> None:
+    # the forkserver's stdout/stderr are whatever they were when it started: write to files the
+    # caller copies to its own (pytest's capfd sees them, as with spawned workers)
+    for fd, path in zip((1, 2), logs):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
     os.environ.clear()
     os.environ.update(env)  # the caller's environment at the call, as a spawned worker's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -75,6 +85,8 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
@@ -84,8 +96,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
+    logdir = tempfile.mkdtemp(prefix="earl-workers-")
+    logs = [(os.path.join(logdir, f"{r}.out"), os.path.join(logdir, f"{r}.err"))
+            for r in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(r, world_size, port, collective_timeout_s, fn, args, results, env))
+                         args=(r, world_size, port, collective_timeout_s, fn, args, results, env,
+                               logs[r]))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -126,3 +142,20 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        _copy_out(logs)
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _copy_out(logs) -> None:
+    """The workers' stdout and stderr, rank by rank, onto this process's own fds 1 and 2."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for files in logs:
+        for fd, path in zip((1, 2), files):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            while data:
+                data = data[os.write(fd, data):]
