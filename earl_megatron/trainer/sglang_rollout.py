@@ -225,8 +225,11 @@ class SGLangRollout:
         endpoint = None
         if self.rank == replicas[me.dp][0]:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
+            # replicas whose servers share this node (CPU: its cores; SGLangConfig.host_servers)
+            node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             cfg = SGLangConfig(python=self.python, model_path=str(model_dir), tp_size=layout.tp,
                                device=self.device, base_gpu_id=local,
+                               host_servers=max(1, layout.dp * node_ranks // self.world),
                                mem_fraction_static=self.mem_fraction,
                                enable_memory_saver=self.device == "cuda",
                                startup_timeout_s=self.startup_timeout_s,

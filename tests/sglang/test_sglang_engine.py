@@ -69,6 +69,18 @@ def test_server_command_cpu_and_gpu():
         # the trainer starts one server per replica, offset by the replica's first local rank
         one = dataclasses.replace(cpu, base_gpu_id=1)
         assert server_env(one)["SGLANG_CPU_OMP_THREADS_BIND"] == str(cores[1])
+    # overlap scheduling: kept for one server (tp1, tp2), dropped when several servers share
+    # too few cores (its second busy thread per rank made dp2 8x slower on 2 cores)
+    assert "--disable-overlap-schedule" not in server_command(cpu, 0, 1, "/m")
+    assert "--disable-overlap-schedule" not in server_command(cpu2, 0, 1, "/m")
+    crowded = dataclasses.replace(cpu, host_servers=len(cores) + 1)
+    assert "--disable-overlap-schedule" in server_command(crowded, 0, 1, "/m")
+    forced = dataclasses.replace(cpu, overlap_schedule=False)
+    assert "--disable-overlap-schedule" in server_command(forced, 0, 1, "/m")
+    assert "--disable-overlap-schedule" in server_command(
+        dataclasses.replace(gpu, overlap_schedule=False), 0, 1, "/m")
+    with pytest.raises(ValueError, match="host_servers"):
+        SGLangConfig(python="p", model_path="m", num_servers=2, host_servers=1)
     assert server_env(gpu) == {}
     # under torchrun the servers must not see its agent-store flag (the weight group hung)
     parent = {"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True",
