@@ -181,8 +181,8 @@ class EmbeddedEngine:
             first_slot, keep, sources = reuse_plan(self._rows, prompts, width)
             old = dict(self._ctx.key_value_memory_dict) if first_slot else None
         ctx = self._context(batch, width + params.max_new_tokens) if self.kv_cache else None
-        if old:
-            move_cached_rows(ctx, old, keep, sources, pad)
+        if old:  # kept keys land unrotated: the window's forward ropes the cache by slot
+            move_cached_rows(ctx, old, keep, sources, pad, pipe.rope)
             self.stats["reused_tokens"] += sum(keep)
 
         if ctx is None:
@@ -193,8 +193,11 @@ class EmbeddedEngine:
                 ctx.sequence_len_offset, ctx.batch_size_offset = first_slot, r0
                 parts.append(pipe.forward(
                     ids[r0:r0 + rows, first_slot:],
-                    prefill_mask(pad[r0:r0 + rows], width, first_slot), ctx))
+                    prefill_mask(pad[r0:r0 + rows], width, first_slot), ctx,
+                    rotated=first_slot == 0))
             ctx.batch_size_offset = 0
+            if first_slot:  # decode steps store roped keys: rope the prefilled slots once
+                pipe.rope.rotate_slots(ctx, width, batch)
             logits = torch.cat(parts) if pipe.last else None
             keys = pad_key_mask(pad, ctx.max_sequence_length)
         track = StopTracker(batch, params.stop_token_ids, dev)
