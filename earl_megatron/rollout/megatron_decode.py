@@ -20,13 +20,14 @@ The embedded engine (embedded_engine.py) decides what to decode; this module run
   way (rope is relative, so a contiguous run of slots keeps every relative distance).
 
 Host fast path (CPU only, under ``runtime.cpu_backend``): the backend's torch-function mode
-adds Python dispatch to every torch call (~390 calls per decode forward of 3 layers: about a
-third of the step). Decode steps (one token per row, the cache already allocated) run under
-``cpu_backend.unredirected()`` at every tp: their only CUDA use is
-``device=torch.cuda.current_device()`` (the rope offsets of the flash-decode path, the TP
-logits gather), answered with the CPU there. The engine's own per-step ops (sampling, stop
-tracking) run in ``host_ops()``. A CUDA call that did slip in would fail loudly ("Cannot
-access accelerator device"), never silently; on GPUs nothing changes.
+adds Python dispatch to every torch call (~400 per decode forward of 3 layers: a quarter to a
+third of the step). The decode loop (sampling, stop tracking and the forwards after the
+prefill, at every tp and pp) runs in ``decode_scope``, i.e. ``cpu_backend.unredirected()``:
+its only CUDA use is ``device=torch.cuda.current_device()`` (the rope offsets of the
+flash-decode path, the TP logits gather), answered with the CPU there. The prefill keeps the
+mode (it allocates the cache and builds tables once per call). A CUDA call that did slip in
+would fail loudly ("Cannot access accelerator device"), never silently; on GPUs nothing
+changes.
 """
 
 from __future__ import annotations
@@ -41,12 +42,10 @@ from earl_megatron.rollout.rope_cache import CacheRope, rotated_keys
 from earl_megatron.runtime import cpu_backend, groups
 
 
-def host_ops():
-    """Scope for the engine's own per-step tensor ops (sampling, stop tracking, masks): they
-    name no device, so under the CPU backend they skip its torch-function mode (module
-    docstring); elsewhere a no-op."""
-    return torch._C.DisableTorchFunction() if cpu_backend.is_active() \
-        else contextlib.nullcontext()
+def decode_scope(cached: bool):
+    """Scope of the decode loop (steps after the prefill): with a KV cache, out of the CPU
+    backend's torch-function mode (module docstring); elsewhere, or without a cache, a no-op."""
+    return cpu_backend.unredirected() if cached else contextlib.nullcontext()
 
 
 def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
@@ -104,9 +103,7 @@ class Pipeline:
         if self._positions.numel() < start + s:  # rope ignores them; GPTModel wants them
             self._positions = torch.arange(max(2 * (start + s), 256), device=self.device)
         pos = self._positions[start:start + s][None].expand(b, s)
-        decode = ctx is not None and s == 1
-        with cpu_backend.unredirected() if decode else contextlib.nullcontext(), \
-                rotated_keys(self.model.config) if ctx is not None and rotated \
+        with rotated_keys(self.model.config) if ctx is not None and rotated \
                 else contextlib.nullcontext():
             out = self.model(ids, pos, mask, inference_context=ctx, runtime_gather_output=True)
         if ctx is not None:

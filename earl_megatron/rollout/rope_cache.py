@@ -16,7 +16,7 @@ inference context, so it never sees the switch). Two limits of that path, handle
 - Its rope goes through flash-attn's rotary kernel (``rope_utils.apply_rotary_emb_flash``);
   without flash-attn Megatron 0.16 falls back to feeding the cos/sin VALUES to its own rope as
   if they were angles (cos(cos x)): wrong numbers, no error. Where the kernel is missing the
-  scope installs ``host_rotary``, the kernel's contract in plain torch (and restores the
+  scope installs ``HostRotary``, the kernel's contract in plain torch (and restores the
   module attribute on exit); with flash-attn installed, its kernel is used.
 - Only a forward at slot 0 (prefill) or of ONE token (decode) slices cos/sin right; a forward
   of N > 1 tokens at slot > 0 (prefix reuse's window) would rope all N at the last slot. That
@@ -50,15 +50,41 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
 
 
-def host_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                interleaved: bool = False, inplace: bool = False, **_) -> torch.Tensor:
-    """flash_attn.layers.rotary.apply_rotary_emb's contract (no offsets): x [b, s, h, d], cos and
-    sin [>= s, rd / 2]; positions 0..s-1 of cos/sin rotate the first rd dims of x."""
-    s = x.shape[1]
-    cos = cos[:s, None, :].to(x.dtype)
-    sin = sin[:s, None, :].to(x.dtype)
-    out = _rotate(x, cos, sin, interleaved)
-    return x.copy_(out) if inplace else out
+class HostRotary:
+    """flash_attn.layers.rotary.apply_rotary_emb's contract (no offsets) in plain torch: x
+    [b, s, h, d], cos and sin [>= s, rd / 2]; positions 0..s-1 of cos/sin rotate the first rd
+    dims of x. One instance per forward: a decode step (s = 1) ropes every layer's queries and
+    keys at the same position, so it builds that position's [d, d] rotation matrix once and
+    applies it as one matmul per call (instead of ~13 elementwise ops)."""
+
+    def __init__(self):
+        self._last: tuple = ()  # (cos, sin, interleaved, d, dtype, matrix); refs keep storage
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False, inplace: bool = False, **_) -> torch.Tensor:
+        s = x.shape[1]
+        if s == 1:
+            out = torch.matmul(x, self._matrix(cos, sin, interleaved, x.shape[-1], x.dtype))
+        else:
+            out = _rotate(x, cos[:s, None, :].to(x.dtype), sin[:s, None, :].to(x.dtype),
+                          interleaved)
+        return x.copy_(out) if inplace else out
+
+    def _matrix(self, cos, sin, interleaved: bool, d: int, dtype) -> torch.Tensor:
+        last = self._last
+        if last and last[2:5] == (interleaved, d, dtype) and all(
+                a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                for a, b in ((last[0], cos), (last[1], sin))):
+            return last[5]
+        half = cos.shape[-1]
+        c, sn = cos[0].to(dtype), sin[0].to(dtype)
+        i = torch.arange(0, 2 * half, 2) if interleaved else torch.arange(half)
+        j = i + 1 if interleaved else i + half
+        # out = x @ R: out[i] = x[i] c - x[j] s, out[j] = x[j] c + x[i] s; dims >= rd pass
+        m = torch.eye(d, dtype=dtype, device=cos.device)
+        m[i, i], m[j, j], m[j, i], m[i, j] = c, c, -sn, sn
+        self._last = (cos, sin, interleaved, d, dtype, m)
+        return m
 
 
 @contextlib.contextmanager
@@ -69,7 +95,7 @@ def rotated_keys(config):
     saved = config.flash_decode, rope_utils.apply_rotary_emb_flash
     config.flash_decode = True
     if rope_utils.apply_rotary_emb_flash is None:
-        rope_utils.apply_rotary_emb_flash = host_rotary
+        rope_utils.apply_rotary_emb_flash = HostRotary()
     try:
         yield
     finally:
