@@ -15,9 +15,9 @@ decode) it skips the two costs of the unfused path:
 - prefill (sq > 1): ``torch.nn.functional.scaled_dot_product_attention`` (enable_gqa) instead
   of baddbmm + masked softmax + bmm over materialised [b, heads, sq, sk] scores.
 
-Masks keep Megatron's convention (True = hidden) and value: hidden scores become -10000
-(decode: masked_fill as Megatron; prefill: added, so a fully hidden row stays finite, never
-NaN). Training, a missing mask (the trainer's logprob pass: Megatron's causal default), packed
+Masks keep Megatron's convention (True = hidden) and value -10000, added to the scores (a
+hidden score ends ~-10000 below the row's maximum, so its weight is exactly 0 in fp32 as with
+Megatron's masked_fill, and a fully hidden row stays finite, never NaN). Training, a missing mask (the trainer's logprob pass: Megatron's causal default), packed
 sequences, attention bias, softmax offsets and query-key layer scaling run
 ``DotProductAttention.forward`` unchanged, so training numerics do not move. Tested: equal to
 DotProductAttention within fp32 rounding (tests/unit/test_inference_attention.py).
@@ -57,9 +57,14 @@ class InferenceAttention(DotProductAttention):
         rep = heads // groups
         # [1, b, heads, hn] -> [b * groups, rep, hn]; the cache views [sk, b, groups, hn] become
         # [b * groups, hn, sk] and [b * groups, sk, hn] without a copy (b and groups are adjacent)
-        q = query.reshape(b * groups, rep, hn) * self.softmax_scale
-        scores = torch.bmm(q, key.permute(1, 2, 3, 0).reshape(b * groups, hn, sk))
-        scores.view(b, groups, rep, sk).masked_fill_(mask, _HIDDEN)  # mask [b or 1, 1, 1, sk]
+        q = query.reshape(b * groups, rep, hn)
+        # the mask [b or 1, 1, 1, sk] as an additive bias [b * groups, 1, sk], broadcast over
+        # the rep queries of a group inside baddbmm (no pass over the scores to mask them)
+        bias = torch.zeros((mask.shape[0], groups, 1, sk), dtype=query.dtype,
+                           device=query.device).masked_fill_(mask, _HIDDEN)
+        scores = torch.baddbmm(bias.expand(b, groups, 1, sk).reshape(b * groups, 1, sk), q,
+                               key.permute(1, 2, 3, 0).reshape(b * groups, hn, sk),
+                               alpha=self.softmax_scale)
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, value.permute(1, 2, 0, 3).reshape(b * groups, sk, hn))
         return out.view(1, b, heads * hn)

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
-from earl_megatron.rollout.megatron_decode import (Pipeline, decode_scope, move_cached_rows,
+from earl_megatron.rollout.megatron_decode import (Pipeline, host_scope, move_cached_rows,
                                                    pad_key_mask, prefill_mask, reuse_plan)
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
@@ -123,7 +123,8 @@ class EmbeddedEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self._generate(prompts, params)
+            with host_scope():
+                out = self._generate(prompts, params)
         finally:
             self.model.train(was_training)
         self.stats["calls"] += 1
@@ -205,21 +206,20 @@ class EmbeddedEngine:
             logits = torch.cat(parts) if pipe.last else None
             keys = pad_key_mask(pad, ctx.max_sequence_length)
         track = StopTracker(batch, params.stop_token_ids, dev)
-        with decode_scope(ctx is not None):
-            for step in range(params.max_new_tokens):
-                tok = lp = None
-                if pipe.last:
-                    tok, lp = sample_next(logits, params,
-                                          None if uniforms is None else uniforms[step])
-                tok, lp = pipe.broadcast_from_last(tok, lp, batch)
-                if track.add(tok, lp) or track.steps == params.max_new_tokens:
-                    break
-                if ctx is not None:
-                    sk = ctx.sequence_len_offset + 1
-                    logits = pipe.forward(tok[:, None], keys[..., :sk], ctx)
-                else:  # recompute-all: the whole sequence again, no cache (reference, benchmark)
-                    ids = torch.cat([ids, tok[:, None]], dim=1)
-                    logits = pipe.forward(ids, prefill_mask(pad, ids.shape[1]), None)
+        for step in range(params.max_new_tokens):
+            tok = lp = None
+            if pipe.last:
+                tok, lp = sample_next(logits, params,
+                                      None if uniforms is None else uniforms[step])
+            tok, lp = pipe.broadcast_from_last(tok, lp, batch)
+            if track.add(tok, lp) or track.steps == params.max_new_tokens:
+                break
+            if ctx is not None:
+                sk = ctx.sequence_len_offset + 1
+                logits = pipe.forward(tok[:, None], keys[..., :sk], ctx)
+            else:  # recompute-all: the whole sequence again, no cache (reference, benchmark)
+                ids = torch.cat([ids, tok[:, None]], dim=1)
+                logits = pipe.forward(ids, prefill_mask(pad, ids.shape[1]), None)
         if self.reuse_prefix:
             # the cache holds each row's prompt and every sampled token that was fed back (all
             # but the last step's), contiguous from its first real slot; junk after a stop

@@ -21,13 +21,12 @@ The embedded engine (embedded_engine.py) decides what to decode; this module run
 
 Host fast path (CPU only, under ``runtime.cpu_backend``): the backend's torch-function mode
 adds Python dispatch to every torch call (~400 per decode forward of 3 layers: a quarter to a
-third of the step). The decode loop (sampling, stop tracking and the forwards after the
-prefill, at every tp and pp) runs in ``decode_scope``, i.e. ``cpu_backend.unredirected()``:
-its only CUDA use is ``device=torch.cuda.current_device()`` (the rope offsets of the
-flash-decode path, the TP logits gather), answered with the CPU there. The prefill keeps the
-mode (it allocates the cache and builds tables once per call). A CUDA call that did slip in
-would fail loudly ("Cannot access accelerator device"), never silently; on GPUs nothing
-changes.
+third of the step). A generate call needs none of its rewrites: its only CUDA uses are
+``device=torch.cuda.current_device()`` allocations (the KV cache, the rope offsets of the
+flash-decode path, the rotary table, the TP logits gather), which ``cpu_backend.unredirected()``
+answers with the CPU. So the whole call, at every tp and pp, runs in ``host_scope()``. A CUDA
+call that did slip in would fail loudly ("Cannot access accelerator device"), never silently;
+on GPUs nothing changes.
 """
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ from earl_megatron.rollout.rope_cache import CacheRope, rotated_keys
 from earl_megatron.runtime import cpu_backend, groups
 
 
-def decode_scope(cached: bool):
-    """Scope of the decode loop (steps after the prefill): with a KV cache, out of the CPU
-    backend's torch-function mode (module docstring); elsewhere, or without a cache, a no-op."""
-    return cpu_backend.unredirected() if cached else contextlib.nullcontext()
+def host_scope():
+    """Scope of a whole generate call: out of the CPU backend's torch-function mode (module
+    docstring); elsewhere a no-op."""
+    return cpu_backend.unredirected()
 
 
 def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
