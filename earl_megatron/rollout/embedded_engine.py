@@ -21,9 +21,11 @@ prompt is matched to the cached row it extends, its kept keys/values move to the
 left-padded prefill would give them, and only the last N slots are computed (N = the most
 tokens any row adds). Tested: same episodes as without reuse.
 
-Rotary embeddings in the static context are taken at the cache slot, so a row shifted right by
-its padding sees every real query/key pair at the same relative distance as alone: rope is
-relative, and the test "batched == one at a time" checks it. With pp > 1 the last pp_stage
+Rotary embeddings are taken at the cache slot, so a row shifted right by its padding sees
+every real query/key pair at the same relative distance as alone: rope is relative, and the
+test "batched == one at a time" checks it. Keys are stored already roped (rope_cache.py), so a
+decode step ropes only its own token. The call runs in inference mode and, on CPU, out of the
+backend's torch-function mode (megatron_decode.host_scope). With pp > 1 the last pp_stage
 samples and broadcasts (token, logprob) to the replica's other pp_stages; every TP rank of the
 last pp_stage samples from bit-identical gathered logits with identical uniforms, so they draw
 the same token without another collective.
@@ -89,8 +91,8 @@ class EmbeddedEngine:
         self.pad_token_id = pad_token_id
         self.prompts_mode = prompts
         self.kv_cache = kv_cache
-        # rows per prefill forward = prefill_tokens // width: bounds the [rows, heads, W, W]
-        # attention scores of the unfused attention (one forward of 64 x 2K tokens would be GBs)
+        # rows per prefill forward = prefill_tokens // width: bounds the [rows, 1, W, W] mask
+        # and bias of the prefill attention (one forward of 64 x 2K tokens would be GBs)
         self.prefill_tokens = prefill_tokens
         # keep each row's cache between calls and prefill only what a new prompt adds to it
         self.reuse_prefix = reuse_prefix and kv_cache
