@@ -66,6 +66,7 @@ from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingPara
                                          split_evenly)
 from earl_megatron.rollout.megatron_decode import (Pipeline, host_scope, move_cached_rows,
                                                    pad_key_mask, prefill_mask, reuse_plan)
+from earl_megatron.rollout.rope_cache import forget_inference_tables
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
 
@@ -109,9 +110,9 @@ class EmbeddedEngine:
 
     # --- generation -----------------------------------------------------------------------
     # inference mode, not just no_grad: no version counters or autograd bookkeeping on the ~400
-    # torch calls of a decode step. What it creates stays in the engine (the KV cache) or is
-    # read-only module state that training may read but never saves for backward (Megatron's
-    # lru-cached rotary table), so the shared training model is unaffected.
+    # torch calls of a decode step. What it creates stays in the engine (the KV cache), except
+    # Megatron's lru-cached rotary tables, dropped after the call (forget_inference_tables), so
+    # the shared training model never meets an inference tensor.
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams) -> list[Generation]:
@@ -129,6 +130,7 @@ class EmbeddedEngine:
                 out = self._generate(prompts, params)
         finally:
             self.model.train(was_training)
+            forget_inference_tables()
         self.stats["calls"] += 1
         self.stats["generated_tokens"] += sum(len(g.token_ids) for g in out)
         self.stats["seconds"] += time.perf_counter() - t0

@@ -128,3 +128,17 @@ class CacheRope:
         """Rotate slots [0, width) of rows [0, rows) of every layer's cached keys in place."""
         for k, _ in ctx.key_value_memory_dict.values():
             k[:width, :rows] = self.rotate(k[:width, :rows], 0)
+
+
+def forget_inference_tables() -> None:
+    """Drop Megatron's lru-cached rotary tables (``RotaryEmbedding.forward``, keyed by length).
+
+    A table built during a generate call (prefix reuse's window, the recompute-all path) is an
+    inference-mode tensor; a training forward of the same length would get it from the cache,
+    and a rope kernel that saves its table for backward (TransformerEngine's fused rope) would
+    then fail. Training rebuilds its own after this (a few small ops)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    forward = RotaryEmbedding.forward
+    if hasattr(forward, "cache_clear") and forward.cache_info().currsize:
+        forward.cache_clear()
