@@ -48,6 +48,7 @@ def layout_rates(python: str, model_dir: str, cases, reps: int,
     from earl_megatron.rollout.engine import SamplingParams
 
     out: dict[str, list[float]] = {}
+    vocab = _vocab(model_dir)
     for name in layouts:
         tp, dp = _parse(name)
         with tempfile.TemporaryDirectory() as logs, _engine(python, model_dir, tp, dp,
@@ -55,7 +56,6 @@ def layout_rates(python: str, model_dir: str, cases, reps: int,
             rates = []
             g = torch.Generator().manual_seed(0)  # the same prompts as the HF/embedded columns
             for batch, plen, new in cases:
-                vocab = _vocab(model_dir)
                 prompts = torch.randint(8, vocab, (batch, plen), generator=g).tolist()
                 params = SamplingParams(temperature=1.0, max_new_tokens=new)
                 engine.generate(prompts[:1], params)  # warm-up

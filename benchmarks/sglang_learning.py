@@ -4,11 +4,12 @@ Runs the main job (recipes/config.yaml: tiny Llama, Connect Four against random,
 twice with the same seed and overrides, once per rollout engine, each a real
 ``torchrun -m earl_megatron.train``: ``rollout.engine=embedded`` and ``rollout=sglang`` with
 real SGLang CPU servers (``rollout.sglang_device=cpu``, the venv ``make sglang`` builds), the
-recipe's 64 episodes and 4 action tokens per turn. The rollout layout is fixed (``--rollout``,
-default dp2: two servers) so both runs roll out in the same layout; LOGPROB/TRAIN stay
-selector-chosen. Prints per iteration reward and win rate of both runs side by side, then the
-evaluations (greedy and sampled win rate against random on held-out seeds) at the start, every
-``--eval-every`` iterations and at the end, and for each engine the sampled win-rate gain.
+recipe's 64 episodes and 4 action tokens per turn. Layouts are fixed (``--rollout``, default
+dp2: two servers; ``--train`` dp2) so both runs use the same ones, under a 1 GB per-rank budget
+(the recipe's 0.25 GB holds no static layout once games get long). Prints per iteration reward
+and win rate of both runs side by side, then the evaluations (greedy and sampled win rate
+against random on held-out seeds) at the start, every ``--eval-every`` iterations and at the
+end, and for each engine the sampled win-rate gain.
 Target: SGLang's sampled win rate against random rises by >= 0.2 within the run.
 
     python benchmarks/sglang_learning.py [--iterations 12] [--nproc 2] [--rollout dp2]
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(engine: str, args, out: Path) -> float:
     over = [f"run.iterations={args.iterations}", f"run.output_dir={out}", "run.resume=false",
             "run.live_view=false", "run.checkpoint_every=0", f"run.eval_every={args.eval_every}",
-            f"run.eval_episodes={args.eval_episodes}", "layout.mode=static",
+            f"run.eval_episodes={args.eval_episodes}", "layout=static",
+            "layout.memory_budget_gb=1",
             f"layout.rollout={args.rollout}", f"layout.logprob={args.rollout}",
             f"layout.train={args.train}"]
     if engine == "sglang":

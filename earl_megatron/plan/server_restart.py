@@ -39,10 +39,11 @@ from earl_megatron.plan.tensor_table import tensor_table
 
 def model_key(model: ModelConfig) -> str:
     """The model's name in the profile table's restart entries: its shape and dtype (what a
-    server start loads and allocates), e.g. ``llama-L4-h64-f128-a8-g4-v128-float32``."""
+    server start loads and allocates), e.g. ``llama-L4-h64-f128-a8-g4-d8-v128-float32``."""
     m = model
     return (f"{m.family}-L{m.num_layers}-h{m.hidden_size}-f{m.ffn_hidden_size}-"
-            f"a{m.num_attention_heads}-g{m.num_query_groups}-v{m.vocab_size}-{m.params_dtype}")
+            f"a{m.num_attention_heads}-g{m.num_query_groups}-d{m.head_dim}-v{m.vocab_size}-"
+            f"{m.params_dtype}")
 
 
 def restart_seconds(model: ModelConfig, tp: int, profile: Optional[ProfileTable],

@@ -53,12 +53,12 @@ from earl_megatron.rollout.sglang_server import (CPU_FLAGS, SGLangConfig, SGLang
                                                  parse_generation, sglang_sampling_params,
                                                  SGLangServerError, _free_ports, _port_free,
                                                  _Server, _Unreachable, server_command,
-                                                 server_env)
+                                                 server_env, server_environ)
 from earl_megatron.rollout.sglang_weights import push_weights, trainer_weight_update_group
 
 __all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
            "SGLangServerError", "parse_generation", "server_command", "server_env",
-           "sglang_sampling_params",
+           "server_environ", "sglang_sampling_params",
            "trainer_weight_update_group", "_free_ports", "_port_free"]
 
 

@@ -65,7 +65,8 @@ class SGLangConfig:
     ports: Optional[tuple[int, ...]] = None
     """One port per server; None picks free ports."""
     base_gpu_id: int = 0
-    """Server i uses GPUs base_gpu_id + i * tp_size ... + tp_size - 1."""
+    """Server i uses GPUs base_gpu_id + i * tp_size ... + tp_size - 1; on cpu the same numbers
+    pick its ranks' cores among this process's usable ones (``server_env``)."""
     dtype: Optional[str] = None
     """None: "float32" on cpu, SGLang's "auto" on cuda."""
     mem_fraction_static: Optional[float] = None
@@ -129,16 +130,43 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
     return cmd + list(config.extra_args)
 
 
-def server_env(config: SGLangConfig) -> dict[str, str]:
-    """Environment variables of a server (on top of os.environ and config.env).
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+"""Variables of the trainer's launcher (torchrun) that a server must not inherit: with
+TORCHELASTIC_USE_AGENT_STORE set, SGLang's rendezvous for the weight-update group joins as a
+client of an agent store that does not exist at that port, and the group never forms."""
 
-    CPU: one OpenMP core list per tp rank (cores taken round robin), else SGLang refuses more
-    ranks than NUMA nodes; with tp > 1, PyNccl pointed at no file so the all-reduce runs over
-    gloo (the CUDA torch wheel ships libnccl, and PyNccl then refuses CPU tensors)."""
+
+def server_environ(parent: dict[str, str], config: SGLangConfig,
+                   index: int = 0) -> dict[str, str]:
+    """A server's whole environment: ``parent`` less the launcher's variables, plus
+    ``server_env``."""
+    env = {k: v for k, v in parent.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(server_env(config, index))
+    return env
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def server_env(config: SGLangConfig, index: int = 0) -> dict[str, str]:
+    """Environment variables of server ``index`` (on top of os.environ and config.env).
+
+    CPU: one OpenMP core list per tp rank, else SGLang refuses more ranks than NUMA nodes. The
+    CPU analogue of ``--base-gpu-id``: server i's rank r takes usable core (base_gpu_id + i *
+    tp_size + r) mod their count (this process's affinity: a Slurm step's cpuset, not the host),
+    so dp servers on one host spread over its cores (all of them on core 0 ran 10-30x slower,
+    their OpenMP threads spinning against each other). With tp > 1, PyNccl pointed at no file
+    so the all-reduce runs over gloo (the CUDA torch wheel ships libnccl, and PyNccl then
+    refuses CPU tensors)."""
     env: dict[str, str] = {}
     if config.device == "cpu":
-        cores = os.cpu_count() or 1
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores)
+        cores = usable_cores()
+        first = config.base_gpu_id + index * config.tp_size
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[(first + r) % len(cores)])
                                                       for r in range(config.tp_size))
         if config.tp_size > 1:
             env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
@@ -204,8 +232,7 @@ class _Server:
 
     def start(self, model_path: str) -> float:
         """Launch the server and block until /health answers 200; returns seconds taken."""
-        env = dict(os.environ)
-        env.update(server_env(self.config))
+        env = server_environ(os.environ, self.config, self.index)
         cmd = server_command(self.config, self.index, self.port, model_path)
         if not _port_free(self.config.host, self.port):
             # someone else's server there would answer our /health checks

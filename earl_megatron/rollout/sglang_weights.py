@@ -30,9 +30,13 @@ def trainer_weight_update_group(master_address: str, master_port: int, world_siz
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}",
-                                              rank=0, world_size=world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # the store this side hosts, built directly: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    # c10d.rendezvous would connect to master_port as a client of an agent store instead, and
+    # with the server also a client nobody hosts it (a hang, seen here); sglang_server strips
+    # the launcher's variables from the servers' environment for the same reason
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                          timeout=timeout, multi_tenant=True)
+    rank, world = 0, world_size
     # torch has no public API for a group outside the default world; this private helper is
     # what SGLang itself uses, and the store prefix must match its side.
     group, _ = c10d._new_process_group_helper(world, rank, [], dist.Backend(backend),

@@ -26,30 +26,38 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 
 
+def _owned(model, cfg: ModelConfig, layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """This rank's parameters by full row name, if it contributes (dp == cp == 0; a tied output
+    layer left out), else {}."""
+    c = layout.coords(dist.get_rank())
+    if c.dp or c.cp:
+        return {}
+    table = tensor_table(cfg)
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    out = {}
+    for lname, p in inner.named_parameters():
+        row = table.row(table.global_name(lname, c.pp, layout.pp))
+        if not row.tied_to:
+            out[row.name] = p
+    return out
+
+
 def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
                 what: str = "param") -> dict[str, torch.Tensor]:
     if what not in ("param", "grad"):
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
-    rank = dist.get_rank()
-    c = layout.coords(rank)
+    tp_rank = layout.coords(dist.get_rank()).tp
     table = tensor_table(cfg)
     mine: dict[str, tuple[int, torch.Tensor]] = {}
-    if c.dp == 0 and c.cp == 0:
-        inner = model
-        while hasattr(inner, "module"):
-            inner = inner.module
-        for lname, p in inner.named_parameters():
-            row = table.row(table.global_name(lname, c.pp, layout.pp))
-            if row.tied_to:
-                continue
-            if what == "grad":
-                g = getattr(p, "main_grad", None)
-                if g is None:
-                    g = p.grad
-                t = torch.zeros_like(p) if g is None else g
-            else:
-                t = p
-            mine[row.name] = (c.tp, t.detach().float().cpu().clone())
+    for name, p in _owned(model, cfg, layout).items():
+        t = p
+        if what == "grad":
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            t = torch.zeros_like(p) if g is None else g
+        mine[name] = (tp_rank, t.detach().float().cpu().clone())
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -88,15 +96,7 @@ def gather_buckets(model, cfg: ModelConfig, layout: ParallelLayout, bucket_bytes
     one collective."""
     c = layout.coords(dist.get_rank())
     table = tensor_table(cfg)
-    local: dict[str, torch.Tensor] = {}
-    if c.dp == 0 and c.cp == 0:
-        inner = model
-        while hasattr(inner, "module"):
-            inner = inner.module
-        for lname, p in inner.named_parameters():
-            row = table.row(table.global_name(lname, c.pp, layout.pp))
-            if not row.tied_to:
-                local[row.name] = p
+    local = _owned(model, cfg, layout)
     dtypes: list = [None] * dist.get_world_size()
     dist.all_gather_object(dtypes, next((p.dtype for p in local.values()), None))
     dtype = next(d for d in dtypes if d is not None)

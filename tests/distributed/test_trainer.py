@@ -185,46 +185,50 @@ def _bad(cfg):
     return "no error"
 
 
-def test_layouts_over_the_memory_budget_stop_before_training(tmp_path):
-    static = _cfg(str(tmp_path / "s"), 2, mode="static", rollout="dp2", logprob="dp2",
-                  train="dp2", memory_budget_gb=0.0005)
-    msg = run_distributed(_bad, 2, static, timeout=200)[0]
-    assert msg.startswith("LayoutOverBudgetError: static layout DP2 for stage rollout")
-    assert "use layout=auto" in msg
-    auto = _cfg(str(tmp_path / "a"), 2, mode="auto", memory_budget_gb=0.0005)
-    msg = run_distributed(_bad, 2, auto, timeout=200)[0]
-    assert msg.startswith("NoLayoutFitsError: no layout fits stage rollout")
-    assert not (tmp_path / "s" / "metrics.jsonl").exists()
+def _bad_each(cfgs):
+    return [_bad(c) for c in cfgs]
 
 
-def test_bad_config_stops_before_training(tmp_path):
+def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
     with pytest.raises(ConfigError, match="unknown key"):
         TrainConfig.from_dict({"algorithm": {"lrr": 1.0}})
     with pytest.raises(ConfigError, match="layout.mode=static needs"):
         TrainConfig.from_dict({"layout": {"mode": "static", "train": "tp2"}})
     with pytest.raises(ConfigError, match="cluster.group_cache_layouts=-1"):
         TrainConfig.from_dict({"cluster": {"group_cache_layouts": -1}})
-    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-        "env": {"name": "chess"}, "run": {"output_dir": str(tmp_path / "x")}}), timeout=120)
-    assert "not a registered environment" in msgs[0]
-    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp4"},
-        "run": {"output_dir": str(tmp_path / "y")}}), timeout=120)
-    assert "layout.train=tp4" in msgs[0] and "world size 2" in msgs[0]
-    msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-        "cluster": {"nodes": 2}, "run": {"output_dir": str(tmp_path / "z")}}), timeout=120)
-    assert "cluster.nodes=2" in msgs[0]
-    # a missing or broken SGLang python stops every rank before any model or server exists
+    # one launch for every case (each launch costs ~10 s of process start and imports)
     import sys
-    for python, says in ((None, "needs rollout.sglang_python"),
-                         (str(tmp_path / "no-venv" / "python"), "is not an executable file"),
-                         (sys.executable, "cannot import sglang")):
-        out = tmp_path / f"sg{len(says)}"
-        msgs = run_distributed(_bad, 2, TrainConfig.from_dict({
-            "rollout": {"engine": "sglang", "sglang_python": python},
-            "run": {"output_dir": str(out)}}), timeout=120)
+    sglang = ((None, "needs rollout.sglang_python"),
+              (str(tmp_path / "no-venv" / "python"), "is not an executable file"),
+              (sys.executable, "cannot import sglang"))
+    cfgs = [TrainConfig.from_dict({"env": {"name": "chess"},
+                                   "run": {"output_dir": str(tmp_path / "x")}}),
+            TrainConfig.from_dict({
+                "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp4"},
+                "run": {"output_dir": str(tmp_path / "y")}}),
+            TrainConfig.from_dict({"cluster": {"nodes": 2},
+                                   "run": {"output_dir": str(tmp_path / "z")}}),
+            # layouts over the memory budget
+            _cfg(str(tmp_path / "s"), 2, mode="static", rollout="dp2", logprob="dp2",
+                 train="dp2", memory_budget_gb=0.0005),
+            _cfg(str(tmp_path / "a"), 2, mode="auto", memory_budget_gb=0.0005)]
+    # a missing or broken SGLang python stops every rank before any model or server exists
+    cfgs += [TrainConfig.from_dict({"rollout": {"engine": "sglang", "sglang_python": python},
+                                    "run": {"output_dir": str(tmp_path / f"sg{i}")}})
+             for i, (python, _) in enumerate(sglang)]
+    per_rank = run_distributed(_bad_each, 2, cfgs, timeout=240)
+    chess, tp4, nodes, static, auto, *sg = zip(*per_rank)  # each: every rank's message
+    assert static[0].startswith("LayoutOverBudgetError: static layout DP2 for stage rollout")
+    assert "use layout=auto" in static[0]
+    assert auto[0].startswith("NoLayoutFitsError: no layout fits stage rollout")
+    assert not (tmp_path / "s" / "metrics.jsonl").exists()
+    assert "not a registered environment" in chess[0]
+    assert "layout.train=tp4" in tp4[0] and "world size 2" in tp4[0]
+    assert "cluster.nodes=2" in nodes[0]
+    for i, ((_, says), msgs) in enumerate(zip(sglang, sg, strict=True)):
         assert all(m.startswith("ConfigError") and says in m and "EARL_SGLANG_PYTHON" in m
                    and "make sglang" in m for m in msgs), msgs
+        out = tmp_path / f"sg{i}"
         assert not (out / "checkpoints").exists() and not (out / "sglang").exists()
     with pytest.raises(ConfigError, match="run.iterations=0 must be >= 1"):
         TrainConfig.from_dict({"run": {"iterations": 0}})

@@ -140,3 +140,25 @@ def run_dir():
     path = Path(tempfile.mkdtemp(prefix="earl-sglang-test-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def group_gone():
+    """``group_gone(pgid)``: True once no process of that group exists, within ``within_s``.
+    SIGKILLed children stay zombies, still in their group, until init reaps them (here that
+    took longer than the check right after a run): a group still there after the wait is a
+    server that outlived the run."""
+    import time
+
+    def gone(pgid: int, within_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+    return gone

@@ -49,6 +49,12 @@ def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path
     assert done and int(done.group(1)) in (0, 1), first_segment[-3000:]
     saved = out / "checkpoints" / f"iter_{int(done.group(1)):06d}" / "loop.json"
     assert saved.is_file() and "requeueing job" in first_segment
+    # Release it only once it is PENDING and a second has passed: slurmd revokes the first
+    # segment's credential with a one-second timestamp, and a new allocation in that same second
+    # is refused ("Killing non-startable batch JobId: Job credential revoked", seen in CI)
+    while time.time() < deadline and slurm.show(job)["JobState"] != "PENDING":
+        time.sleep(0.5)
+    time.sleep(2.0)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
                    timeout=30)
     info = slurm.wait(job, 600)
