@@ -9,8 +9,10 @@ pp_stage (pre_process on the first, post_process on the last), with:
   (Qwen3: ``qk_layernorm``, the spec's ``q_layernorm`` / ``k_layernorm``), tied or untied
   embeddings;
 - TransformerEngine layer specs when TE is importable and CUDA is present; otherwise Megatron's
-  local spec, whose core attention is replaced by ``AllGatherKVAttention`` when cp > 1 (Megatron's
-  own DotProductAttention refuses CP without TE);
+  local spec, whose core attention is ``AllGatherKVAttention`` when cp > 1 (Megatron's own
+  DotProductAttention refuses CP without TE) and ``InferenceAttention`` at cp = 1 (Megatron's
+  DotProductAttention, with fused GQA decode and SDPA prefill in eval mode with a mask:
+  inference_attention.py);
 - no dropout, no fused kernels that need CUDA, ``use_cpu_initialization`` on CPU;
 - with ``perform_initialization=False`` (weights about to be overwritten: a layout switch, a
   load) parameters are left as ``torch.empty`` and ``set_tensor_parallel_attributes`` marks the
@@ -106,19 +108,20 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
 
 
 def layer_spec(layout: ParallelLayout, cfg: ModelConfig):
-    """TE spec when usable, else the local spec (with CP attention when cp > 1); both with
-    Megatron's own q/k norms when ``cfg.qk_layernorm``."""
+    """TE spec when usable, else the local spec (CP attention when cp > 1, InferenceAttention
+    otherwise); both with Megatron's own q/k norms when ``cfg.qk_layernorm``."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     if te_available():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm))
     if layout.cp > 1:
-        from earl_megatron.models.cp_attention import AllGatherKVAttention
-
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = AllGatherKVAttention
+        from earl_megatron.models.cp_attention import AllGatherKVAttention as core
+    else:  # Megatron's DotProductAttention, fused where the embedded engine decodes
+        from earl_megatron.models.inference_attention import InferenceAttention as core
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
 
 

@@ -21,9 +21,11 @@ prompt is matched to the cached row it extends, its kept keys/values move to the
 left-padded prefill would give them, and only the last N slots are computed (N = the most
 tokens any row adds). Tested: same episodes as without reuse.
 
-Rotary embeddings in the static context are taken at the cache slot, so a row shifted right by
-its padding sees every real query/key pair at the same relative distance as alone: rope is
-relative, and the test "batched == one at a time" checks it. With pp > 1 the last pp_stage
+Rotary embeddings are taken at the cache slot, so a row shifted right by its padding sees
+every real query/key pair at the same relative distance as alone: rope is relative, and the
+test "batched == one at a time" checks it. Keys are stored already roped (rope_cache.py), so a
+decode step ropes only its own token. The call runs in inference mode and, on CPU, out of the
+backend's torch-function mode (megatron_decode.host_scope). With pp > 1 the last pp_stage
 samples and broadcasts (token, logprob) to the replica's other pp_stages; every TP rank of the
 last pp_stage samples from bit-identical gathered logits with identical uniforms, so they draw
 the same token without another collective.
@@ -62,8 +64,9 @@ import torch.distributed as dist
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
-from earl_megatron.rollout.megatron_decode import (Pipeline, host_ops, move_cached_rows,
+from earl_megatron.rollout.megatron_decode import (Pipeline, host_scope, move_cached_rows,
                                                    pad_key_mask, prefill_mask, reuse_plan)
+from earl_megatron.rollout.rope_cache import forget_inference_tables
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
 
@@ -89,8 +92,8 @@ class EmbeddedEngine:
         self.pad_token_id = pad_token_id
         self.prompts_mode = prompts
         self.kv_cache = kv_cache
-        # rows per prefill forward = prefill_tokens // width: bounds the [rows, heads, W, W]
-        # attention scores of the unfused attention (one forward of 64 x 2K tokens would be GBs)
+        # rows per prefill forward = prefill_tokens // width: bounds the [rows, 1, W, W] mask
+        # and bias of the prefill attention (one forward of 64 x 2K tokens would be GBs)
         self.prefill_tokens = prefill_tokens
         # keep each row's cache between calls and prefill only what a new prompt adds to it
         self.reuse_prefix = reuse_prefix and kv_cache
@@ -106,7 +109,11 @@ class EmbeddedEngine:
         self.stats = {"calls": 0, "generated_tokens": 0, "seconds": 0.0, "reused_tokens": 0}
 
     # --- generation -----------------------------------------------------------------------
-    @torch.no_grad()
+    # inference mode, not just no_grad: no version counters or autograd bookkeeping on the ~400
+    # torch calls of a decode step. What it creates stays in the engine (the KV cache), except
+    # Megatron's lru-cached rotary tables, dropped after the call (forget_inference_tables), so
+    # the shared training model never meets an inference tensor.
+    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams) -> list[Generation]:
         check_prompts(prompts)
@@ -119,9 +126,11 @@ class EmbeddedEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self._generate(prompts, params)
+            with host_scope():
+                out = self._generate(prompts, params)
         finally:
             self.model.train(was_training)
+            forget_inference_tables()
         self.stats["calls"] += 1
         self.stats["generated_tokens"] += sum(len(g.token_ids) for g in out)
         self.stats["seconds"] += time.perf_counter() - t0
@@ -181,8 +190,8 @@ class EmbeddedEngine:
             first_slot, keep, sources = reuse_plan(self._rows, prompts, width)
             old = dict(self._ctx.key_value_memory_dict) if first_slot else None
         ctx = self._context(batch, width + params.max_new_tokens) if self.kv_cache else None
-        if old:
-            move_cached_rows(ctx, old, keep, sources, pad)
+        if old:  # kept keys land unrotated: the window's forward ropes the cache by slot
+            move_cached_rows(ctx, old, keep, sources, pad, pipe.rope)
             self.stats["reused_tokens"] += sum(keep)
 
         if ctx is None:
@@ -193,26 +202,26 @@ class EmbeddedEngine:
                 ctx.sequence_len_offset, ctx.batch_size_offset = first_slot, r0
                 parts.append(pipe.forward(
                     ids[r0:r0 + rows, first_slot:],
-                    prefill_mask(pad[r0:r0 + rows], width, first_slot), ctx))
+                    prefill_mask(pad[r0:r0 + rows], width, first_slot), ctx,
+                    rotated=first_slot == 0))
             ctx.batch_size_offset = 0
+            if first_slot:  # decode steps store roped keys: rope the prefilled slots once
+                pipe.rope.rotate_slots(ctx, width, batch)
             logits = torch.cat(parts) if pipe.last else None
             keys = pad_key_mask(pad, ctx.max_sequence_length)
         track = StopTracker(batch, params.stop_token_ids, dev)
         for step in range(params.max_new_tokens):
             tok = lp = None
             if pipe.last:
-                with host_ops():
-                    tok, lp = sample_next(logits, params,
-                                          None if uniforms is None else uniforms[step])
+                tok, lp = sample_next(logits, params,
+                                      None if uniforms is None else uniforms[step])
             tok, lp = pipe.broadcast_from_last(tok, lp, batch)
-            with host_ops():
-                finished = track.add(tok, lp) or track.steps == params.max_new_tokens
-            if finished:
+            if track.add(tok, lp) or track.steps == params.max_new_tokens:
                 break
             if ctx is not None:
                 sk = ctx.sequence_len_offset + 1
                 logits = pipe.forward(tok[:, None], keys[..., :sk], ctx)
-            else:  # recompute-all: the whole sequence again, no cache (reference and benchmark)
+            else:  # recompute-all: the whole sequence again, no cache (reference, benchmark)
                 ids = torch.cat([ids, tok[:, None]], dim=1)
                 logits = pipe.forward(ids, prefill_mask(pad, ids.shape[1]), None)
         if self.reuse_prefix:

@@ -11,21 +11,22 @@ The embedded engine (embedded_engine.py) decides what to decode; this module run
 - masks (True = hidden): prefill [B, 1, q, width] causal with pad keys hidden (a query's own
   slot always open, so no row is all-masked); decode steps slice one precomputed pad-key mask
   [B, 1, 1, max_len] to the current length instead of building one per token.
+- keys: with a context, forwards store keys already roped (rope_cache.py: Megatron's
+  rope-before-store path, ``rotated=True``), so a step ropes its own token only; the one
+  exception is prefix reuse's window (N > 1 tokens at a slot > 0), run on an unrotated cache
+  with ``rotated=False``.
 - prefix reuse: ``reuse_plan`` matches new prompts to cached rows and ``move_cached_rows`` copies
-  their keys/values to the slots a fresh left-padded prefill would give them (exact: the static
-  context stores keys before rope and applies rope by slot, so a contiguous run of slots keeps
-  every relative distance).
+  their keys/values to the slots a fresh left-padded prefill would give them, unrotated on the
+  way (rope is relative, so a contiguous run of slots keeps every relative distance).
 
 Host fast path (CPU only, under ``runtime.cpu_backend``): the backend's torch-function mode
-rewrites CUDA device arguments in every torch call, which is ~15% of a decode step of a small
-model in Python dispatch alone. A decode step (one token per row, the cache already allocated)
-makes no CUDA call once Megatron's rotary table for the cache length exists (RotaryEmbedding
-.forward is lru-cached by length; the prefill of the same context builds it under the mode), so
-decode steps at tp 1 run the model with torch-function handling disabled. At tp > 1 the mode
-stays: Megatron's logits gather (which inference must use) allocates its buffer on
-``torch.cuda.current_device()``. The engine's own per-step ops (sampling, stop tracking) run
-in ``host_ops()``, without the mode, at every tp. A CUDA call that did slip in would fail loudly ("Cannot access
-accelerator device"), never silently; on GPUs nothing changes.
+adds Python dispatch to every torch call (~400 per decode forward of 3 layers: a quarter to a
+third of the step). A generate call needs none of its rewrites: its only CUDA uses are
+``device=torch.cuda.current_device()`` allocations (the KV cache, the rope offsets of the
+flash-decode path, the rotary table, the TP logits gather), which ``cpu_backend.unredirected()``
+answers with the CPU. So the whole call, at every tp and pp, runs in ``host_scope()``. A CUDA
+call that did slip in would fail loudly ("Cannot access accelerator device"), never silently;
+on GPUs nothing changes.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from earl_megatron.rollout.rope_cache import CacheRope, rotated_keys
 from earl_megatron.runtime import cpu_backend, groups
 
 
-def host_ops():
-    """Scope for the engine's own per-step tensor ops (sampling, stop tracking, masks): they
-    name no device, so under the CPU backend they skip its torch-function mode (module
+def host_scope():
+    """Scope of a whole generate call: out of the CPU backend's torch-function mode (module
     docstring); elsewhere a no-op."""
-    return torch._C.DisableTorchFunction() if cpu_backend.is_active() \
-        else contextlib.nullcontext()
+    return cpu_backend.unredirected()
 
 
 def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
@@ -75,8 +75,8 @@ class Pipeline:
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.tp = dist.get_world_size(groups.tp_group())
-        self._rotary_ready: set[int] = set()  # cache lengths whose rotary table exists
+        self.rope = CacheRope(model)
+        self._positions = torch.arange(0, device=device)
 
     @property
     def first(self) -> bool:
@@ -86,12 +86,10 @@ class Pipeline:
     def last(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def _host_step(self, s: int, ctx) -> bool:
-        """Whether this forward is a decode step that may skip the torch-function mode."""
-        return ctx is not None and s == 1 and self.tp == 1 and cpu_backend.is_active() \
-            and ctx.max_sequence_length in self._rotary_ready
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, ctx=None) -> Optional[torch.Tensor]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, ctx=None,
+                rotated: bool = True) -> Optional[torch.Tensor]:
+        """Logits of the last position on the last pp_stage (None elsewhere). With a context:
+        ``rotated`` stores keys roped (rope_cache.py); False only for prefix reuse's window."""
         from megatron.core.inference.communication_utils import (
             recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank)
 
@@ -100,14 +98,14 @@ class Pipeline:
             buf = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=self.device)
             recv_from_prev_pipeline_rank_(buf, pp_group=self.pp_group)
             self.model.set_input_tensor(buf)
-        pos = torch.arange(s, device=self.device)[None].expand(b, s)
-        if ctx is not None:
-            pos = pos + ctx.sequence_len_offset
-        host = self._host_step(s, ctx)
-        with torch._C.DisableTorchFunction() if host else contextlib.nullcontext():
+        start = ctx.sequence_len_offset if ctx is not None else 0
+        if self._positions.numel() < start + s:  # rope ignores them; GPTModel wants them
+            self._positions = torch.arange(max(2 * (start + s), 256), device=self.device)
+        pos = self._positions[start:start + s][None].expand(b, s)
+        with rotated_keys(self.model.config) if ctx is not None and rotated \
+                else contextlib.nullcontext():
             out = self.model(ids, pos, mask, inference_context=ctx, runtime_gather_output=True)
         if ctx is not None:
-            self._rotary_ready.add(ctx.max_sequence_length)
             ctx.increment_sequence_len_offset(s)
         if not self.last:
             send_to_next_pipeline_rank(out.contiguous(), pp_group=self.pp_group)
@@ -150,8 +148,10 @@ def reuse_plan(rows: list[tuple[list[int], int]], prompts: list, width: int):
     return width - window, keep, sources
 
 
-def move_cached_rows(ctx, old: dict, keep: list[int], sources: list, pad: torch.Tensor) -> None:
-    """Copy kept keys/values of ``old`` (layer -> (k, v)) into the fresh cache of ``ctx``."""
+def move_cached_rows(ctx, old: dict, keep: list[int], sources: list, pad: torch.Tensor,
+                     rope: CacheRope) -> None:
+    """Copy kept keys/values of ``old`` (layer -> (k, v), keys roped) into the fresh cache of
+    ``ctx``, keys unrotated (the window's forward ropes the whole cache by slot)."""
     pad = pad.tolist()
     for layer, (k_old, v_old) in old.items():
         k_new = k_old.new_zeros((ctx.max_sequence_length, ctx.max_batch_size, *k_old.shape[2:]))
@@ -159,6 +159,7 @@ def move_cached_rows(ctx, old: dict, keep: list[int], sources: list, pad: torch.
         for j, (n, src) in enumerate(zip(keep, sources)):
             if n:
                 r, _, start = src
-                k_new[pad[j]:pad[j] + n, j] = k_old[start:start + n, r]
+                k_new[pad[j]:pad[j] + n, j] = rope.rotate(k_old[start:start + n, r, None], start,
+                                                          inverse=True)[:, 0]
                 v_new[pad[j]:pad[j] + n, j] = v_old[start:start + n, r]
         ctx.key_value_memory_dict[layer] = (k_new, v_new)

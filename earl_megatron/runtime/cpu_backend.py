@@ -16,6 +16,8 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
 - a CPU RNG tracker installed in place of Megatron's CUDA one, so ``fork()`` swaps CPU generator
   states and TP-split init stays reproducible.
 
+``unredirected()`` scopes a hot region (the embedded engine's decode steps) out of the mode.
+
 Invariants: nothing happens at import time; ``cpu_backend()`` is a context manager that restores
 every patched attribute on exit; ``enable_cpu_backend()`` refuses to run when CUDA is available
 (on GPUs the same code runs unmodified on NCCL); entering it twice is a no-op.
@@ -233,6 +235,28 @@ def cpu_backend() -> Iterator[None]:
 
 def is_active() -> bool:
     return _ACTIVE
+
+
+_CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def unredirected() -> Iterator[None]:
+    """A hot region of known code run WITHOUT the torch-function mode (its Python dispatch on
+    every torch call is a large share of a small model's decode step). Inside, nothing is
+    rewritten except ``torch.cuda.current_device()``, which answers the CPU device itself, so
+    Megatron's ``device=torch.cuda.current_device()`` allocations land on the host; any other
+    CUDA use fails loudly ("Cannot access accelerator device"). Outside the backend: a no-op."""
+    if not _ACTIVE:
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: _CPU
+    try:
+        with torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch.cuda.current_device = saved
 
 
 def device_backend() -> tuple[str, str]:

@@ -48,3 +48,20 @@ def test_rng_tracker_fork_is_reproducible_and_isolated():
     with tr.fork():
         c = torch.rand(3)
     assert not torch.equal(a, c)  # the forked stream advances
+
+
+def test_unredirected_skips_the_mode_but_answers_current_device():
+    import pytest
+
+    from earl_megatron.runtime.cpu_backend import unredirected
+
+    with unredirected():  # outside the backend: a no-op
+        assert torch.zeros(1).device.type == "cpu"
+    with cpu_backend():
+        saved = torch.cuda.current_device
+        with unredirected():
+            assert torch.zeros(1, device=torch.cuda.current_device()).device.type == "cpu"
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.zeros(1, device="cuda")  # no silent rewrite inside: it fails loudly
+        assert torch.cuda.current_device is saved
+        assert torch.zeros(1, device="cuda").device.type == "cpu"  # the mode is back
