@@ -15,7 +15,7 @@ Invariants:
   ``|``-separated) and SGLANG_NCCL_SO_PATH pointing at no file, so SGLang skips PyNccl (which
   refuses CPU tensors) and all-reduces over gloo. Server i's ranks bind cores from
   base_gpu_id + i * tp_size (as GPUs are picked on cuda), and several servers on too few cores
-  run without SGLang's overlap scheduler (``cpu_overlap_schedule``).
+  run without SGLang's overlap scheduler (``overlap_schedule``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class SGLangConfig:
     overlap_schedule: Optional[bool] = None
     """SGLang's overlap scheduler (a second busy thread per server rank). None: on, except on
     cpu when several servers share the host with fewer than 2 cores per server rank
-    (``cpu_overlap_schedule``); measured on 2 cores: dp2 8x faster without it, tp1 1.4x and
+    (the function ``overlap_schedule``); measured on 2 cores: dp2 8x faster without it, tp1 1.4x and
     tp2 1.5x slower."""
     host_servers: Optional[int] = None
     """Servers of tp_size ranks sharing this host's cores, counting other engines' (the trainer
@@ -127,8 +127,6 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
                 str(config.mem_fraction_static or SGLANG_MEM_FRACTION["cpu"])]
         if config.tp_size > 1:
             cmd += ["--tp-size", str(config.tp_size)]
-        if not cpu_overlap_schedule(config):
-            cmd += ["--disable-overlap-schedule"]
     else:
         cmd += ["--tp-size", str(config.tp_size),
                 "--base-gpu-id", str(config.base_gpu_id + index * config.tp_size)]
@@ -138,8 +136,8 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str)
             cmd += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if config.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
-        if config.overlap_schedule is False:
-            cmd += ["--disable-overlap-schedule"]
+    if not overlap_schedule(config):
+        cmd += ["--disable-overlap-schedule"]
     if config.sleep_on_idle or (config.sleep_on_idle is None and config.device == "cpu"):
         cmd += ["--sleep-on-idle"]
     if config.skip_tokenizer_init:
@@ -162,10 +160,12 @@ def server_environ(parent: dict[str, str], config: SGLangConfig,
     return env
 
 
-def cpu_overlap_schedule(config: SGLangConfig) -> bool:
-    """Whether CPU servers keep SGLang's overlap scheduler (SGLangConfig.overlap_schedule)."""
+def overlap_schedule(config: SGLangConfig) -> bool:
+    """Whether the servers keep SGLang's overlap scheduler (SGLangConfig.overlap_schedule)."""
     if config.overlap_schedule is not None:
         return config.overlap_schedule
+    if config.device != "cpu":
+        return True
     servers = config.host_servers or config.num_servers
     return servers == 1 or 2 * servers * config.tp_size <= len(usable_cores())
 
