@@ -21,8 +21,8 @@ inference context, so it never sees the switch). Two limits of that path, handle
 - Only a forward at slot 0 (prefill) or of ONE token (decode) slices cos/sin right; a forward
   of N > 1 tokens at slot > 0 (prefix reuse's window) would rope all N at the last slot. That
   forward runs with the default path instead, on an unrotated cache: the kept keys are
-  unrotated as they are moved (``unrotate``), the window runs, and ``rotate_slots`` rotates
-  slots [0, width) once. Two passes over the kept keys per call instead of one per step;
+  unrotated as they are moved (``CacheRope.rotate(..., inverse=True)``), the window runs, and
+  ``rotate_slots`` rotates slots [0, width) once. Two passes over the kept keys per call instead of one per step;
   rotation and its inverse agree to fp32 rounding.
 
 The decode steps never call ``enable_decode_mode()``, so Megatron never takes its

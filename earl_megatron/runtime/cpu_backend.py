@@ -16,7 +16,8 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
 - a CPU RNG tracker installed in place of Megatron's CUDA one, so ``fork()`` swaps CPU generator
   states and TP-split init stays reproducible.
 
-``unredirected()`` scopes a hot region (the embedded engine's decode steps) out of the mode.
+``unredirected()`` scopes a hot region (the embedded engine's whole generate call) out of the
+mode.
 
 Invariants: nothing happens at import time; ``cpu_backend()`` is a context manager that restores
 every patched attribute on exit; ``enable_cpu_backend()`` refuses to run when CUDA is available
