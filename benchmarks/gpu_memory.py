@@ -60,14 +60,17 @@ def model_config(dry: bool):
 def cluster_spec(dry: bool):
     import torch
 
-    from earl_megatron.plan.specs import ClusterSpec, DecodeEngine
+    from earl_megatron.plan.specs import DecodeEngine
+    from earl_megatron.plan.specs import cluster_spec as spec_of
 
     if dry:
-        return ClusterSpec.cpu(ranks=1)
+        return spec_of("cpu", nodes=1, devices_per_node=1)
     total = torch.cuda.get_device_properties(0).total_memory
-    return ClusterSpec.h100_80gb().with_(nodes=1, devices_per_node=1, device_memory_bytes=total,
-                                         reserved_bytes=0, decode_engine=DecodeEngine.embedded(),
-                                         name=torch.cuda.get_device_name(0))
+    # the trainer's mapping for one GPU (plan/specs.py), with this device's measured memory;
+    # the benchmark decodes with the embedded engine and measures everything it allocates
+    return spec_of("h100", nodes=1, devices_per_node=1, device_memory_bytes=total).with_(
+        reserved_bytes=0, decode_engine=DecodeEngine.embedded(),
+        name=torch.cuda.get_device_name(0))
 
 
 class Meter:
@@ -213,7 +216,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     if gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1,
+    from earl_megatron.runtime.dist import world_backend
+    dist.init_process_group(world_backend(gpu), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     cfg, cluster = model_config(args.dry_run), cluster_spec(args.dry_run)
     meter = Meter(gpu)

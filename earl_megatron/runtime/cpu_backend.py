@@ -258,8 +258,3 @@ def unredirected() -> Iterator[None]:
             yield
     finally:
         torch.cuda.current_device = saved
-
-
-def device_backend() -> tuple[str, str]:
-    """(device type, torch.distributed backend) for this host: ("cuda", "nccl") or ("cpu", "gloo")."""
-    return ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")

@@ -36,7 +36,10 @@ Invariants:
   every regroup destroys the old layout's groups before creating the new ones.
 - Each cached layout keeps its groups' resources (on 4 gloo ranks ~20 fds and ~10 threads a
   rank, and the device loops' 10 ms polls); the bound caps them.
-- Group timeouts are short (``timeout_s``, default 120 s): a mismatched collective fails fast.
+- Group timeouts are short (``set_group_timeout``, ``cluster.group_timeout_s``, default 600 s,
+  below the world's ``cluster.collective_timeout_s``): a mismatched collective fails in minutes.
+- Every group inherits the world's device-mapped backend (runtime/dist.py): on a host with GPUs
+  a layout's groups carry CUDA tensors over NCCL and CPU tensors over gloo.
 - Evicted groups are deregistered at once and freed (gloo's destructor sleeps ~30 ms a group)
   on helper threads, at most two batches in flight; ``wait_released()`` joins them.
 - The layout is checked against the world size before anything changes.
@@ -56,6 +59,7 @@ import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.runtime.dist import gloo_only
 
 DEFAULT_MAX_CACHED_LAYOUTS = 4
 """Layouts whose groups stay alive (the active one included); <= 1 disables the cache. Cheap on
@@ -84,6 +88,8 @@ _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
 _MAX_CACHED: Optional[int] = None      # None: DEFAULT_MAX_CACHED_LAYOUTS
 _FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+_GROUP_TIMEOUT_S: Optional[float] = None   # None: DEFAULT_GROUP_TIMEOUT_S
 
 
 def active_layout() -> Optional[ParallelLayout]:
@@ -102,6 +108,19 @@ def set_group_cache_size(n: Optional[int]) -> None:
         _evict(keep=group_cache_size())
 
 
+def set_group_timeout(seconds: Optional[float]) -> None:
+    """Collective timeout of the groups built from now on (None: the default, 600 s); part of
+    the cache key, so call it on every rank alike, before the first ``build_groups``."""
+    global _GROUP_TIMEOUT_S
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"group timeout must be > 0 seconds or None, got {seconds!r}")
+    _GROUP_TIMEOUT_S = seconds
+
+
+def group_timeout_s() -> float:
+    return DEFAULT_GROUP_TIMEOUT_S if _GROUP_TIMEOUT_S is None else _GROUP_TIMEOUT_S
+
+
 def group_cache_size() -> int:
     """The bound in force: the one set, or the default."""
     return DEFAULT_MAX_CACHED_LAYOUTS if _MAX_CACHED is None else _MAX_CACHED
@@ -113,7 +132,7 @@ def cached_layouts() -> list[ParallelLayout]:
 
 
 def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
-                 timeout_s: float = 120.0, seed: Optional[int] = None,
+                 timeout_s: Optional[float] = None, seed: Optional[int] = None,
                  max_cached_layouts: Optional[int] = None) -> ParallelLayout:
     """Make Megatron-Core's process groups for ``layout`` current (collective over the world
     when they are created; a cache hit communicates nothing). ``max_cached_layouts`` overrides
@@ -128,7 +147,8 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
                            "before building groups")
     layout.check(dist.get_world_size(), model)
     bound = group_cache_size() if max_cached_layouts is None else max_cached_layouts
-    backend = dist.get_backend()
+    gloo = gloo_only()
+    timeout_s = group_timeout_s() if timeout_s is None else timeout_s
     key = _key(layout, timeout_s)
     _deactivate()
     if bound <= 1:
@@ -137,16 +157,18 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
     if entry is None:
         _evict(keep=bound - 1)   # room first: old groups go before new ones are created
         before = {n: getattr(ps, n) for n in _state_names(ps)}
-        with _one_group_per_rank_list(ps, enabled=backend == "gloo"):
+        with _one_group_per_rank_list(ps, enabled=gloo):
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp,
                 pipeline_model_parallel_size=layout.pp,
                 context_parallel_size=layout.cp,
                 distributed_timeout_minutes=timeout_s / 60.0,
                 order="tp-cp-ep-dp-pp",
-                # With a gloo default backend the regular groups are gloo already; Megatron's
-                # extra gloo groups would only double the fds and threads.
-                create_gloo_process_groups=(backend != "gloo"),
+                # On a CPU-only world the regular groups are gloo already; Megatron's extra
+                # gloo groups would only double the fds and threads. With GPUs its regular
+                # groups carry CPU tensors too (runtime/dist.py), and Megatron's own gloo side
+                # groups (distributed optimizer, checkpoints) are made as it expects.
+                create_gloo_process_groups=not gloo,
             )
         _CACHE[key] = _LayoutGroups(state={n: getattr(ps, n) for n, v in before.items()
                                            if n not in _FRESH and getattr(ps, n) is not v})
@@ -204,10 +226,11 @@ def _key(layout: ParallelLayout, timeout_s: float) -> _CacheKey:
     return (layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
 
 
-def activate(layout: ParallelLayout, *, timeout_s: float = 120.0) -> bool:
+def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bool:
     """Make ``layout``'s cached groups current again (no collective); False if they are not
     cached (evicted, or never built with these options), in which case nothing changes. Models
     built under ``layout`` earlier are usable again after True."""
+    timeout_s = group_timeout_s() if timeout_s is None else timeout_s
     key = _key(layout, timeout_s)
     if key not in _CACHE:
         return False
@@ -284,6 +307,15 @@ def _distinct(pgs: Optional[list]) -> list:
 
 
 def _deregister(pgs: list) -> None:
+    # Every rank must have finished connecting these groups before any rank closes them: gloo's
+    # connectFullMesh returns on the active side of a pair once it wrote its handshake, and a
+    # close (a reset) before the passive peer accepted it fails that peer with "Gloo
+    # connectFullMesh failed ... Connection closed by peer" (seen under CPU load, 3 runs in 4
+    # with two busy loops beside the 100-rebuild test). Every rank deregisters at the same
+    # point of the call sequence (the cache invariant; each rank is in at least one group of
+    # every layout, so ``pgs`` is never empty on some ranks only), so this barrier on the
+    # world, never destroyed here, is matched on every rank.
+    dist.barrier()
     for g in pgs:
         if g in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(g)
@@ -320,7 +352,7 @@ def _clear_megatron_caches() -> None:
 
 def has_gloo_side_groups() -> bool:
     """Whether Megatron's extra gloo groups exist (only with a non-gloo default backend)."""
-    return dist.get_backend() != "gloo"
+    return not gloo_only()
 
 
 def current_pg_collection():

@@ -19,7 +19,6 @@ are copied onto the caller's own, rank by rank, when the job ends. Invariants:
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import queue as queue_mod
@@ -70,9 +69,9 @@ def _worker(rank: int, world_size: int, port: int, collective_timeout_s: float,
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout_s))
+        # the trainer's own initialisation: the world's device-mapped backend (runtime/dist.py)
+        from earl_megatron.runtime.dist import init_distributed
+        init_distributed(collective_timeout_s)
         out = fn(*args)
         # plain pickle copies tensor data; torch's queue would pass a shared-memory handle that
         # dies with this process
