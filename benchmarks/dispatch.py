@@ -30,7 +30,7 @@ from earl_megatron.plan.dispatch_sim import (ControllerSpec, compare_layouts, h1
                                              simulate)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.placement import TensorSpec
-from earl_megatron.plan.specs import ClusterSpec
+from earl_megatron.plan.specs import cluster_spec
 from earl_megatron.testing.multiproc import run_distributed
 from earl_megatron.trainer.data import train_tensors
 
@@ -70,7 +70,7 @@ def _bench(pairs, contexts, batch, reps, tensors):
             P, C, meta, tensors, producer_pp_stages={t.name: "all" for t in tensors})
         plan_s = time.perf_counter() - t0
         central = build_centralized_map(producer, consumer)
-        cpu = ClusterSpec.cpu(ranks=WORLD)
+        cpu = cluster_spec("cpu", nodes=1, devices_per_node=WORLD)
         sim = (simulate(smap, cpu).seconds, simulate(central, cpu).seconds)
         g = torch.Generator().manual_seed(rank)
         local: dict = {}

@@ -41,7 +41,7 @@ from earl_megatron.config.model import FAMILIES, ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import Selector, SelectorState
-from earl_megatron.plan.specs import ClusterSpec, Stage, StageWorkload, TrainOptions
+from earl_megatron.plan.specs import Stage, StageWorkload, TrainOptions, cluster_spec
 from earl_megatron.plan.tensor_table import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     measured = train_entries(table, args.load)
     contexts = sorted(measured)
     opts = TrainOptions(distributed_optimizer=meta.get("distributed_optimizer", "True") == "True")
-    cluster = ClusterSpec.cpu(ranks=WORLD)
+    cluster = cluster_spec("cpu", nodes=1, devices_per_node=WORLD)
     analytic = Selector(cfg, cluster, opts)
 
     sources = {"analytic": {c: choose(analytic, c, args.load) for c in contexts}}

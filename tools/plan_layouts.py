@@ -35,8 +35,8 @@ from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import (LayoutPlan, NoLayoutFitsError, Selector, SelectorConfig,
                                          SelectorState)
-from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
-                                     human_bytes)
+from earl_megatron.plan.specs import (CLUSTER_PRESETS, ClusterSpec, Recompute, Stage,
+                                      StageWorkload, TrainOptions, cluster_spec, human_bytes)
 from earl_megatron.plan.time_model import decode_tokens, rollout_running_batch
 from earl_megatron.plan.tensor_table import num_parameters
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(flag, dest=field, type=int, help=f"override {field}")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
     c = p.add_argument_group("cluster (H100-80GB SXM defaults)")
-    c.add_argument("--cluster", choices=("h100", "cpu"), default="h100")
+    c.add_argument("--cluster", choices=CLUSTER_PRESETS, default="h100")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--gpu-mem-gb", type=float, help="memory per device in GB (1e9 bytes)")
@@ -106,15 +106,10 @@ def model_from_args(args) -> ModelConfig:
 
 
 def cluster_from_args(args) -> ClusterSpec:
-    if args.cluster == "cpu":
-        cl = ClusterSpec.cpu(ranks=args.nodes * args.gpus_per_node)
-    else:
-        cl = ClusterSpec.h100_80gb(nodes=args.nodes, inter_node_gbps=args.inter_node_gbps)
-        cl = cl.with_(devices_per_node=args.gpus_per_node,
-                      name=f"{args.nodes}x{args.gpus_per_node} H100, "
-                           f"{args.inter_node_gbps:g} Gbps")
-    if args.gpu_mem_gb:
-        cl = cl.with_(device_memory_bytes=int(args.gpu_mem_gb * 1e9))
+    """The trainer's mapping (plan/specs.py cluster_spec), plus this tool's extra rate flags."""
+    cl = cluster_spec(args.cluster, nodes=args.nodes, devices_per_node=args.gpus_per_node,
+                      inter_node_gbps=args.inter_node_gbps,
+                      device_memory_bytes=int(args.gpu_mem_gb * 1e9) if args.gpu_mem_gb else None)
     if args.intra_node_gbps:
         cl = cl.with_(intra_node_bandwidth=args.intra_node_gbps * 1e9)
     if args.gpu_tflops:

@@ -41,7 +41,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.placement import TensorSpec, consumer_placement, producer_placement
 from earl_megatron.plan.shard_map import (ShardMap, Topology, build_centralized_map,
                                           build_shard_map)
-from earl_megatron.plan.specs import ClusterSpec
+from earl_megatron.plan.specs import ClusterSpec, cluster_spec
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def topology_of(cluster: ClusterSpec) -> Topology:
 
 def h100_cluster(nodes: int, inter_node_gbps: float = 200.0) -> ClusterSpec:
     """The EARL paper's cluster: 8 x H100 per node, ``inter_node_gbps`` Gbit/s per node."""
-    return ClusterSpec.h100_80gb(nodes=nodes, inter_node_gbps=inter_node_gbps)
+    return cluster_spec("h100", nodes=nodes, devices_per_node=8, inter_node_gbps=inter_node_gbps)
 
 
 @dataclass(frozen=True)

@@ -187,16 +187,19 @@ class ClusterSpec:
         return replace(self, **changes)
 
     @classmethod
-    def h100_80gb(cls, nodes: int = 1, inter_node_gbps: float = 200.0) -> "ClusterSpec":
-        """8 x H100-80GB SXM per node. Datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
-        NVLink 4 at 450 GB/s per direction; ``inter_node_gbps`` is the node's network in Gbit/s."""
-        return cls(nodes=nodes, devices_per_node=8, device_memory_bytes=80 * 10 ** 9,
+    def h100_80gb(cls, nodes: int = 1, inter_node_gbps: float = 200.0,
+                  devices_per_node: int = 8) -> "ClusterSpec":
+        """H100-80GB SXM, 8 per node unless told. Datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s
+        HBM3, NVLink 4 at 450 GB/s per direction; ``inter_node_gbps`` is the node's network in
+        Gbit/s."""
+        return cls(nodes=nodes, devices_per_node=devices_per_node,
+                   device_memory_bytes=80 * 10 ** 9,
                    peak_flops=989e12, hbm_bandwidth=3.35e12, intra_node_bandwidth=450e9,
                    inter_node_bandwidth=inter_node_gbps * 1e9 / 8,
                    achievable_flops_fraction=0.45, intra_node_latency_s=1e-6,
                    inter_node_latency_s=5e-6, fused_attention=True, reserved_bytes=3 * GiB,
                    regroup_seconds=0.5, decode_engine=DecodeEngine.sglang(),
-                   name=f"{nodes}x8 H100-80GB, {inter_node_gbps:g} Gbps")
+                   name=f"{nodes}x{devices_per_node} H100-80GB, {inter_node_gbps:g} Gbps")
 
     @classmethod
     def cpu(cls, ranks: int = 4, memory_budget_bytes: int = 2 * GiB, cores: int = 2,
@@ -216,6 +219,32 @@ class ClusterSpec:
                    inter_node_latency_s=50e-6, fused_attention=False, reserved_bytes=0,
                    regroup_seconds=0.055, decode_engine=DecodeEngine.embedded(),
                    name=f"cpu {ranks} ranks on {cores} cores")
+
+
+CLUSTER_PRESETS = ("cpu", "h100")
+
+
+def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
+                 inter_node_gbps: float = 200.0,
+                 device_memory_bytes: Optional[int] = None) -> ClusterSpec:
+    """The one mapping from a cluster description (the trainer's ``cluster.*`` keys,
+    ``tools/plan_layouts.py``'s flags, the benchmarks) to the ``ClusterSpec`` the selector plans
+    on: ``nodes`` x ``devices_per_node`` ranks, as torchrun started them.
+
+    - "h100": H100-80GB nodes of ``devices_per_node`` devices (a 1-node, 4-GPU job plans 4-rank
+      layouts); ``device_memory_bytes`` replaces the 80 GB when given (a budget below it).
+    - "cpu": this machine, every rank on its cores (emulated nodes share one host, so the cpu
+      preset is one node of all ranks); ``device_memory_bytes`` is the per-rank budget
+      (default 2 GiB).
+    """
+    if preset not in CLUSTER_PRESETS:
+        raise ValueError(f"cluster preset {preset!r}: use one of {list(CLUSTER_PRESETS)}")
+    if preset == "cpu":
+        return ClusterSpec.cpu(ranks=nodes * devices_per_node,
+                               memory_budget_bytes=device_memory_bytes or 2 * GiB)
+    spec = ClusterSpec.h100_80gb(nodes=nodes, inter_node_gbps=inter_node_gbps,
+                                 devices_per_node=devices_per_node)
+    return spec.with_(device_memory_bytes=device_memory_bytes) if device_memory_bytes else spec
 
 
 @dataclass(frozen=True)

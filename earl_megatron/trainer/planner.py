@@ -36,7 +36,7 @@ from earl_megatron.plan.selector import (LayoutOverBudgetError, Selector, Select
                                          SelectorState)
 from earl_megatron.plan.server_restart import model_key
 from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, GiB, Stage, StageWorkload,
-                                      TrainOptions, human_bytes)
+                                      TrainOptions, cluster_spec, human_bytes)
 from earl_megatron.trainer.stages import BatchShape
 
 FIRST_ROLLOUT_TOKENS = 128
@@ -153,12 +153,12 @@ class StagePlanner:
 
 
 def _cluster_spec(c: ClusterConfig, layout: LayoutConfig, world: int) -> ClusterSpec:
-    if c.preset == "cpu":
-        budget = int((layout.memory_budget_gb or 2.0) * GiB)
-        return ClusterSpec.cpu(ranks=world, memory_budget_bytes=budget)
-    if c.preset == "h100":
-        spec = ClusterSpec.h100_80gb(nodes=c.nodes, inter_node_gbps=c.inter_node_gbps)
-        if layout.memory_budget_gb:
-            spec = spec.with_(device_memory_bytes=int(layout.memory_budget_gb * GiB))
-        return spec
-    raise ConfigError(f"cluster.preset={c.preset!r}: use cpu or h100")
+    """``cluster.*`` -> the selector's cluster, through the one mapping (plan/specs.py): nodes x
+    devices per node as torchrun started them (validate() checked nodes x local ranks = world)."""
+    budget = int(layout.memory_budget_gb * GiB) if layout.memory_budget_gb else None
+    try:
+        return cluster_spec(c.preset, nodes=c.nodes,
+                            devices_per_node=c.devices_per_node or world // c.nodes,
+                            inter_node_gbps=c.inter_node_gbps, device_memory_bytes=budget)
+    except ValueError as e:
+        raise ConfigError(f"cluster.preset: {e}") from e

@@ -29,7 +29,7 @@ def test_main_prints_a_table_per_stage_and_a_png(tool, tmp_path):
     png = tmp_path / "plan.png"
     assert tool.main(ARGS + ["--png", str(png)], out=out) == 0
     text = out.getvalue()
-    assert "72.71B parameters on 16x8 H100, 200 Gbps (128 devices, budget 67.1 GiB" in text
+    assert "72.71B parameters on 16x8 H100-80GB, 200 Gbps (128 devices, budget 67.1 GiB" in text
     for stage in ("rollout", "logprob", "train"):
         assert f"{stage}: chosen layout" in text
     lines = text.splitlines()

@@ -86,3 +86,32 @@ def test_static_layouts_the_servers_cannot_take_are_refused():
     assert ok.plan("rollout", [64] * 4, None) == ParallelLayout(tp=2)
     with pytest.raises(ConfigError, match="leaves nothing under layout.memory_margin=0.1"):
         _planner(frac=0.95)
+
+
+def test_one_cluster_mapping_honours_the_node_size_and_the_world():
+    # a 1-node, 4-GPU h100 job: the trainer's planner, plan_layouts and cluster_spec agree on
+    # one 4-device node (before: the trainer planned on an 8-GPU node whatever the world)
+    import argparse
+
+    from earl_megatron.plan.specs import cluster_spec
+    from tools.plan_layouts import build_parser, cluster_from_args
+
+    big = ModelConfig.tiny(vocab_size=32)
+    p = StagePlanner(big, LayoutConfig(), ClusterConfig(preset="h100"), 4,
+                     distributed_optimizer=True, episodes=8, batch=BatchShape(2))
+    spec = p.selector.cluster
+    assert (spec.nodes, spec.devices_per_node, spec.world_size) == (1, 4, 4)
+    assert spec.name.startswith("1x4 H100")
+    args = build_parser().parse_args(["--nodes", "1", "--gpus-per-node", "4"])
+    assert isinstance(args, argparse.Namespace)
+    assert cluster_from_args(args) == spec == cluster_spec("h100", nodes=1, devices_per_node=4)
+    lay = p.plan("train", [64] * 8, None)
+    assert lay.world_size == 4
+    # two nodes of 2 (cluster.devices_per_node given) and the memory budget carried through
+    two = StagePlanner(big, LayoutConfig(memory_budget_gb=40), ClusterConfig(
+        preset="h100", nodes=2, devices_per_node=2), 4, distributed_optimizer=True,
+        episodes=8, batch=BatchShape(2)).selector.cluster
+    assert (two.nodes, two.devices_per_node, two.device_memory_bytes) == (2, 2, 40 * 1024 ** 3)
+    with pytest.raises(ConfigError, match="cluster.preset.*'tpu'"):
+        StagePlanner(big, LayoutConfig(), ClusterConfig(preset="tpu"), 4,
+                     distributed_optimizer=True, episodes=8, batch=BatchShape(2))
