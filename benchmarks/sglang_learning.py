@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(engine: str, args, out: Path) -> float:
+    # a fresh run each time: run.resume=false refuses a folder holding an earlier run
+    shutil.rmtree(out, ignore_errors=True)
     over = [f"run.iterations={args.iterations}", f"run.output_dir={out}", "run.resume=false",
             "run.live_view=false", "run.checkpoint_every=0", f"run.eval_every={args.eval_every}",
             f"run.eval_episodes={args.eval_episodes}", "layout=static",

@@ -3,8 +3,10 @@
 Every rank calls ``Recorder.record`` (it gathers episode outcomes); rank 0 appends the line to
 ``metrics.jsonl`` and shows it in the live view. Invariant: metrics.jsonl holds exactly one
 line per iteration the run's history knows: ``start`` rewrites it from the (checkpointed)
-history, so a run killed between its metrics line and its checkpoint, or an earlier run
-(run.resume=false), never leaves a repeated or stale iteration. eval.json holds every
+history, so a run killed between its metrics line and its checkpoint never leaves a repeated
+or stale iteration (the resumed run replays the dropped ones). A new run (run.resume=false)
+never reaches here in a folder that holds an earlier run's metrics: it is refused first
+(trainer/segments.earlier_run), so no history is ever truncated silently. eval.json holds every
 segment's evaluations (trainer/segments.py), rewritten after each evaluation.
 """
 
@@ -31,6 +33,17 @@ def tool_row(e: Episode) -> Optional[tuple]:
         return None
     return (bool(e.info.get("correct")), int(e.info["tool_calls"]),
             bool(e.info.get("tool_error")), bool(e.info.get("unparsable")), e.turns)
+
+
+def _recorded(f: Path) -> list[int]:
+    """The iterations of a metrics.jsonl's lines (a line cut by a kill is skipped)."""
+    if not f.is_file():
+        return []
+    its = []
+    for line in f.read_text().splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            its.append(int(json.loads(line)["iteration"]))
+    return its
 
 
 class StageTimer:
@@ -64,16 +77,25 @@ class Recorder:
     def __init__(self, out: Path, history: list[dict], view, rank: int):
         self.out, self.history, self.view, self.rank = out, history, view, rank
 
-    def start(self, first_iteration: int = 0) -> None:
-        """``first_iteration`` > 0: a resumed segment; the earlier segments' evaluations stay."""
+    def start(self, first_iteration: int = 0) -> list[str]:
+        """``first_iteration`` > 0: a resumed segment; the earlier segments' evaluations stay.
+        Returns the line saying which recorded iterations were dropped (none: [])."""
         self.first = first_iteration
         self.evals_before = segments.read_evals(self.out) \
             if first_iteration > 0 and self.rank == 0 else {}
         self.evals: dict = {}
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "metrics.jsonl").write_text(
-                "".join(json.dumps(h) + "\n" for h in self.history))
+        if self.rank != 0:
+            return []
+        self.out.mkdir(parents=True, exist_ok=True)
+        f = self.out / "metrics.jsonl"
+        dropped = sorted(set(_recorded(f)) - {h["iteration"] for h in self.history})
+        f.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        if not dropped:
+            return []
+        which = f"iteration {dropped[0]}" if len(dropped) == 1 else \
+            f"iterations {dropped[0]}-{dropped[-1]}"
+        return [f"{f}: dropped the lines of {which}, recorded after the checkpoint this run "
+                "resumed from; it replays them"]
 
     def evaluation(self, when: str, result: dict) -> None:
         """One evaluation of this segment; eval.json (all segments) is rewritten at once."""

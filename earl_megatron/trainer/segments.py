@@ -10,13 +10,17 @@ the newest checkpoint and ends at run.iterations or when stopped. Across segment
   ended at run.iterations=N (a later segment runs further) becomes "iterN"; it is rewritten
   after every evaluation, so a preempted segment's evaluations are not lost;
 - TensorBoard events after the checkpoint are purged (SummaryWriter's purge_step);
+- a new run (run.resume=false) never overwrites an earlier one: a folder that holds a run's
+  records or checkpoints is refused (``earlier_run``), as Hugging Face's Trainer refuses a
+  non-empty output_dir; retention and resume would otherwise mix the two runs' checkpoints;
 - layouts: on the world the checkpoint was written on, the checkpoint's layouts and selector
   state; on another world size (elastic resume), layouts planned anew for the new world
   (layout=auto) or taken from the config (layout=static), and the selector state reset (its
   hysteresis refers to layouts of the old world) with a message saying so. Megatron's
   checkpoint loads under any layout (dist_checkpointing reshards), so nothing else differs.
 
-Pure functions over JSON-like values (no torch.distributed), tested in one process.
+Pure functions over JSON-like values and small files of the output folder (no
+torch.distributed), tested in one process.
 """
 
 from __future__ import annotations
@@ -75,3 +79,24 @@ def write_evals(out_dir: str | Path, evals: dict[str, Any]) -> None:
     tmp = f.with_name(f.name + ".tmp")
     tmp.write_text(json.dumps(evals, indent=1))
     tmp.replace(f)
+
+
+RUN_RECORDS = ("metrics.jsonl", "sft.jsonl", EVAL_JSON)
+"""What a run writes as it goes (the checkpoints besides): a folder holding any of them, not
+empty, or any checkpoint, holds an earlier run."""
+
+
+def earlier_run(out_dir: str | Path) -> Optional[str]:
+    """None when ``out_dir`` may start a new run (run.resume=false); else the line refusing
+    it, naming what the folder holds and the fixes."""
+    out = Path(out_dir)
+    held = [name for name in RUN_RECORDS
+            if (out / name).is_file() and (out / name).stat().st_size > 0]
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        held.append("checkpoints/")
+    if not held:
+        return None
+    return (f"run.output_dir={out} already holds a run ({', '.join(held)}) and run.resume=false "
+            "would overwrite it: set run.resume=true to continue that run, choose a new "
+            f"run.output_dir, or delete {out} to start over")

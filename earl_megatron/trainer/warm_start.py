@@ -36,15 +36,15 @@ def sft_root(out: Path) -> Path:
 
 
 def warm_start_state(out: Path) -> Optional[dict]:
-    """loop.json of the newest warm-start checkpoint, with its "path" (None: there is none)."""
-    from earl_megatron.runtime.checkpoint import latest_checkpoint
+    """loop.json of the newest complete warm-start checkpoint, with its "path" and "notes" (a
+    line when a damaged newer one was skipped); None: there is none."""
+    from earl_megatron.runtime.checkpoint import find_checkpoint
 
-    ckpt = latest_checkpoint(sft_root(out))
-    if ckpt is None:
+    found = find_checkpoint(sft_root(out))
+    if found is None:
         return None
-    state = json.loads((ckpt / "loop.json").read_text())
-    state["path"] = str(ckpt)
-    return state
+    note = found.message()
+    return {**found.state, "path": str(found.path), "notes": [note] if note else []}
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,15 @@ class WarmStart:
     def __init__(self, scfg: SFTConfig, source: TraceSource, tokenizer, *, batch: BatchShape,
                  rl_lr: float, max_tokens: int, out: Path, checkpoint_every: int, rank: int,
                  log: Callable[[str], None], start_step: int = 0,
-                 history: Optional[list] = None):
+                 history: Optional[list] = None, keep_last: Optional[int] = None):
         self.scfg, self.source, self.tok, self.batch = scfg, source, tokenizer, batch
         self.steps, self.batch_size, self.log_every = scfg.steps, scfg.batch_size, scfg.log_every
         self.data = scfg.data
         self.lr = scfg.lr if scfg.lr is not None else rl_lr
         self.rl_lr, self.max_tokens = rl_lr, max_tokens
         self.out, self.every, self.rank, self.log = Path(out), checkpoint_every, rank, log
+        self.keep_last = keep_last
+        """Warm-start checkpoints kept (run.keep_last; None: all)."""
         self.start = start_step
         self.history: list[dict] = list(history or [])
 
@@ -123,4 +125,4 @@ class WarmStart:
 
         state = {"phase": "sft", "sft_step": step, "layout": str(policy.layout),
                  "sft_history": self.history}
-        save_checkpoint(policy, sft_root(self.out), step, state)
+        save_checkpoint(policy, sft_root(self.out), step, state, keep_last=self.keep_last)
