@@ -6,7 +6,9 @@ grouped-query attention, optionally with a qkv bias (Qwen2), RMSNorm on queries 
 model value every layer uses: layouts are checked against it (plan/layout.py), its tensors are
 listed from it (plan/tensor_table.py, which also counts its parameters) and models/provider.py
 turns it into Megatron-Core's TransformerConfig.
-Invariants: ``num_attention_heads % num_query_groups == 0``;
+Invariants: every count (layers, sizes, heads, groups, vocab, positions) is >= 1 and every float
+finite and > 0, checked before any division by them (config/checks.py: one ``ConfigError``
+naming ``model.<key>``); ``num_attention_heads % num_query_groups == 0``;
 ``kv_channels`` defaults to ``hidden_size // num_attention_heads`` (Qwen3 sets it: its head_dim
 is independent of hidden_size / heads); ``add_qkv_bias`` and ``qk_layernorm`` left None take the
 family's value (qwen2: bias; qwen3: q/k norms), so ``model.family=qwen3`` alone switches a recipe.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Optional
+
+from earl_megatron.config.checks import ConfigError, at_least, require_finite
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # What each family's HF architecture always has (the values None resolves to).
@@ -52,26 +56,32 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}; supported: {FAMILIES}")
+            raise ConfigError(f"model.family={self.family!r} is not a known family; supported: "
+                              f"{FAMILIES}")
+        require_finite(self, "model")
+        at_least(self, "model", 1, "num_layers", "hidden_size", "ffn_hidden_size",
+                 "num_attention_heads", "num_query_groups", "vocab_size",
+                 "max_position_embeddings", "kv_channels")
+        for key in ("rotary_base", "norm_epsilon"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
         # None -> the family's value, stored as a bool (equality and hashing see the resolved value)
         for key, value in FAMILY_FEATURES[self.family].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
-        if self.kv_channels is not None and self.kv_channels < 1:
-            raise ValueError(f"kv_channels={self.kv_channels} must be >= 1 (or null: "
-                             "hidden_size // num_attention_heads)")
         if self.kv_channels is not None and \
                 self.kv_channels * self.num_attention_heads == self.hidden_size:
             object.__setattr__(self, "kv_channels", None)
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple "
-                             f"of num_query_groups={self.num_query_groups}")
+            raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} must be a "
+                              f"multiple of model.num_query_groups={self.num_query_groups}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must divide by "
-                             f"num_attention_heads={self.num_attention_heads} (or set kv_channels)")
+            raise ConfigError(f"model.hidden_size={self.hidden_size} must divide by "
+                              f"model.num_attention_heads={self.num_attention_heads} (or set "
+                              "model.kv_channels)")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"params_dtype must be float32, bfloat16 or float16, "
-                             f"got {self.params_dtype!r}")
+            raise ConfigError(f"model.params_dtype={self.params_dtype!r}: use float32, bfloat16 "
+                              "or float16")
 
     @property
     def head_dim(self) -> int:

@@ -3,14 +3,17 @@
 ``steps = 0`` turns the warm start off. Traces come from ``data`` (a JSONL file of chat
 trajectories, rollout/trajectories.py) or, when it is null, from the environment's scripted
 expert (``env.expert(seed)``) on ``expert_episodes`` seeds of their own (never an RL or an
-evaluation seed). Every field is validated here, so a bad value stops the run before any model
-is built.
+evaluation seed). Every field is validated here (a ``ConfigError`` naming ``sft.<key>``), so a
+bad value stops the run before any model is built; that ``data`` is a readable file is checked
+by train.validate before any process group work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from earl_megatron.config.checks import ConfigError, at_least, require_finite
 
 
 @dataclass(frozen=True)
@@ -29,16 +32,12 @@ class SFTConfig:
     """Steps between lines of the live view and entries of sft.jsonl (the last step always)."""
 
     def __post_init__(self):
+        require_finite(self, "sft")
         if self.steps < 0:
-            raise ValueError(f"sft.steps={self.steps}: use 0 (no warm start) or more")
-        if self.batch_size < 1:
-            raise ValueError(f"sft.batch_size={self.batch_size} must be >= 1")
-        if self.expert_episodes < 1:
-            raise ValueError(f"sft.expert_episodes={self.expert_episodes} must be >= 1")
+            raise ConfigError(f"sft.steps={self.steps}: use 0 (no warm start) or more")
+        at_least(self, "sft", 1, "batch_size", "expert_episodes", "log_every")
         if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"sft.lr={self.lr} must be > 0 (or null: algorithm.lr)")
-        if self.log_every < 1:
-            raise ValueError(f"sft.log_every={self.log_every} must be >= 1")
+            raise ConfigError(f"sft.lr={self.lr} must be > 0 (or null: algorithm.lr)")
         if self.data is None and self.steps and self.batch_size > self.expert_episodes:
-            raise ValueError(f"sft.batch_size={self.batch_size} > sft.expert_episodes="
-                             f"{self.expert_episodes}: a step cannot draw more traces than exist")
+            raise ConfigError(f"sft.batch_size={self.batch_size} > sft.expert_episodes="
+                              f"{self.expert_episodes}: a step cannot draw more traces than exist")

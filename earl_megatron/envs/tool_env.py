@@ -12,11 +12,14 @@ is not plain arithmetic, or an answer that is not a number ends the episode with
 ``invalid_penalty`` and ``info["unparsable"]``. After ``max_tool_calls`` calculator calls the
 next call ends the episode with reward 0 (``info["tool_budget"]``).
 
-The tool runs on a daemon thread with a wall-clock limit (``tool_timeout_s``): a tool that raises
-anything but the calculator's own errors, or does not return in time, ends THAT episode with
-``tool_failure_penalty`` and ``info["tool_error"]`` and ``info["tool_failed"]`` set; the run goes
-on (a hung thread is abandoned, not killed: Python cannot kill a thread, so a tool that may hang
-forever belongs in its own process). ``tool`` replaces the calculator (a callable str -> number).
+``tool`` replaces the calculator (a callable str -> number). A replacement tool runs on a daemon
+thread with a wall-clock limit (``tool_timeout_s``, a last-resort guard for code the environment
+cannot bound): a tool that raises anything but the calculator's own errors, or does not return in
+time, ends THAT episode with ``tool_failure_penalty`` and ``info["tool_error"]`` and
+``info["tool_failed"]`` set; the run goes on (a hung thread is abandoned, not killed: Python
+cannot kill a thread, so a tool that may hang forever belongs in its own process). The built-in
+calculator runs inline with no clock at all: its work is bounded by counts (below), so the same
+action gets the same observation and reward on an idle machine and on a loaded one.
 
 ``expert(seed)`` is the scripted teacher of the supervised warm start: the actions of a full
 episode from ``reset(seed)``. With probability ``expert_tool_rate`` it calls the calculator on the
@@ -26,9 +29,13 @@ plausible, wrong number). Its choices draw from their own stream of the seed, so
 a seed does not depend on them.
 
 The calculator never runs ``eval``: ``safe_eval`` parses with ``ast`` and walks only number
-literals, unary +/-, and binary + - * / // % **. Bounds make every operation cheap: at most
-``MAX_EXPR_CHARS`` characters, integer exponents with ``|e| <= MAX_EXPONENT``, every
-intermediate value within ``MAX_MAGNITUDE``, and a wall-clock deadline checked at every node.
+literals, unary +/-, and binary + - * / // % **. Its limits count work, never time: at most
+``MAX_EXPR_CHARS`` characters and ``MAX_OPERATIONS`` operators (counted before evaluating
+anything), integer exponents with ``|e| <= MAX_EXPONENT``, and every intermediate value within
+``MAX_MAGNITUDE`` (a power's size checked from logarithms before it is computed, so neither a big
+base nor a tiny one with a negative exponent is ever raised). Every operation then takes operands
+of at most ~100 bits. Arithmetic Python refuses (an ``OverflowError``, a ``ZeroDivisionError``)
+is a ``CalcError``, the agent's mistake, never a failure of the tool.
 """
 
 from __future__ import annotations
@@ -39,15 +46,15 @@ import operator
 import random
 import re
 import threading
-import time
 from typing import Callable, Optional
 
 from earl_megatron.envs.base import Env, StepResult
 
 MAX_EXPR_CHARS = 200
+MAX_OPERATIONS = 64
+"""Unary and binary operators of one expression (the default questions use 2-4)."""
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 10 ** 30
-TIME_LIMIT_S = 0.05
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -66,23 +73,28 @@ class CalcError(ValueError):
 
 
 def safe_eval(expr: str, *, max_exponent: int = MAX_EXPONENT, max_magnitude: int = MAX_MAGNITUDE,
-              time_limit_s: float = TIME_LIMIT_S) -> int | float:
-    """The value of an arithmetic expression, without executing any code."""
+              max_operations: int = MAX_OPERATIONS) -> int | float:
+    """The value of an arithmetic expression, without executing any code or reading a clock."""
     if len(expr) > MAX_EXPR_CHARS:
         raise CalcUnparsable(f"expression longer than {MAX_EXPR_CHARS} characters")
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise CalcUnparsable(f"not an expression: {type(e).__name__}") from None
+    operations = 0
     for node in ast.walk(tree):  # vet the whole tree before evaluating any of it
-        if isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp)) or \
-                type(node) in _BINOPS or type(node) in _UNARYOPS:
+        if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+            operations += 1
+            continue
+        if isinstance(node, ast.Expression) or type(node) in _BINOPS or type(node) in _UNARYOPS:
             continue
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             continue
         raise CalcUnparsable(f"{type(node).__name__} is not allowed; only numbers and "
                              "+ - * / // % ** ( )")
-    deadline = time.monotonic() + time_limit_s
+    if operations > max_operations:
+        raise CalcError(f"more than {max_operations} operations; split the computation")
+    log_max = math.log10(max_magnitude)
 
     def check(value):
         if isinstance(value, float) and not math.isfinite(value) or abs(value) > max_magnitude:
@@ -90,8 +102,6 @@ def safe_eval(expr: str, *, max_exponent: int = MAX_EXPONENT, max_magnitude: int
         return value
 
     def ev(node):
-        if time.monotonic() > deadline:
-            raise CalcError(f"time limit {time_limit_s}s exceeded")
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant):
@@ -105,12 +115,16 @@ def safe_eval(expr: str, *, max_exponent: int = MAX_EXPONENT, max_magnitude: int
             if left == 0 and right < 0:
                 raise CalcError("division by zero")
             right = int(right)
-            # |left|**|right| bounded before computing it, so a big base costs nothing either
-            if abs(left) > 1 and abs(right) * math.log10(abs(left)) > math.log10(max_magnitude):
+            # log10 |left ** right| bounded before computing it: a big base with a positive
+            # exponent or a tiny one with a negative exponent (1e-300 ** -64) is never raised
+            if left != 0 and right * math.log10(abs(left)) > log_max:
                 raise CalcError(f"value exceeds {max_magnitude:.0e}")
         elif isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise CalcError("division by zero")
-        return check(_BINOPS[type(node.op)](left, right))
+        try:
+            return check(_BINOPS[type(node.op)](left, right))
+        except (OverflowError, ZeroDivisionError) as e:  # refused arithmetic, not a broken tool
+            raise CalcError(f"arithmetic error: {e}") from None
 
     return ev(tree)
 
@@ -238,7 +252,10 @@ class CalculatorEnv(Env):
                               {"tool_budget": True, "tool_calls": self.tool_calls})
         self.tool_calls += 1
         try:
-            value = call_with_timeout(self.tool, body, self.tool_timeout_s)
+            # the built-in calculator is bounded by counts and runs inline: no clock decides
+            # its reward; a replacement tool gets the thread and its wall-clock guard
+            value = safe_eval(body) if self.tool is safe_eval else \
+                call_with_timeout(self.tool, body, self.tool_timeout_s)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ToolFailure(f"tool returned {type(value).__name__}, not a number")
         except CalcUnparsable as e:

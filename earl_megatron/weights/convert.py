@@ -149,8 +149,6 @@ def _progress(enabled: bool, what: str):
 def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         part_bytes: int = 256 << 20, progress: bool = False) -> ConversionStats:
     """HF directory -> dist_checkpointing directory loadable under any layout (one process)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     t0 = time.perf_counter()
     cfg = read_model_config(hf_dir)  # an unsupported architecture fails before any file check

@@ -1,6 +1,5 @@
 """The dispatch simulator: hand-computed times for small maps on shared links, and the trends."""
 
-import math
 
 import pytest
 

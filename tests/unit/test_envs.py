@@ -1,5 +1,7 @@
 """Environments: game outcomes from known move sequences, bad actions, MCTS, the calculator."""
 
+import threading
+
 import pyspiel
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -153,6 +155,50 @@ def test_safe_eval_values_and_rejections():
             safe_eval(refused)
 
 
+def test_safe_eval_arithmetic_errors_are_calculator_errors():
+    # Python raises OverflowError for 1e-300 ** -64: a refused value, not a crash of the tool
+    for expr in ["1e-300**-64", "0.5**-200", "(1e-200*1e-200)**-1", "1e-300**-1"]:
+        with pytest.raises(CalcError):
+            safe_eval(expr)
+    assert safe_eval("1e-300**64") == 0.0 and safe_eval("0.5**-64") == 2.0 ** 64
+    # with the bounds raised past a float's range, Python's own OverflowError is caught too
+    with pytest.raises(CalcError, match="arithmetic error"):
+        safe_eval("2.0**1100", max_magnitude=10 ** 400, max_exponent=2000)
+
+
+def test_safe_eval_limits_count_operations_not_time():
+    from earl_megatron.envs.tool_env import MAX_OPERATIONS
+
+    at_limit = "+".join(["1"] * (MAX_OPERATIONS + 1))  # MAX_OPERATIONS additions
+    assert safe_eval(at_limit) == MAX_OPERATIONS + 1
+    for over in [at_limit + "+1", "-" * (MAX_OPERATIONS + 1) + "1"]:
+        with pytest.raises(CalcError, match=f"more than {MAX_OPERATIONS} operations"):
+            safe_eval(over)
+    assert safe_eval("-" * MAX_OPERATIONS + "1") == 1
+    with pytest.raises(TypeError):  # no clock to configure: the limits are counts
+        safe_eval("1+1", time_limit_s=0.05)
+
+
+def test_calculator_overflow_is_a_tool_error_not_a_tool_failure():
+    env = CalculatorEnv(tool_failure_penalty=-0.5)
+    env.reset(0)
+    res = env.step("<calc>1e-300**-64</calc>")
+    assert (res.reward, res.done, res.info) == (0.0, False, {"tool_error": True, "tool_calls": 1})
+    assert res.observation == "<error>value exceeds 1e+30</error>"
+
+
+def test_builtin_calculator_reward_does_not_depend_on_a_clock():
+    # the wall-clock guard is for replacement tools only: the built-in calculator runs inline,
+    # so even a guard no thread could meet (1 ns) leaves its answers and rewards unchanged
+    expr, value = make_question(3)
+    for timeout in (1e-9, 1.0):
+        env = CalculatorEnv(tool_timeout_s=timeout)
+        env.reset(3)
+        res = env.step(f"<calc>{expr}</calc>")
+        assert (res.observation, res.reward, res.done, res.info) == \
+            (f"<result>{value}</result>", 0.0, False, {"tool_calls": 1})
+
+
 EXPRS = st.recursive(st.integers(0, 999).map(str),
                      lambda sub: st.one_of(
                          st.tuples(sub, st.sampled_from("+-*%"), sub).map(
@@ -243,9 +289,13 @@ def _raising_tool(expr):
     raise KeyError("the tool is broken")
 
 
+_RELEASE_TOOL = threading.Event()
+_TOOL_RETURNED = threading.Event()
+
+
 def _hanging_tool(expr):
-    import time
-    time.sleep(2.0)
+    _RELEASE_TOOL.wait(60.0)   # blocked until the test has seen the step return
+    _TOOL_RETURNED.set()
     return 1
 
 
@@ -253,13 +303,14 @@ def _hanging_tool(expr):
                                        (_hanging_tool, "did not return within 0.2s"),
                                        (lambda e: "12", "returned str")])
 def test_a_failing_tool_ends_the_episode_with_a_penalty(tool, why):
-    import time
-
     env = CalculatorEnv(tool=tool, tool_timeout_s=0.2, tool_failure_penalty=-0.5)
     env.reset(0)
-    t0 = time.monotonic()
+    _RELEASE_TOOL.clear()
+    _TOOL_RETURNED.clear()
     res = env.step("<calc>1+1</calc>")
-    assert time.monotonic() - t0 < 1.0
+    # the hanging tool is still blocked: the step returned on the guard, not on the tool
+    assert not _TOOL_RETURNED.is_set()
+    _RELEASE_TOOL.set()
     assert (res.reward, res.done, res.info["tool_error"], res.info["tool_failed"]) == \
         (-0.5, True, True, True)
     assert why in res.observation
