@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed sglang test-sglang test-slurm bench clean
+.PHONY: install demo selfcheck test test-unit test-distributed sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
 
 install: $(VENV)/.installed
 
@@ -57,12 +57,21 @@ test-sglang: install sglang
 
 # A real Slurm on this host (Debian's slurmctld + two slurmd "nodes" + munge; root, installs the
 # packages when missing): up, submit recipes/slurm/train.sbatch as the README does, down.
-# EARL_SLURM_DIR (default /tmp/earl-slurm) holds its config, state and logs.
+# Its config, state and logs live in a private directory (mktemp -d, 0700; EARL_SLURM_DIR names
+# another): `up` prints it as EARL_SLURM_DIR and SLURM_CONF, and `down` gets the same one.
 test-slurm: install
-	tools/slurm_local.sh up && \
-	    SLURM_CONF=$${EARL_SLURM_DIR:-/tmp/earl-slurm}/slurm.conf EARL_PYTHON=$(abspath $(PY)) \
-	    HF_HUB_OFFLINE=1 $(PY) -m pytest -v tests/slurm $(PYTEST_ARGS); \
+	@exports=$$(tools/slurm_local.sh up) || exit $$?; eval "$$exports"; \
+	    EARL_PYTHON=$(abspath $(PY)) HF_HUB_OFFLINE=1 $(PY) -m pytest -v tests/slurm $(PYTEST_ARGS); \
 	    rc=$$?; tools/slurm_local.sh down; exit $$rc
+
+# The one-GPU check (benchmarks/gpu_check.py, < 8 minutes): on a GPU host with torch+CUDA and
+# the wheels `make gpu-wheels` downloads into .whl/ (no index needed there). Here, on CPU ranks:
+# make gpu-check GPU_PYTHON=.venv/bin/python ARGS=--dry-run
+gpu-wheels:
+	tools/gpu_wheels.sh .whl 3.12
+
+gpu-check:
+	$(or $(GPU_PYTHON),python3) benchmarks/gpu_check.py $(ARGS)
 
 bench: install
 	$(PY) benchmarks/rollout.py

@@ -7,14 +7,19 @@ file per rank: the sender writes its outgoing slices into its *outbox*, every ra
 fence, and each receiver copies its slices straight out of the sender's outbox into place.
 
 ``SharedOutboxes(capacity)`` is collective over the world:
-- every rank creates ``/dev/shm/earl-outbox-<pid>-<token>`` of ``capacity`` bytes, reserved
-  with ``posix_fallocate`` (a tmpfs that is too small fails here with ENOSPC, never later with
+- rank 0 broadcasts a job token (its pid and 48 random bits); every rank creates
+  ``/dev/shm/earl-outbox-<token>-<rank>`` of ``capacity`` bytes, reserved with
+  ``posix_fallocate`` (a tmpfs that is too small fails here with ENOSPC, never later with
   SIGBUS), and opens every peer's;
 - each rank unlinks its own file as soon as every peer has opened it, so nothing is left in
   ``/dev/shm`` after the constructor returns, whatever happens later (the open descriptors keep
   the memory until ``close()``); a peer's outbox is mapped when first read;
 - if any rank fails to create or open, every rank gets ``SharedOutboxError`` (the decision is
-  all-reduced) and its file is gone: callers fall back to point-to-point ops.
+  all-reduced) and its file is gone: callers fall back to point-to-point ops;
+- if setup breaks instead (a peer raises or dies mid-setup, so a collective fails), each
+  surviving rank unlinks, in a ``finally``, its own file and every peer's: the names follow from
+  the token, so even a peer killed between creating its file and unlinking it leaves nothing in
+  ``/dev/shm``, and the survivor's error propagates. The probe file is unlinked the same way.
 
 ``shared_memory_world()`` says, once per process (collective on the first call), whether this
 transport applies: the default backend is gloo and every rank can read a file rank 0 wrote in
@@ -35,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from earl_megatron.runtime.dist import gloo_only
+
 SHM_DIR = "/dev/shm"
 _SAME_HOST: Optional[bool] = None
 
@@ -47,7 +54,7 @@ def shared_memory_world() -> bool:
     """Whether every rank can exchange bytes through ``/dev/shm`` (collective on first call)."""
     global _SAME_HOST
     if _SAME_HOST is None:
-        _SAME_HOST = dist.get_backend() == "gloo" and _probe()
+        _SAME_HOST = gloo_only() and _probe()
     return _SAME_HOST
 
 
@@ -55,24 +62,28 @@ def _probe() -> bool:
     token = secrets.token_hex(8)
     path = os.path.join(SHM_DIR, f"earl-probe-{os.getpid()}-{token}")
     shared = [path if dist.get_rank() == 0 else None]
-    if dist.get_rank() == 0:
-        try:
-            with open(path, "w") as f:
-                f.write(token)
-        except OSError:
-            shared = [None]
-    dist.broadcast_object_list(shared, src=0)
-    ok = shared[0] is not None
-    if ok:
-        try:
-            with open(shared[0]) as f:
-                ok = f.read() == os.path.basename(shared[0]).rsplit("-", 1)[1]
-        except OSError:
-            ok = False
-    agree = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-    if dist.get_rank() == 0 and shared[0] is not None:
-        os.unlink(path)
+    written = False
+    try:
+        if dist.get_rank() == 0:
+            try:
+                with open(path, "w") as f:
+                    f.write(token)
+                written = True
+            except OSError:
+                shared = [None]
+        dist.broadcast_object_list(shared, src=0)
+        ok = shared[0] is not None
+        if ok:
+            try:
+                with open(shared[0]) as f:
+                    ok = f.read() == os.path.basename(shared[0]).rsplit("-", 1)[1]
+            except OSError:
+                ok = False
+        agree = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+    finally:   # also when a peer dies mid-probe and a collective raises
+        if written:
+            _unlink(path)
     return bool(agree.item())
 
 
@@ -82,22 +93,34 @@ class SharedOutboxes:
     def __init__(self, capacity: int):
         me, world = dist.get_rank(), dist.get_world_size()
         capacity = max(1, int(capacity))
-        path = os.path.join(SHM_DIR, f"earl-outbox-{os.getpid()}-{secrets.token_hex(6)}")
-        created = _create(path, capacity)
-        names: list = [None] * world
-        dist.all_gather_object(names, path if created else None)
+        token = [f"{os.getpid()}-{secrets.token_hex(6)}" if me == 0 else None]
+        dist.broadcast_object_list(token, src=0)   # nothing exists yet if this one fails
+        paths = [outbox_path(token[0], r) for r in range(world)]
         fds: dict[int, int] = {}
-        ok = all(n is not None for n in names)
-        if ok:   # open every peer's file now (it is unlinked below); map it when first read
-            try:
-                for r, n in enumerate(names):
-                    fds[r] = os.open(n, os.O_RDWR)
-            except OSError:
-                ok = False
-        agree = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(agree, op=dist.ReduceOp.MIN)   # every rank has opened (or given up)
-        if created:
-            os.unlink(path)
+        done = False
+        try:
+            created = _create(paths[me], capacity)
+            made: list = [None] * world
+            dist.all_gather_object(made, created)
+            ok = all(made)
+            if ok:   # open every peer's file now (it is unlinked below); map it when first read
+                try:
+                    for r, n in enumerate(paths):
+                        fds[r] = os.open(n, os.O_RDWR)
+                except OSError:
+                    ok = False
+            agree = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)   # every rank has opened (or given up)
+            done = True
+        finally:
+            # normally only our own file is left to unlink (peers unlink theirs); when a
+            # collective broke, a peer may be dead with its file still there: remove every name
+            for r, n in enumerate(paths):
+                if r == me or not done:
+                    _unlink(n)
+            if not done:
+                for fd in fds.values():
+                    os.close(fd)
         self.capacity = capacity
         self._fds = fds
         self._maps: dict[int, mmap.mmap] = {}
@@ -163,6 +186,18 @@ def release_shared_outboxes() -> None:
     if _CACHED is not None:
         _CACHED.close()
         _CACHED = None
+
+
+def outbox_path(token: str, rank: int) -> str:
+    """The shared file of ``rank``'s outbox in the setup that rank 0 named ``token``."""
+    return os.path.join(SHM_DIR, f"earl-outbox-{token}-{rank}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _create(path: str, capacity: int) -> bool:

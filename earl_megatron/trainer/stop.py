@@ -3,10 +3,16 @@
 Two ways to be told, both per rank and both cheap to poll:
 - SIGTERM to the worker (torchrun forwards its own TERM to its workers; Slurm sends one to the
   job step when ``--signal`` has no ``B:``);
-- the stop file ``$EARL_STOP_FILE`` (recipes/slurm/train.sbatch sets it): the batch shell traps
-  TERM and writes ``requested`` there, so torchrun itself is never signalled and exits 0.
+- the run's stop file, ``<run.output_dir>/stop`` (``$EARL_STOP_FILE`` overrides the path): a
+  file whose text starts with ``requested``. recipes/slurm/train.sbatch traps TERM in the batch
+  shell and writes it there, so torchrun itself is never signalled and exits 0; by hand,
+  ``echo requested > <run>/stop`` does the same. It lives in the run directory, beside the
+  checkpoints it protects: only who may write the run may stop it (never the submit directory,
+  which a whole group may share). A ``requested`` left behind by a run that died before reading
+  it stops the next run at its first safe point (the sbatch script clears it at each start).
 When the trainer has stopped cleanly (its last completed iteration checkpointed) rank 0 writes
-``stopped <iteration>`` to the same file; the batch script reads it to requeue the job.
+``stopped <iteration>`` to the same file; the batch script reads it to requeue the job. A run
+that was not told to stop never writes the file.
 
 Agreement (ranks see a signal or a file at different moments; a collective must never be
 skipped by some ranks only):
@@ -33,29 +39,53 @@ import torch
 import torch.distributed as dist
 
 STOP_FILE_ENV = "EARL_STOP_FILE"
+STOP_FILE_NAME = "stop"
+"""The stop file's name in the run directory when ``$EARL_STOP_FILE`` does not say otherwise."""
+
+
+def stop_file_for(output_dir: str | os.PathLike) -> Path:
+    """The stop file of the run in ``output_dir``: ``$EARL_STOP_FILE``, else ``<output_dir>/stop``
+    (what recipes/slurm/train.sbatch writes to)."""
+    return Path(os.environ.get(STOP_FILE_ENV) or Path(output_dir) / STOP_FILE_NAME)
+
+
+_INSTALLED: Optional["StopControl"] = None
+
+
+def told_to_stop() -> bool:
+    """Whether this process has been told to stop (a SIGTERM since ``install()``, or a
+    ``requested`` stop file); False when no control is installed. No collective. For code that
+    must wait on the request itself: earl_megatron/testing/envs.py's held environment."""
+    return _INSTALLED is not None and _INSTALLED.local()
 
 
 class StopControl:
     """One per trainer process; ``install()`` once before training, ``close()`` after."""
 
-    def __init__(self, stop_file: Optional[str] = None):
+    def __init__(self, stop_file: Optional[str | os.PathLike] = None):
         self.stop_file = Path(stop_file) if stop_file else None
         self._signalled = False
         self._agreed = False
         self._previous = None
 
     @classmethod
-    def from_env(cls) -> "StopControl":
-        return cls(os.environ.get(STOP_FILE_ENV) or None)
+    def for_run(cls, output_dir: str | os.PathLike) -> "StopControl":
+        """The control of the run in ``output_dir`` (its stop file: ``stop_file_for``)."""
+        return cls(stop_file_for(output_dir))
 
     def install(self) -> "StopControl":
+        global _INSTALLED
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        _INSTALLED = self
         return self
 
     def close(self) -> None:
+        global _INSTALLED
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        if _INSTALLED is self:
+            _INSTALLED = None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._signalled = True  # acted on at the next safe point
