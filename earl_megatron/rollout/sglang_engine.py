@@ -11,9 +11,16 @@ one rollout DP group; each server spans ``tp_size`` GPUs and listens on its own 
 
 Invariants (on top of engine.py's contract):
 - Every prompt of a ``generate`` call is answered exactly once, or the call raises. If a server
-  dies or a request fails with a connection error, that server is restarted with the weights it
-  last had (the last ``update_weights`` directory) and its whole chunk is resubmitted; after
-  ``max_restarts`` failed attempts for one chunk the call raises ``SGLangServerError``.
+  dies, a request fails with a connection error, or a request gets no answer within
+  ``request_timeout_s`` (a stall, whatever /health says), that server is restarted (on a new
+  port), given its weights back (the last ``update_weights`` directory, or ``on_restart`` for
+  pushed weights) and its whole chunk is resubmitted; every failed start or weight restore uses
+  one of ``max_restarts`` attempts, after which the call raises ``SGLangServerError``.
+- A failure outside a supervised request (a weight push, forming the weight-update group)
+  surfaces as ``SGLangServerUnreachable``; the caller hands it to ``recover(index)``, which runs
+  the same restart-and-restore path, so a death there is handled like one during a rollout.
+- Each engine draws a random API key (``secrets.token_urlsafe``) unless the config names one;
+  requests without it are refused by the servers (sglang_server.py).
 - Only processes this engine started are stopped, by their process group id (each server is
   started in its own session, so its scheduler and detokenizer children go with it).
 - Logprobs are SGLang's ``output_token_logprobs``: log_softmax(logits / T) before top-p, and
@@ -30,7 +37,10 @@ Invariants (on top of engine.py's contract):
 Weights: ``update_weights(hf_dir)`` uses ``/update_weights_from_disk`` (any device). Pushed
 tensors (``push_weights_distributed``, sglang_weights.py) exist nowhere on disk: a restarted server
 needs ``on_restart`` to re-push them, or the restart raises rather than sample from the wrong
-policy. A push may carry a weight version; every later answer must carry it too.
+policy. A push may carry a weight version; every later answer must carry it too. With
+``load_format="dummy"`` the servers start from config.json alone (random weights SGLang makes
+up) and must receive a push before the first request; a restart then starts from the config
+again and ``on_restart`` pushes.
 
 Memory: release_memory/resume_memory need --enable-memory-saver and CUDA; on device="cpu" they
 raise (SGLang 0.5.23's scheduler calls torch.cuda.synchronize there and the whole server dies).
@@ -39,8 +49,9 @@ raise (SGLang 0.5.23's scheduler calls torch.cuda.synchronize there and the whol
 from __future__ import annotations
 
 import atexit
-import json
+import dataclasses
 import os
+import secrets
 import tempfile
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,11 +66,31 @@ from earl_megatron.rollout.sglang_server import (CPU_FLAGS, SGLangConfig, SGLang
                                                  _Server, _Unreachable, server_command,
                                                  server_env, server_environ)
 from earl_megatron.rollout.sglang_weights import push_weights, trainer_weight_update_group
+from earl_megatron.runtime.fault_points import fault_point
 
 __all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
-           "SGLangServerError", "parse_generation", "server_command", "server_env",
-           "server_environ", "sglang_sampling_params",
-           "trainer_weight_update_group", "_free_ports", "_port_free"]
+           "SGLangServerError", "SGLangServerUnreachable", "SGLangWeightsLost",
+           "parse_generation", "server_command", "server_env", "server_environ",
+           "sglang_sampling_params", "trainer_weight_update_group", "_free_ports", "_port_free"]
+
+
+class SGLangServerUnreachable(SGLangServerError):
+    """A server died, stalled or stopped answering outside a supervised request (a weight push,
+    forming the weight-update group): pass its index to ``SGLangEngine.recover``."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class SGLangWeightsLost(SGLangServerError):
+    """A server restarted, but its weights exist nowhere on disk and nobody can push them."""
+
+
+RESTORE_FAULTS = (SGLangServerError, _Unreachable, RuntimeError, OSError, TimeoutError)
+"""What a failed start or weight restore raises when the server died (again) meanwhile: a start
+error, an HTTP failure, gloo's errors on a dead peer (RuntimeError subclasses), a store timeout.
+Each uses one restart attempt."""
 
 
 class SGLangEngine:
@@ -79,12 +110,16 @@ class SGLangEngine:
         if not (Path(config.model_path) / "config.json").is_file():
             raise FileNotFoundError(f"{config.model_path!r} is not an HF model directory "
                                     f"(no config.json)")
+        if config.api_key is None:  # only this process can drive its servers
+            config = dataclasses.replace(config, api_key=secrets.token_urlsafe(32))
         self.config = config
         self.on_restart = on_restart
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="earl-sglang-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._model_path = str(Path(config.model_path).resolve())
-        self._weights_on_disk = True  # False after a distributed push: restarts need on_restart
+        self._load_format = config.load_format
+        # False after a distributed push or a dummy start: restarts need on_restart
+        self._weights_on_disk = config.load_format != "dummy"
         ports = config.ports or _free_ports(config.host, config.num_servers)
         self._servers = [_Server(config, i, p, self._log_dir) for i, p in enumerate(ports)]
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * config.num_servers),
@@ -106,7 +141,7 @@ class SGLangEngine:
         cache", seen here); the next attempt usually succeeds."""
         for attempt in range(self.config.max_restarts + 1):
             try:
-                return server.start(self._model_path)
+                return server.start(self._model_path, self._load_format)
             except SGLangServerError:
                 if attempt == self.config.max_restarts:
                     raise
@@ -142,8 +177,11 @@ class SGLangEngine:
                              f"start_update_weights_from_distributed)")
         self._check_open()
         self._model_path = str(path)  # restarts from here on load these weights
+        self._load_format = None
         self._weights_on_disk = True
-        payload = {"model_path": str(path), "flush_cache": True}
+        # "auto": a server started with --load-format dummy would otherwise keep its
+        # dummy loader and refuse the checkpoint ("Failed to get model loader")
+        payload = {"model_path": str(path), "flush_cache": True, "load_format": "auto"}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         self.expected_version = weight_version
@@ -284,9 +322,19 @@ class SGLangEngine:
             raise RuntimeError("SGLangEngine is closed")
 
     def _post_all(self, route: str, calls: list[tuple[_Server, dict]]) -> list[Any]:
+        """One unsupervised POST per server; SGLangServerUnreachable names a server that failed
+        (the caller decides: ``recover`` it, or give up)."""
+        def post(call: tuple[_Server, dict]) -> Any:
+            server, payload = call
+            try:
+                return server.post(route, payload, self.config.request_timeout_s)
+            except _Unreachable as e:
+                raise SGLangServerUnreachable(
+                    f"SGLang server {server.index} (port {server.port}) failed {route}: {e}",
+                    server.index) from None
+
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            results = list(pool.map(lambda c: c[0].post(route, c[1],
-                                                         self.config.request_timeout_s), calls))
+            results = list(pool.map(post, calls))
         for r in results:
             if isinstance(r, dict) and not r.get("success", True):
                 raise SGLangRequestError(f"{route} failed: {r}")
@@ -305,53 +353,68 @@ class SGLangEngine:
         for s in self._servers:
             self._call(s, route, {})
 
-    def _call(self, server: _Server, route: str, payload: dict[str, Any]) -> Any:
-        """POST with supervision: restart a dead server and retry, at most max_restarts times.
+    def recover(self, index: int, reason: str) -> None:
+        """Restart server ``index`` after a failure outside a supervised request (a weight push,
+        group setup: SGLangServerUnreachable, a gloo error) and give it its weights back, as
+        ``_call`` does for a request; SGLangServerError after max_restarts failed attempts."""
+        self._check_open()
+        server = self._servers[index]
+        self._recover(server, reason, server.pid, [0], "recover")
 
-        A restart that itself fails (the new process exits or misses startup_timeout_s) uses
-        up one attempt too, so the total wait is bounded by max_restarts starts.
-        """
-        attempt = 0
+    def _call(self, server: _Server, route: str, payload: dict[str, Any]) -> Any:
+        """POST with supervision: a server that is unreachable or stalls (no answer within
+        request_timeout_s) is restarted, restored and asked again (``_recover``)."""
+        attempts = [0]  # shared by every failure of this request
         while True:
+            pid = server.pid
             try:
                 return server.post(route, payload, self.config.request_timeout_s)
             except _Unreachable as e:
-                last = str(e)
-            while True:
-                attempt += 1
-                if attempt > self.config.max_restarts:
-                    raise SGLangServerError(
-                        f"SGLang server {server.index} (port {server.port}) unreachable for "
-                        f"{route} after {self.config.max_restarts} restarts; last error: "
-                        f"{last}. Log {server.log_path}:\n{server.log_tail()}")
-                try:
-                    restarted = self._restart(server, reason=last)
-                    break
-                except SGLangServerError as e:
-                    last = f"restart failed: {str(e).splitlines()[0]}"
-            if restarted:
-                self._after_restart(server)
+                self._recover(server, str(e), pid, attempts, route)
 
-    def _restart(self, server: _Server, reason: str) -> bool:
-        """Restart a dead or hung server with the latest weights; False if it is healthy."""
+    def _recover(self, server: _Server, reason: str, pid: Optional[int], attempts: list[int],
+                 route: str) -> None:
+        """Restart ``server`` (unless another thread did since process ``pid`` failed) and
+        restore its weights. A start or restore that fails uses up an attempt too, so the
+        wait is bounded by max_restarts x (start + restore)."""
+        while True:
+            attempts[0] += 1
+            if attempts[0] > self.config.max_restarts:
+                raise SGLangServerError(
+                    f"SGLang server {server.index} (port {server.port}) unreachable for "
+                    f"{route} after {self.config.max_restarts} restarts; last error: "
+                    f"{reason}. Log {server.log_path}:\n{server.log_tail()}")
+            try:
+                if self._restart(server, reason, pid):
+                    self._after_restart(server)
+                return
+            except SGLangWeightsLost:
+                raise
+            except RESTORE_FAULTS as e:
+                first = (str(e).splitlines() or [""])[0]
+                reason, pid = f"restart failed: {type(e).__name__}: {first}", server.pid
+
+    def _restart(self, server: _Server, reason: str, pid: Optional[int]) -> bool:
+        """Stop and start ``server`` (new port, latest weights on disk or the config); False if
+        another thread already restarted it since process ``pid`` failed."""
         with server.lock:
-            if server.alive() and server.healthy():
-                return False  # another thread restarted it already (or the failure was brief)
+            if server.pid != pid and server.alive():
+                return False
             server.stop(grace_s=2.0)
             with open(server.log_path, "ab") as log:
                 log.write(f"\n=== restart after: {reason}\n".encode())
             server.restarts += 1
-            server.start(self._model_path)
+            server.start(self._model_path, self._load_format)
             return True
 
     def _after_restart(self, server: _Server) -> None:
         if self.on_restart is not None:
             self.on_restart(server.index)
         elif not self._weights_on_disk:
-            raise RuntimeError(
+            raise SGLangWeightsLost(
                 f"SGLang server {server.index} restarted, but its weights came from "
-                f"update_weights_from_distributed and exist nowhere on disk; pass on_restart to "
-                f"re-push them (refusing to sample from the initial weights)")
+                f"update_weights_from_distributed (or a dummy start) and exist nowhere on disk; "
+                f"pass on_restart to re-push them (refusing to sample from other weights)")
 
     def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], idx: range,
                         params: SamplingParams) -> list[Generation]:
@@ -369,6 +432,8 @@ class SGLangEngine:
                      "max_new_tokens": params.max_new_tokens - len(tokens[i])} for i in pending],
                 "return_logprob": True,
             }
+            fault_point("sglang.generate", pid=server.pid, index=server.index,
+                        version=self.expected_version, log_dir=str(self._log_dir))
             results = self._call(server, "/generate", payload)
             if not isinstance(results, list) or len(results) != len(pending):
                 raise SGLangRequestError(f"/generate returned {type(results).__name__} for "

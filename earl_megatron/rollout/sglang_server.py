@@ -2,14 +2,23 @@
 
 ``SGLangConfig`` says how servers are launched; ``server_command`` turns it into a command line
 (tested without a server); ``_Server`` starts one process in its own session (so its scheduler
-and detokenizer children share its process group), waits for ``/health``, posts JSON and stops
-the whole group by its id. ``sglang_sampling_params`` / ``parse_generation`` translate one /generate request and answer
+and detokenizer children share its process group), waits for ``/health`` and for the server to
+prove it is the one just started, posts JSON and stops the whole group by its id. ``sglang_sampling_params`` / ``parse_generation`` translate one /generate request and answer
 (pure). Nothing here knows about rollouts or weights.
 
 Invariants:
 - Only processes this module started are stopped, by their process group id, never by name.
-- A port already in use is refused before launch: someone else's server there would answer
-  our /health checks.
+- Only the trainer can drive a server: each is launched with an API key (``SGLangConfig.api_key``,
+  random per engine) that every request sends as ``Authorization: Bearer``; the key travels in a
+  0600 ``--config`` file, never on a command line (which any local user can read in /proc).
+- A server is trusted only once it proved its identity: each start gets a fresh random
+  ``--served-model-name``, and /health counts only when /model_info (which needs the key)
+  answers with that name; a foreign process on the port is a failed start, never our server.
+- Every start picks a new port (a configured port is used for the first start only), so a
+  retry never waits on a port held by the process it replaces or by someone else; a configured
+  port already in use is refused before launch.
+- HTTP never goes through a proxy: the opener has an empty ProxyHandler, so ``http_proxy``
+  (set on many clusters) cannot send loopback requests elsewhere.
 - On device="cpu" the kit's flags (CPU_FLAGS) are added; tp > 1 needs two environment variables
   (set here unless the caller sets them): SGLANG_CPU_OMP_THREADS_BIND (one core list per rank,
   ``|``-separated) and SGLANG_NCCL_SO_PATH pointing at no file, so SGLang skips PyNccl (which
@@ -23,6 +32,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -37,6 +47,7 @@ from typing import Any, Optional
 
 from earl_megatron.config.train import SGLANG_MEM_FRACTION
 from earl_megatron.rollout.engine import SamplingParams
+from earl_megatron.runtime.fault_points import fault_point
 
 # Flags that pick SGLang's code paths that run without a GPU (docs/sglang.md, CPU section).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
@@ -49,6 +60,10 @@ class SGLangServerError(RuntimeError):
 
 class SGLangRequestError(RuntimeError):
     """A live server rejected a request (bad parameters, failed weight update...)."""
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Every request to a server: no proxy, whatever http_proxy / HTTP_PROXY say."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +109,20 @@ class SGLangConfig:
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment variables for the server processes."""
     startup_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0
+    """Seconds one start may take until the server answers /health and proves its identity
+    (the trainer: cluster.server_start_timeout_s)."""
+    request_timeout_s: float = 300.0
+    """Seconds one request may go unanswered; past it the server counts as stalled and is
+    restarted like a dead one, whatever /health says (cluster.server_request_timeout_s)."""
     max_restarts: int = 2
-    """Restarts allowed per server per request before the request raises."""
+    """Restarts allowed per server per request before the request raises; also the retries of
+    a first start (cluster.server_max_restarts)."""
+    api_key: Optional[str] = None
+    """Key every request must carry; None: SGLangEngine draws a random one per engine."""
+    load_format: Optional[str] = None
+    """SGLang's --load-format for starts from ``model_path``; "dummy": the directory needs only
+    config.json and the weights arrive by update_weights_from_distributed (nothing of the
+    model's size on disk). Restarts after update_weights(dir) load that directory for real."""
     log_dir: Optional[str] = None
     """Where server logs go (server-<i>.log); None makes a temporary directory."""
 
@@ -114,12 +140,25 @@ class SGLangConfig:
                              f"{self.num_servers} servers too; pass at least that")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not (self.startup_timeout_s > 0 and self.request_timeout_s > 0):
+            raise ValueError(f"startup_timeout_s and request_timeout_s must be > 0, got "
+                             f"{self.startup_timeout_s}, {self.request_timeout_s}")
 
 
-def server_command(config: SGLangConfig, index: int, port: int, model_path: str) -> list[str]:
-    """The command line of server ``index`` (pure; the launch happens in _Server.start)."""
+def server_command(config: SGLangConfig, index: int, port: int, model_path: str, *,
+                   served_name: Optional[str] = None, secrets_file: Optional[str] = None,
+                   load_format: Optional[str] = None) -> list[str]:
+    """The command line of server ``index`` (pure; the launch happens in _Server.start).
+    ``served_name``: this start's identity nonce; ``secrets_file``: the --config YAML holding
+    the API key; ``load_format``: SGLang's --load-format (None: its default)."""
     cmd = [config.python, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", config.host, "--port", str(port)]
+    if secrets_file is not None:
+        cmd += ["--config", str(secrets_file)]
+    if served_name is not None:
+        cmd += ["--served-model-name", served_name]
+    if load_format is not None:
+        cmd += ["--load-format", load_format]
     if config.device == "cpu":
         cmd += list(CPU_FLAGS)
         cmd += ["--dtype", config.dtype or "float32",
@@ -234,11 +273,12 @@ def parse_generation(item: dict[str, Any]) -> tuple[list[int], list[float], str]
 
 
 class _Unreachable(Exception):
-    """Connection-level failure: the server is dead, hung or restarting."""
+    """Connection-level failure: the server is dead, hung, stalled or restarting."""
 
 
 class _Server:
-    """One SGLang server process: start, wait for /health, HTTP calls, stop (by its pgid)."""
+    """One SGLang server process: start, wait for /health and its identity, HTTP calls, stop
+    (by its pgid). ``port`` is the first start's; every later start picks a new one."""
 
     def __init__(self, config: SGLangConfig, index: int, port: int, log_dir: Path):
         self.config, self.index, self.port = config, index, port
@@ -247,6 +287,8 @@ class _Server:
         self.proc: Optional[subprocess.Popen] = None
         self.lock = threading.Lock()
         self.restarts = 0
+        self.starts = 0
+        self.served_name: Optional[str] = None  # this start's identity nonce
 
     @property
     def pid(self) -> Optional[int]:
@@ -255,16 +297,28 @@ class _Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, model_path: str) -> float:
-        """Launch the server and block until /health answers 200; returns seconds taken."""
-        env = server_environ(os.environ, self.config, self.index)
-        cmd = server_command(self.config, self.index, self.port, model_path)
-        if not _port_free(self.config.host, self.port):
-            # someone else's server there would answer our /health checks
+    def start(self, model_path: str, load_format: Optional[str] = None) -> float:
+        """Launch the server and block until /health answers 200 and /model_info names this
+        start's nonce; returns seconds taken."""
+        if self.starts:  # never retry a port: the old process or a stranger may hold it
+            self.port = _free_ports(self.config.host, 1)[0]
+            self.url = f"http://{self.config.host}:{self.port}"
+        elif not _port_free(self.config.host, self.port):
             raise SGLangServerError(f"port {self.port} on {self.config.host} is already in use "
                                     f"(a server left running?); stop it or pass other ports")
+        self.starts += 1
+        self.served_name = f"earl-{secrets.token_hex(8)}"
+        secrets_file = None
+        if self.config.api_key:
+            secrets_file = str(self.log_path.with_name(f"server-{self.index}.secret.yaml"))
+            _write_private(Path(secrets_file), f"api-key: {json.dumps(self.config.api_key)}\n")
+        env = server_environ(os.environ, self.config, self.index)
+        cmd = server_command(self.config, self.index, self.port, model_path,
+                             served_name=self.served_name, secrets_file=secrets_file,
+                             load_format=load_format)
         t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with open(fd, "ab") as log:  # 0600: SGLang may print its arguments, the key with them
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             log.flush()
             # Own session: the server's children share its process group, stopped as one.
@@ -273,6 +327,8 @@ class _Server:
                                          start_new_session=True)
             log.write(f"=== pid {self.proc.pid} (process group {self.proc.pid})\n".encode())
             log.flush()
+        fault_point("sglang.start", pid=self.proc.pid, port=self.port, index=self.index,
+                    log_dir=str(self.log_path.parent))
         deadline = t0 + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -281,6 +337,12 @@ class _Server:
                     f"{self.proc.returncode} while starting. Log {self.log_path}:\n"
                     f"{self.log_tail()}")
             if self.healthy(timeout=2.0):
+                if not self.is_ours():
+                    self.stop(grace_s=2.0)
+                    raise SGLangServerError(
+                        f"port {self.port} answers /health but not as the server just started "
+                        f"(no /model_info with served_model_name {self.served_name}): another "
+                        f"process holds the port; the next start takes another port")
                 return time.monotonic() - t0
             time.sleep(0.5)
         self.stop()
@@ -311,17 +373,36 @@ class _Server:
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with _OPENER.open(self.url + "/health", timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError):
             return False
 
-    def post(self, route: str, payload: dict[str, Any], timeout: float) -> Any:
-        """POST JSON; _Unreachable on connection failures, SGLangRequestError on a live refusal."""
-        req = urllib.request.Request(self.url + route, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+    def is_ours(self, timeout: float = 10.0) -> bool:
+        """Whether the port's server is this start's: /model_info (key required) names the
+        nonce this start was launched with."""
+        req = urllib.request.Request(self.url + "/model_info", headers=self._headers())
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with _OPENER.open(req, timeout=timeout) as r:
+                info = json.loads(r.read())
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError,
+                ValueError):
+            return False
+        return isinstance(info, dict) and info.get("served_model_name") == self.served_name
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
+    def post(self, route: str, payload: dict[str, Any], timeout: float) -> Any:
+        """POST JSON; _Unreachable on connection failures and on no answer within ``timeout``
+        (a stall), SGLangRequestError on a live refusal."""
+        req = urllib.request.Request(self.url + route, data=json.dumps(payload).encode(),
+                                     headers=self._headers())
+        try:
+            with _OPENER.open(req, timeout=timeout) as r:
                 body = r.read()
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace")[:2000]
@@ -356,6 +437,14 @@ def _owned(cmd: list[str]) -> list[str]:
     script = (f"( while kill -0 {os.getpid()} 2>/dev/null && kill -0 $$ 2>/dev/null; "
               f"do sleep 2; done; kill -KILL 0 ) & exec {shlex.join(cmd)}")
     return ["/bin/sh", "-c", script]
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only this user can read (0600 from creation on)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file of that name keeps its mode otherwise
+    with open(fd, "w") as f:
+        f.write(text)
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -8,21 +8,43 @@ NCCL on GPUs; the same protocol with backend="gloo" runs on CPU. Tensors travel 
 announced (names, dtypes, shapes first, over HTTP), one broadcast each; the servers load them
 under SGLang's begin/end_weight_update session and tag their weights with ``version``, which
 every later /generate answer carries (the engine checks it).
+
+The trainer's store listens only where the servers are: ``weight_update_listener(host)`` binds
+a socket to that address (loopback for servers on this node) with a port the kernel picks, and
+the store serves on it (``listen_socket``), so nothing off the node can join, and no port is
+picked, closed and hoped free. Callers pick unpredictable group names (sglang_rollout.py).
 """
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Optional, Sequence
+
+from earl_megatron.runtime.fault_points import fault_point
+
+
+def weight_update_listener(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` (one address, never every interface), port chosen by
+    the kernel: pass it as ``listen_socket`` and its port as ``master_port`` (the store takes
+    the descriptor over)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(64)
+    return sock
+
 
 def trainer_weight_update_group(master_address: str, master_port: int, world_size: int,
                                 group_name: str = "weight_update_group", backend: str = "nccl",
-                                timeout_s: float = 600.0) -> Any:
+                                timeout_s: float = 600.0,
+                                listen_socket: Optional[socket.socket] = None) -> Any:
     """The trainer's side (rank 0) of the servers' weight-update group, outside the default group.
 
     The trainer already has its own world (Megatron's); this group joins rank 0 of it with every
     server's TP ranks through a TCP rendezvous at master_address:master_port, the way SGLang's
     /init_weights_update_group joins on its side (a store prefixed with group_name). Call it
-    while ``start_init_weights_update_group``'s future is pending.
+    while ``start_init_weights_update_group``'s future is pending. ``listen_socket``
+    (``weight_update_listener``): the store serves on it; None: torch binds master_port on
+    every interface (tests only).
     """
     from datetime import timedelta
 
@@ -34,8 +56,17 @@ def trainer_weight_update_group(master_address: str, master_port: int, world_siz
     # c10d.rendezvous would connect to master_port as a client of an agent store instead, and
     # with the server also a client nobody hosts it (a hang, seen here); sglang_server strips
     # the launcher's variables from the servers' environment for the same reason
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
-                          timeout=timeout, multi_tenant=True)
+    if listen_socket is not None:
+        try:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                                  timeout=timeout, master_listen_fd=listen_socket.fileno())
+        finally:
+            # the store's event loop owns the descriptor now (and closes it with the store):
+            # Python must never close it too, or a later socket reusing the number goes
+            listen_socket.detach()
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                              timeout=timeout, multi_tenant=True)
     rank, world = 0, world_size
     # torch has no public API for a group outside the default world; this private helper is
     # what SGLang itself uses, and the store prefix must match its side.
@@ -61,6 +92,8 @@ def push_weights(engine, named_tensors: Sequence[tuple[str, Any]], group: Any,
     shapes = [list(t.shape) for _, t in named_tensors]
     done = engine.start_update_weights_from_distributed(names, dtypes, shapes, group_name,
                                                         weight_version)
+    fault_point("sglang.push", pid=engine.server_pids[0], log_dir=str(engine.log_dir),
+                version=weight_version)
     for _, tensor in named_tensors:
         if done.done():  # a server refused the update: nobody will receive; fail now
             done.result()

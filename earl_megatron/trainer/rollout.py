@@ -116,16 +116,17 @@ class EmbeddedRollout:
 
 def make_rollout(engine: str, spec: EpisodeSpec, tokenizer, *, model=None, python=None,
                  device: str = "cuda", out_dir=None, mem_fraction=None,
-                 bucket_mb: float = 512.0) -> Rollout:
+                 bucket_mb: float = 512.0, cluster=None) -> Rollout:
     """The engine of ``rollout.engine`` (validated by the config); ``model``, ``python``,
-    ``device``, ``out_dir`` (SGLang's logs and start model), ``mem_fraction`` (the servers'
-    --mem-fraction-static; None: config.train.SGLANG_MEM_FRACTION) and ``bucket_mb``
-    (weight-sync buckets) serve ``sglang`` only."""
+    ``device``, ``out_dir`` (SGLang's logs and start config), ``mem_fraction`` (the servers'
+    --mem-fraction-static; None: config.train.SGLANG_MEM_FRACTION), ``bucket_mb``
+    (weight-sync buckets) and ``cluster`` (the ClusterConfig: server timeouts and restarts)
+    serve ``sglang`` only."""
     if engine == "embedded":
         return EmbeddedRollout(spec, tokenizer)
     if engine == "sglang":
         from earl_megatron.trainer.sglang_rollout import SGLangRollout
         return SGLangRollout(spec, tokenizer, model, python=python, device=device,
                              out_dir=out_dir, mem_fraction=mem_fraction,
-                             bucket_bytes=int(bucket_mb * 2**20))
+                             bucket_bytes=int(bucket_mb * 2**20), cluster=cluster)
     raise ValueError(f"rollout.engine={engine!r}: use embedded or sglang")

@@ -21,10 +21,18 @@ Invariants:
   ``gather_buckets``: each pp_stage's owners contribute their layers, every rank holds one
   bucket of others' shards at a time); only the last bucket carries the new version, so no
   answer matches it before every bucket is in.
-- A server that dies is restarted by SGLangEngine's supervision; ``on_restart`` re-pushes the
-  last weights (the leader keeps that push's HF buckets in host memory) under the same version,
-  and the failed turn's requests are resubmitted: no episode is lost, none sampled from stale
-  weights.
+- Servers start from the model's config.json alone (``--load-format dummy``): nothing of the
+  model's size is built or written before they start; the trainer's weights arrive by the
+  distributed update before the first request.
+- A server that dies or stalls is restarted by SGLangEngine's supervision wherever it fails: in
+  a rollout request, during a weight push, while the weight-update group forms, or while it
+  starts. ``on_restart`` rejoins a new group and re-pushes what the server must hold (the
+  leader keeps the current push's HF buckets in host memory; a push cut short is replayed up to
+  where it stopped and then continues), and the failed turn's requests are resubmitted: no
+  episode is lost, none sampled from other weights. The budget of all this is the cluster's
+  server_* and weight_sync_timeout_s keys, checked against collective_timeout_s (config).
+- The weight-update group's store listens on the servers' address only (loopback), on a port
+  the kernel picked for it, under a random name.
 - Servers are stopped by their process group on close(), at exit, and when a layout changes.
 
 GPU (``rollout.sglang_device=cuda``): servers are colocated with training on the replica's GPUs
@@ -36,9 +44,12 @@ over gloo.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -46,12 +57,13 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ConfigError, sglang_mem_fraction
+from earl_megatron.config.train import ClusterConfig, ConfigError, sglang_mem_fraction
 from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.runtime.fault_points import fault_point
 from earl_megatron.trainer.rollout import EpisodeSpec
 
 BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
@@ -83,7 +95,7 @@ class SGLangRollout:
     """``Rollout`` over SGLang servers in the rollout layout (see the module docstring)."""
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
-                 device: str, out_dir: Path, startup_timeout_s: float = 600.0,
+                 device: str, out_dir: Path, cluster: Optional[ClusterConfig] = None,
                  mem_fraction: Optional[float] = None, bucket_bytes: int = 512 << 20):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
@@ -91,7 +103,7 @@ class SGLangRollout:
         self.spec, self.tok, self.model_cfg = spec, tokenizer, model
         self.python, self.device = python, device
         self.dir = Path(out_dir) / "sglang"
-        self.startup_timeout_s = startup_timeout_s
+        self.cluster = cluster or ClusterConfig()  # the server_* / weight_sync timeouts
         self.bucket_bytes = bucket_bytes
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout: Optional[ParallelLayout] = None  # the servers' (tp, dp); None: none running
@@ -99,7 +111,8 @@ class SGLangRollout:
         self.group = None           # weight-update group with that server (leaders only)
         self.replica_group = None   # ranks of this rank's replica (episodes are broadcast here)
         self.version = 0            # pushes so far; the served weights are "it<version>"
-        self.last_push: list = []   # HF buckets of the last push (leaders: re-push on restart)
+        self.last_push: list = []   # HF buckets the server must hold (leaders: re-push on restart)
+        self._push_complete = True  # False while a push is under way (last_push is its prefix)
         self.endpoints: list[str] = []
         self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0,
                             "push_buckets": 0, "push_bucket_max_bytes": 0}
@@ -164,8 +177,10 @@ class SGLangRollout:
         if self.engine is not None and self._released:
             self.engine.resume_memory()
             self._released = False
-        self.last_push = []  # never two copies of the model in the leader's host memory
-        pushed, total, largest, count = [], 0, 0, 0
+        # never two copies of the model in the leader's host memory; a restart meanwhile
+        # replays the buckets pushed so far, untagged (``_repush``)
+        self.last_push, self._push_complete = [], False
+        total, largest, count = 0, 0, 0
         for i, n, bucket in gather_buckets(policy.model, policy.cfg, policy.layout,
                                            self.bucket_bytes):
             hf = sorted(to_hf(self.model_cfg, bucket, partial=True).items())
@@ -173,10 +188,11 @@ class SGLangRollout:
             size = sum(t.numel() * t.element_size() for _, t in hf)
             total, largest, count = total + size, max(largest, size), n
             if self.engine is not None:
-                self._push(hf, last=i == n - 1)
-                pushed.append(hf)
-        if self.engine is not None:
-            self.last_push = pushed  # the leader's host memory: re-pushed after a restart
+                self.last_push.append(hf)
+                self._push_complete = i == n - 1
+                self._guarded(lambda: self._push(hf, last=i == n - 1),
+                              f"weight push (bucket {i + 1} of {n})")
+        self._push_complete = True
         self.stats.update(push_bytes=total, push_buckets=count, push_bucket_max_bytes=largest)
         self._fresh = False
         self.stats["push_s"] = time.perf_counter() - t0
@@ -211,13 +227,15 @@ class SGLangRollout:
         t0 = time.perf_counter()
         restart = self.layout is not None
         self._stop()
-        model_dir = self._initial_model_dir()
         replicas = [[r for r in range(self.world) if layout.coords(r).dp == d]
                     for d in range(layout.dp)]
         self.replica_group = None
         if len(replicas[0]) > 1:
+            # the replica's other ranks wait here for the leader's whole rollout, restarts
+            # included: the world's timeout, which the config orders after those
+            timeout = timedelta(seconds=self.cluster.collective_timeout_s)
             for ranks in replicas:  # every rank creates every group, in the same order
-                g = dist.new_group(ranks, backend="gloo")
+                g = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 if self.rank in ranks:
                     self.replica_group = g
         self.layout = layout
@@ -227,15 +245,18 @@ class SGLangRollout:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             # replicas whose servers share this node (CPU: its cores; SGLangConfig.host_servers)
             node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            cfg = SGLangConfig(python=self.python, model_path=str(model_dir), tp_size=layout.tp,
-                               device=self.device, base_gpu_id=local,
+            c = self.cluster
+            cfg = SGLangConfig(python=self.python, model_path=str(self._model_config_dir()),
+                               tp_size=layout.tp, device=self.device, base_gpu_id=local,
                                host_servers=max(1, layout.dp * node_ranks // self.world),
                                mem_fraction_static=self.mem_fraction,
                                enable_memory_saver=self.device == "cuda",
-                               startup_timeout_s=self.startup_timeout_s,
+                               load_format="dummy", startup_timeout_s=c.server_start_timeout_s,
+                               request_timeout_s=c.server_request_timeout_s,
+                               max_restarts=c.server_max_restarts,
                                log_dir=str(self.dir / f"logs-{layout}-dp{me.dp}"))
             self.engine = SGLangEngine(cfg, on_restart=self._repush)
-            self._join_group()
+            self._guarded(self._join_group, "weight-update group setup")
             endpoint = f"{cfg.host}:{self.engine._servers[0].port} tp{layout.tp} (rank {self.rank})"
         found: list = [None] * self.world
         dist.all_gather_object(found, endpoint)
@@ -250,34 +271,53 @@ class SGLangRollout:
         self.stats["restart_s"] = float(took)
         self.starts.append((layout.tp, float(took)))
 
-    def _initial_model_dir(self) -> Path:
-        """An HF directory the servers start from (config + weights of the right shapes); the
-        trainer's weights are pushed before the first request, so its values never serve."""
-        from earl_megatron.weights.hf_io import write_hf_dir
-        from earl_megatron.weights.hf_mapping import hf_shapes, to_hf_config
+    def _model_config_dir(self) -> Path:
+        """The HF directory the servers start from: config.json only (they start with
+        --load-format dummy and receive the trainer's weights before the first request).
+        Written by this leader for itself: no barrier, no shared file system needed."""
+        from earl_megatron.weights.hf_mapping import to_hf_config
 
-        path = self.dir / "initial-model"
-        if self.rank == 0 and not (path / "config.json").is_file():
-            tensors = {n: torch.zeros(s, dtype=torch.float32)
-                       for n, s in hf_shapes(self.model_cfg).items()}
-            write_hf_dir(path, tensors, to_hf_config(self.model_cfg))
-        dist.barrier()
+        path = self.dir / f"model-config-rank{self.rank}"
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f"config.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(to_hf_config(self.model_cfg), indent=1))
+        os.replace(tmp, path / "config.json")
         return path
 
+    def _guarded(self, action: Callable[[], None], what: str) -> None:
+        """Run a leader's action on its server (group setup, a bucket push); if the server
+        died or stalled meanwhile, recover it (restart + ``_repush``, which redoes what
+        ``action`` was doing) within the engine's restart budget."""
+        from earl_megatron.rollout.sglang_engine import RESTORE_FAULTS, SGLangWeightsLost
+
+        try:
+            action()
+        except SGLangWeightsLost:
+            raise
+        except RESTORE_FAULTS as e:
+            first = (str(e).splitlines() or [""])[0]
+            self.engine.recover(0, f"{what}: {type(e).__name__}: {first}")
+
     def _join_group(self) -> None:
-        from earl_megatron.rollout.sglang_server import _free_ports
-        from earl_megatron.rollout.sglang_weights import trainer_weight_update_group
+        from earl_megatron.rollout.sglang_weights import (trainer_weight_update_group,
+                                                          weight_update_listener)
 
         backend = "nccl" if self.device == "cuda" else "gloo"
         host = self.engine.config.host
-        port = _free_ports(host, 1)[0]
-        self._groups_made = getattr(self, "_groups_made", 0) + 1
-        self._group_name = f"earl_weights_{self.rank}_{self._groups_made}"
+        self._drop_group()
+        # the store listens on the servers' address only, on a port the kernel chose for it
+        listener = weight_update_listener(host)
+        port = listener.getsockname()[1]
+        self._group_name = f"earl_weights_{secrets.token_hex(8)}"  # nobody can guess it
         pending = self.engine.start_init_weights_update_group(host, port, self._group_name,
                                                               backend=backend)
-        self.group = trainer_weight_update_group(host, port, self.engine.weight_update_world_size,
-                                                 self._group_name, backend=backend)
-        pending.result()
+        fault_point("sglang.group", pid=self.engine.server_pids[0],
+                    log_dir=str(self.engine.log_dir))
+        self.group = trainer_weight_update_group(
+            host, port, self.engine.weight_update_world_size, self._group_name,
+            backend=backend, timeout_s=self.cluster.weight_sync_timeout_s,
+            listen_socket=listener)
+        pending.result(timeout=self.cluster.server_request_timeout_s)
 
     def _push(self, hf: list, last: bool) -> None:
         """One bucket of HF tensors into this leader's server; the last one carries the weight
@@ -289,14 +329,26 @@ class SGLangRollout:
                                              weight_version=f"it{self.version}" if last else None)
 
     def _repush(self, index: int) -> None:
-        """After a server restart (supervision thread, leader only): same weights, same version."""
+        """After a server restart (leader only): a new group, then the weights the server must
+        hold, under the same version; a push cut short is replayed untagged (its caller goes
+        on with the remaining buckets, the last one tagged)."""
         self._join_group()
         for i, hf in enumerate(self.last_push):
-            self._push(hf, last=i == len(self.last_push) - 1)
+            self._push(hf, last=self._push_complete and i == len(self.last_push) - 1)
+
+    def _drop_group(self) -> None:
+        """Destroy the weight-update group (its store and listening socket with it); a group
+        whose server died is dropped the same way, whatever its state."""
+        if self.group is not None:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - a broken group is being discarded anyway
+                pass
+            self.group = None
 
     def _stop(self) -> None:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self.group = None
+        self._drop_group()
         self.layout = None

@@ -1,14 +1,28 @@
 """The trainer with rollout.engine=sglang on real CPU servers (opt-in: EARL_SGLANG_VENV).
 
-One 2-rank run of 3 iterations, rollout layout dp2 (two tp1 servers), train layout tp2. While it
-runs, the test SIGKILLs server 0 (by the pid its log names) as soon as iteration 0's metrics line
-exists, i.e. during iteration 1's rollout. Checked:
-- every iteration's metrics line exists, with rollout_engine "sglang" and
-  rollout_logprob_diff_max < 1e-4 (fp32): the servers held the trainer's weights every time
-  (every answer also carried the pushed weight version, or the engine would have raised);
-- the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB; the killed server was restarted once (a start
-  after the killed pid in its log) and the iteration still has all its episodes;
-- after the run every server's port is free again (stopped by process group on close).
+One 2-rank run of 3 iterations, rollout layout dp2 (two tp1 servers), train layout tp2. Servers
+start from config.json alone (--load-format dummy) and get the trainer's weights by the
+distributed update. While it runs, the test strikes rank 0's server at five points, each at a
+named fault point (earl_megatron/runtime/fault_points.py: the trainer pauses there until the
+test has struck), never after a sleep, so every machine speed sees the same sequence:
+
+    1 sglang.start     SIGKILL while the first server starts     -> started again, new port
+    2 sglang.group     SIGKILL while the weight group forms       -> restarted, group rejoined
+    3 sglang.push      SIGKILL during the first weight push       -> restarted, push replayed
+    4 sglang.generate  SIGKILL during iteration 1's rollout (it2) -> restarted, turn resubmitted
+    5 sglang.generate  SIGSTOP of its scheduler, iteration 2 (it3) -> the request stalls past
+                       cluster.server_request_timeout_s: restarted like a dead one
+
+Checked:
+- every iteration's metrics line exists, with rollout_logprob_diff_max < 1e-4 (fp32): the
+  servers held the trainer's weights every time, the first rollout included (so the real
+  weights replaced the dummy ones), and every answer carried the pushed weight version, or the
+  engine would have raised;
+- nothing of the model's size was written: no weight file under <run>/sglang, whose non-log
+  files total less than a tenth of one push;
+- the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB; every strike
+  was followed by a start on a new port;
+- after the run every server's port is free and every server process group is gone.
 """
 
 from __future__ import annotations
@@ -18,15 +32,15 @@ import os
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from earl_megatron.config.train import TrainConfig
+from earl_megatron.runtime import fault_points
 from earl_megatron.testing.multiproc import run_distributed
 
-pytestmark = pytest.mark.timeout(1800)  # server starts take minutes on 2 busy cores
+pytestmark = pytest.mark.timeout(2400)  # server starts take minutes on 2 busy cores
 
 
 def _train(cfg):
@@ -34,23 +48,57 @@ def _train(cfg):
     return run(cfg)
 
 
-def _kill_first_server_after_first_line(out: Path, done: threading.Event, killed: list):
-    metrics, log = out / "metrics.jsonl", out / "sglang" / "logs-DP2-dp0" / "server-0.log"
-    while not done.is_set():
-        if metrics.is_file() and '"iteration"' in metrics.read_text() and log.is_file():
-            pid = int(re.findall(r"=== pid (\d+)", log.read_text())[-1])
-            os.killpg(pid, signal.SIGKILL)  # the process group this run started
-            killed.append(pid)
-            return
-        time.sleep(0.2)
+def _kill(pid: int) -> None:
+    os.killpg(pid, signal.SIGKILL)  # the process group this run started
 
 
-def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sglang_python,
-                                                                              run_dir,
-                                                                              group_gone):
+def _stall(pid: int) -> None:
+    """Freeze every process of the server's group but its leader (the HTTP front end): the
+    port still accepts requests, nothing answers them."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != pid:
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pid:  # field 5: the pgid
+                os.kill(int(entry), signal.SIGSTOP)
+
+
+def _strike(points: Path, plan: list, done: threading.Event, struck: list, errors: list):
+    """Arm each point of ``plan`` in turn; strike when it is reached. The next point is armed
+    before the paused process is released, so the order never depends on timing."""
+    try:
+        name, match, _ = plan[0]
+        ident = fault_points.arm(points, name, **match)
+        for k, (name, match, action) in enumerate(plan):
+            hit = fault_points.wait_hit(points, name, ident, timeout_s=2000,
+                                        alive=lambda: not done.is_set())
+            action(int(hit["pid"]))
+            struck.append((name, action.__name__, int(hit["pid"])))
+            this = ident
+            if k + 1 < len(plan):
+                ident = fault_points.arm(points, plan[k + 1][0], **plan[k + 1][1])
+            fault_points.release(points, name, this)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang_python,
+                                                                          run_dir, group_gone,
+                                                                          monkeypatch):
     from earl_megatron.rollout.sglang_server import _port_free
 
     out = run_dir / "run"
+    points = run_dir / "fault-points"
+    points.mkdir()
+    monkeypatch.setenv(fault_points.ENV, str(points))  # the ranks inherit it
+    log_dir = str(out / "sglang" / "logs-DP2-dp0")
+    plan = [("sglang.start", {"log_dir": log_dir}, _kill),
+            ("sglang.group", {"log_dir": log_dir}, _kill),
+            ("sglang.push", {"log_dir": log_dir}, _kill),
+            ("sglang.generate", {"log_dir": log_dir, "version": "it2"}, _kill),
+            ("sglang.generate", {"log_dir": log_dir, "version": "it3"}, _stall)]
     cfg = TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
@@ -60,23 +108,30 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
                     "episodes_per_iteration": 4, "max_turns": 4,
                     "sglang_bucket_mb": 0.1},  # the ~0.8 MB model in buckets of <= 100 KiB
         "algorithm": {"micro_batch_size": 2},
+        # the strikes cost what these bound: a dead peer in group setup waits out
+        # weight_sync_timeout_s, the stall server_request_timeout_s (a turn takes < 1 s)
+        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
+                    "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+                    "server_max_restarts": 2},
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
     })
-    done, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_first_server_after_first_line,
-                               args=(out, done, killed), daemon=True)
-    watcher.start()
+    done, struck, errors = threading.Event(), [], []
+    striker = threading.Thread(target=_strike, args=(points, plan, done, struck, errors),
+                               daemon=True)
+    striker.start()
     try:
-        # collectives wait while a leader restarts its server: a long gloo timeout
-        histories = run_distributed(_train, 2, cfg, timeout=1500, collective_timeout_s=900)
+        histories = run_distributed(_train, 2, cfg, timeout=2100,
+                                    collective_timeout_s=cfg.cluster.collective_timeout_s)
     finally:
         done.set()
+        striker.join(timeout=30)
+    assert not errors, errors
+    assert [s[:2] for s in struck] == [(p, a.__name__) for p, _, a in plan], struck
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
              if x.strip()]
     lines = [x for x in lines if "iteration" in x]
-    print(json.dumps([{k: x.get(k) for k in ("iteration", "rollout_logprob_diff",
-                                             "rollout_logprob_diff_max",
+    print(json.dumps([{k: x.get(k) for k in ("iteration", "rollout_logprob_diff_max",
                                              "rollout_weight_version", "rollout_push_s",
                                              "rollout_servers_died")} for x in lines], indent=1))
     assert [x["iteration"] for x in lines] == [0, 1, 2]
@@ -90,14 +145,23 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_a_killed_server(sg
     for x in lines:  # bucketed pushes: several buckets, each within the cap but single tensors
         assert x["rollout_push_buckets"] > 3, x["rollout_push_buckets"]
         assert x["rollout_push_bucket_max_bytes"] <= 0.1 * 2**20
-    assert killed, "the watcher never killed a server"
+    # item 3: the servers started from a config; no copy of the model was written
+    files = [p for p in (out / "sglang").rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    written = sum(p.stat().st_size for p in files if p.suffix != ".log")
+    assert written < lines[0]["rollout_push_bytes"] / 10, (written, files)
+    # every strike was followed by a start, each start on a port of its own
     log0 = (out / "sglang" / "logs-DP2-dp0" / "server-0.log").read_text()
-    # a first start may itself be retried on a busy host (SGLangEngine._first_start), so the
-    # log can hold more than two starts: what matters is a start after the killed process
     pids0 = [int(x) for x in re.findall(r"=== pid (\d+)", log0)]
-    assert killed[0] in pids0 and pids0.index(killed[0]) < len(pids0) - 1, (killed, pids0)
-    assert "=== restart after" in log0
-    assert lines[-1]["rollout_servers_died"] >= 1
+    for _, _, pid in struck:
+        assert pid in pids0 and pids0.index(pid) < len(pids0) - 1, (struck, pids0)
+    ports0 = re.findall(r"start: .* --port (\d+)", log0)
+    assert len(ports0) == len(pids0) >= 6 and len(set(ports0)) == len(ports0), ports0
+    reasons = re.findall(r"=== restart after: (.*)", log0)
+    assert any(r.startswith("weight-update group setup") for r in reasons), reasons
+    assert any(r.startswith("weight push") for r in reasons), reasons
+    assert any("timed out" in r for r in reasons), reasons  # the stall
+    assert lines[-1]["rollout_servers_died"] >= 4
     ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
     assert all(_port_free("127.0.0.1", p) for p in ports)
     for p in out.glob("sglang/logs-*/server-*.log"):  # every server of the run has exited
