@@ -6,7 +6,8 @@
 Hydra composes recipes/config.yaml with the command-line overrides; the result is converted once
 to ``TrainConfig`` (frozen) and saved with the run as resolved.json. Bad configuration (unknown
 keys, an unknown environment, a layout the model cannot take, a model that fits no layout, a
-node count that does not match the world) stops here, before any model is built: one line
+node count that does not match the world, a missing sft.data file, a missing tokenizer, a run.init
+of an architecture the project does not convert) stops here, before any model is built: one line
 (rank 0) and exit status 2, as does a damaged checkpoint (run.init or a resume). Megatron's known
 warnings are filtered before the imports that print them (earl_megatron/quiet.py). A run stopped
 at a safe point (trainer/stop.py: SIGTERM, the sbatch stop file) exits 0.
@@ -24,10 +25,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from earl_megatron.config.compose import RECIPES
 from earl_megatron.config.train import ConfigError, TrainConfig
 
-RECIPES = os.environ.get("EARL_RECIPES",
-                         str(Path(__file__).resolve().parents[1] / "recipes"))
+BUILTIN_TOKENIZERS = ("game", "ascii", "tool")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory holding any one of these is one transformers' AutoTokenizer can try to load."""
+
+
+def tokenizer_dir(name: str) -> Path:
+    """The HF directory ``rollout.tokenizer`` names: the directory itself, or the ``hf/`` folder
+    of a converted checkpoint (the converter copies the tokenizer files there), so the GPU
+    recipes' ``rollout.tokenizer: ${run.init}`` works with either kind of run.init."""
+    from earl_megatron.weights.convert import HF_SUBDIR
+
+    p = Path(name)
+    for d in (p, p / HF_SUBDIR):
+        if any((d / f).is_file() for f in TOKENIZER_FILES):
+            return d
+    if not p.is_dir():
+        raise ConfigError(f"rollout.tokenizer={name} is not a directory; use "
+                          f"{', '.join(BUILTIN_TOKENIZERS)} or the model's HF directory")
+    raise ConfigError(f"rollout.tokenizer={name} holds no tokenizer file (none of "
+                      f"{', '.join(TOKENIZER_FILES)}, there or in its {HF_SUBDIR}/ folder); point "
+                      "rollout.tokenizer at the model's HF directory")
 
 
 def make_tokenizer(cfg: TrainConfig):
@@ -42,7 +63,14 @@ def make_tokenizer(cfg: TrainConfig):
         tok = tool_tokenizer()
     else:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(name)
+        path = tokenizer_dir(name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:  # a corrupt or partial tokenizer directory
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"rollout.tokenizer={name}: transformers cannot load a tokenizer "
+                              f"from {path} ({why}); copy the model's tokenizer files again"
+                              ) from None
     if len(tok) > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {name!r} has {len(tok)} tokens but model.vocab_size="
                           f"{cfg.model.vocab_size}; raise model.vocab_size")
@@ -51,15 +79,17 @@ def make_tokenizer(cfg: TrainConfig):
 
 def validate(cfg: TrainConfig, world: int) -> None:
     """Everything that can be checked before a model exists."""
-    from earl_megatron.envs import list_envs
+    from earl_megatron.envs.registry import UnknownEnvError, env_factory
     from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout
 
-    if cfg.env.name not in list_envs():
-        raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment; known: "
-                          f"{list(list_envs())}")
+    try:
+        env_factory(cfg.env.name)
+    except UnknownEnvError as e:
+        raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
     if cfg.rollout.engine == "sglang":
         from earl_megatron.trainer.sglang_rollout import check_sglang_python
         check_sglang_python(cfg.rollout.sglang_python)
+    _check_inputs(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     per_node = cfg.cluster.devices_per_node
     if per_node is not None and per_node != local:
@@ -87,14 +117,69 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"< world size {world}: some dp rank would train on nothing")
 
 
+def _check_inputs(cfg: TrainConfig) -> None:
+    """The environment's kwargs and the files the run reads (sft.data, the tokenizer, run.init's
+    config), checked on every rank before any model or group exists: each problem is one
+    ConfigError naming its key."""
+    from earl_megatron.envs import make_env
+    for opp in (None, *cfg.env.eval_opponents):  # the training env, then each evaluation's
+        kwargs = dict(cfg.env.kwargs) if opp is None else {**cfg.env.kwargs, "opponent": opp}
+        try:
+            make_env(cfg.env.name, **kwargs)
+        except (TypeError, ValueError) as e:
+            if opp is None:
+                raise ConfigError(f"env.kwargs of env.name={cfg.env.name}: {e}") from None
+            raise ConfigError(f"env.eval_opponents={list(cfg.env.eval_opponents)} of env.name="
+                              f"{cfg.env.name}: opponent {opp!r}: {e} (an environment without "
+                              "opponents takes env.eval_opponents=[])") from None
+    scfg = cfg.sft
+    if scfg.steps and scfg.data is not None:
+        from earl_megatron.rollout.trajectories import read_jsonl
+        data = Path(scfg.data)
+        if not data.is_file():
+            raise ConfigError(f"sft.data={scfg.data} is not a file; point sft.data at a JSONL "
+                              "file of chat trajectories (rollout/trajectories.py) or set "
+                              "sft.data=null to warm start on the environment's expert")
+        try:
+            read_jsonl(data)  # read in full: a bad line is named now, not after model setup
+        except OSError as e:
+            raise ConfigError(f"sft.data={scfg.data} cannot be read ({e.strerror}); fix its "
+                              "permissions or copy it again") from None
+        except ValueError as e:
+            raise ConfigError(f"sft.data={scfg.data}: {e}") from None
+    if cfg.rollout.tokenizer not in BUILTIN_TOKENIZERS:
+        tokenizer_dir(cfg.rollout.tokenizer)
+    init = cfg.run.init
+    if init is not None:
+        from earl_megatron.runtime.io_errors import CheckpointError
+        from earl_megatron.weights.convert import read_model_config
+        if not Path(init).exists():
+            raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
+                              "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
+                              "(a random init from run.seed)")
+        try:
+            found = read_model_config(init)
+        except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error
+            raise CheckpointError(f"run.init={init}: {e}") from None
+        except KeyError as e:
+            raise ConfigError(f"run.init={init}: its config.json has no {e.args[0]!r}; copy the "
+                              "model's config.json again") from None
+        except ValueError as e:  # an architecture or a feature the project does not convert
+            raise ConfigError(f"run.init={init}: {e}") from None
+        if found != cfg.model:
+            raise ConfigError(f"run.init={init} holds {found}, but the model config is "
+                              f"{cfg.model}; pick the matching model= recipe")
+
+
 def run(cfg: TrainConfig) -> list[dict]:
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()  # before the imports below print them
-    from earl_megatron.runtime.dist import init_distributed
+    from earl_megatron.runtime.dist import init_distributed, world_record
     from earl_megatron.trainer.runner import Trainer
 
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.cluster.collective_timeout_s, cfg.cluster.world_backend)
     validate(cfg, world)
+    tokenizer = make_tokenizer(cfg)  # loaded before anything is written: a bad one is 1 line
     # Hydra configures the root logger at INFO; Megatron logs every optimizer and DDP setup
     import logging
     logging.disable(logging.INFO)
@@ -103,12 +188,13 @@ def run(cfg: TrainConfig) -> list[dict]:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        (out / "world.json").write_text(json.dumps(world_record(), indent=1))
     backend = contextlib.nullcontext()
     if not torch.cuda.is_available():
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
     with backend:
-        return Trainer(cfg, make_tokenizer(cfg)).train()
+        return Trainer(cfg, tokenizer).train()
 
 
 def _fail(kind: str, e: Exception) -> None:
@@ -118,27 +204,36 @@ def _fail(kind: str, e: Exception) -> None:
     raise SystemExit(2)
 
 
+def reporting_errors(fn, *args):
+    """``fn(*args)`` with the command line's handling of bad input: a ConfigError, a damaged
+    checkpoint or a model no layout fits is one line from rank 0 (``configuration error: ...``,
+    ``checkpoint error: ...``, ``layout error: ...``) and SystemExit(2) on every rank, never a
+    traceback. Anything else is a bug and keeps its traceback."""
+    from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
+    from earl_megatron.runtime.io_errors import CheckpointError
+
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        _fail("configuration error", e)
+    except CheckpointError as e:
+        _fail("checkpoint error", e)
+    except (NoLayoutFitsError, LayoutOverBudgetError) as e:
+        _fail("layout error", e)
+
+
 def main() -> None:
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()
     import hydra
     from omegaconf import OmegaConf
 
-    from earl_megatron.runtime.io_errors import CheckpointError
-
     @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
     def _entry(dcfg) -> None:
-        try:
-            cfg = TrainConfig.from_dict(OmegaConf.to_container(dcfg, resolve=True))
-        except ConfigError as e:
-            _fail("configuration error", e)
+        cfg = reporting_errors(TrainConfig.from_dict, OmegaConf.to_container(dcfg, resolve=True))
         t0 = time.time()
         try:
-            run(cfg)
-        except ConfigError as e:
-            _fail("configuration error", e)
-        except CheckpointError as e:
-            _fail("checkpoint error", e)
+            reporting_errors(run, cfg)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """The trainer's configuration: frozen dataclasses, built once from Hydra's composed config.
 
 ``TrainConfig.from_dict`` is the only place a Hydra/OmegaConf container becomes configuration;
-library code sees these values only. Unknown keys, wrong types and impossible combinations
-raise ``ConfigError`` naming the key and the fix, before any process group or model exists.
+library code sees these values only. Unknown keys, wrong types, values out of range (every float
+finite, every count >= 1: config/checks.py) and impossible combinations raise ``ConfigError``
+naming the key and the fix, before any process group or model exists.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from earl_megatron.config.checks import ConfigError, check_finite, require_finite
+from earl_megatron.config.checks import at_least as _at_least
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.sft import SFTConfig
 
@@ -29,10 +32,6 @@ up to the fraction counting the trainer's memory) and the selector keeps layout.
 def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
     """The one number the servers are started with and the selector plans with."""
     return SGLANG_MEM_FRACTION[device] if configured is None else configured
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -213,14 +212,67 @@ class ClusterConfig:
     group_cache_layouts: Optional[int] = None
     """Layouts whose process groups stay alive between stages (runtime/groups.py); 0 or 1: none.
     None: the default, 4 (rollout, logprob and train layouts, and one more)."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective of the whole world (the default group: stage agreements, stop
+    agreement, dispatcher rendezvous) may wait before torch.distributed aborts the job. It must
+    outlast everything a rank may do alone between two such collectives (a server restart with
+    all its tries, a checkpoint write), so that the restart logic acts first."""
+    group_timeout_s: float = 600.0
+    """Seconds a collective of a layout's process groups (tp, pp, cp, dp) may wait: a mismatched
+    collective inside a stage fails in minutes. (The SGLang rollout's replica group waits
+    through its leader's server restarts, so it takes collective_timeout_s.)"""
+    world_backend: Optional[str] = None
+    """torch.distributed backend string of the world (runtime/dist.py). None: the host's rule,
+    "cpu:gloo,cuda:nccl" with GPUs, "gloo" without. "gloo" on a GPU host lets several ranks
+    share one GPU, which NCCL refuses (the one-GPU check, benchmarks/gpu_check.py)."""
+    server_start_timeout_s: float = 300.0
+    """rollout.engine=sglang: seconds one server start may take until it answers /health as
+    itself (weights arrive after, by the distributed update: a start loads no checkpoint)."""
+    server_request_timeout_s: float = 300.0
+    """rollout.engine=sglang: seconds one HTTP request (one turn's /generate batch, a weight
+    update call) may go unanswered; past it the server counts as stalled and is restarted like
+    a dead one, whatever its /health says."""
+    server_max_restarts: int = 2
+    """rollout.engine=sglang: restarts of one server per failure (a request, a weight push, a
+    group setup) before the run fails; also the retries of a server's first start."""
+    weight_sync_timeout_s: float = 120.0
+    """rollout.engine=sglang: seconds the weight-update group (trainer rank + server ranks) may
+    take to form, and one broadcast may wait, before the server counts as dead."""
 
     def __post_init__(self):
         _at_least(self, "cluster", 1, "nodes", "devices_per_node")
         if self.inter_node_gbps <= 0:
             raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} must be > 0")
+        for key in ("collective_timeout_s", "group_timeout_s", "server_start_timeout_s",
+                    "server_request_timeout_s", "weight_sync_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0 (seconds)")
+        _at_least(self, "cluster", 0, "server_max_restarts")
+        worst = self.server_recovery_s
+        if worst >= self.collective_timeout_s:
+            raise ConfigError(
+                f"cluster.collective_timeout_s={self.collective_timeout_s:g} must exceed the "
+                f"longest an SGLang server's recovery may keep one rank away from the others: "
+                f"(server_max_restarts + 1) x server_request_timeout_s + server_max_restarts x "
+                f"(server_start_timeout_s + weight_sync_timeout_s) = {worst:g} s, or a collective "
+                f"gives up before the restart logic does. Raise cluster.collective_timeout_s "
+                f"above {worst:g} or lower those (docs/trainer.md, Timeouts)")
+        if self.world_backend is not None and not _device_mapped(self.world_backend):
+            raise ConfigError(f"cluster.world_backend={self.world_backend!r}: use 'gloo', a "
+                              "device-mapped string whose CPU entry is gloo such as "
+                              "'cpu:gloo,cuda:nccl', or null for the host's rule")
         if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
             raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
                               "null (the default, 4), 0 or 1 (no cache) or more")
+
+    @property
+    def server_recovery_s(self) -> float:
+        """Worst seconds one failure of an SGLang server keeps its leader rank from the next
+        collective: every allowed request times out, and every restart's start and weight
+        restore runs to its limit (checked < collective_timeout_s)."""
+        m = self.server_max_restarts
+        return ((m + 1) * self.server_request_timeout_s
+                + m * (self.server_start_timeout_s + self.weight_sync_timeout_s))
 
 
 @dataclass(frozen=True)
@@ -231,7 +283,13 @@ class RunConfig:
     checkpoint_every: int = 10
     """Iterations between checkpoints (0: only on SIGTERM and at the end)."""
     resume: bool = True
-    """Continue from output_dir's latest checkpoint when one exists."""
+    """Continue from output_dir's newest complete checkpoint when one exists (a damaged newer
+    one is skipped with a message). false: start anew, which output_dir must allow: a folder
+    that already holds a run (metrics, evaluations or checkpoints) is refused rather than
+    overwritten; choose a new output_dir or delete the old one."""
+    keep_last: Optional[int] = 3
+    """Complete checkpoints kept (RL and warm start each); older ones are deleted, oldest
+    first, once a newer one is complete on disk. null: keep every checkpoint."""
     eval_every: int = 0
     """Iterations between evaluations (0: at start and end only)."""
     eval_episodes: int = 64
@@ -245,6 +303,9 @@ class RunConfig:
     def __post_init__(self):
         _at_least(self, "run", 1, "iterations", "eval_episodes")
         _at_least(self, "run", 0, "checkpoint_every", "eval_every")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"run.keep_last={self.keep_last} would keep no checkpoint: use "
+                              ">= 1, or null to keep every checkpoint")
 
 
 @dataclass(frozen=True)
@@ -260,6 +321,7 @@ class TrainConfig:
     """Supervised warm start before RL (sft.steps = 0: none); trainer/warm_start.py."""
 
     def __post_init__(self):
+        require_finite(self, "")  # every float of every section, nan and inf included
         if self.sft.steps and self.algorithm.kl_mode != "off":
             raise ConfigError(
                 f"sft.steps={self.sft.steps} with algorithm.kl_mode={self.algorithm.kl_mode}: "
@@ -280,12 +342,13 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _at_least(section, name: str, low: int, *fields: str) -> None:
-    """Range check of integer fields (None passes: "not set")."""
-    for f in fields:
-        v = getattr(section, f)
-        if v is not None and v < low:
-            raise ConfigError(f"{name}.{f}={v} must be >= {low}")
+def _device_mapped(text: str) -> bool:
+    """"gloo", or 'cpu:gloo,cuda:nccl'-shaped: device:backend entries, CPU tensors over gloo."""
+    if text == "gloo":
+        return True
+    entries = [e.strip().split(":") for e in text.split(",")]
+    return all(len(e) == 2 and e[0] in ("cpu", "cuda") and e[1] in ("gloo", "nccl")
+               for e in entries) and ["cpu", "gloo"] in entries
 
 
 def _build(cls, d: Any, path: str):
@@ -319,6 +382,8 @@ def _coerce(tp, value, path):
         return _coerce(args[0], value, path)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float:
+        check_finite(path, value)
     if tp is tuple or origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path} must be a list, got {value!r}")

@@ -21,13 +21,14 @@ the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re
 record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
 weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
-Resume: the newest checkpoint under run.output_dir restores weights, optimizer, selector state
-and history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
+Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint.py: a damaged
+newer one is skipped with a line saying so) restores weights, optimizer, selector state and
+history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
 same iterations as one that never stopped. On another world size (elastic resume) layouts are
 planned anew (auto) or taken from the config (static) and the selector state is reset
 (trainer/segments.py); the checkpoint reshards on load.
 
-Stopping (trainer/stop.py: SIGTERM, or the sbatch script's stop file): a rollout or an
+Stopping (trainer/stop.py: SIGTERM, or the run's stop file, <run>/stop): a rollout or an
 evaluation is abandoned at its next turn, a train stage that began is finished; the last
 completed iteration is checkpointed with the layout and selector state it ended with (so the
 resumed run replays an abandoned iteration exactly), evaluation is skipped, the process exits 0.
@@ -35,7 +36,6 @@ resumed run replays an abandoned iteration exactly), evaluation is skipped, the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -49,7 +49,7 @@ from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
-from earl_megatron.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from earl_megatron.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors, padded
 from earl_megatron.trainer.models import Models, build_models
@@ -93,12 +93,12 @@ class Trainer:
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer, model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
-            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb)
+            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
         self.history: list[dict] = []
-        self.stop = StopControl.from_env()
+        self.stop = StopControl.for_run(self.out)
         self._completed: dict = {}
         """The last completed iteration, its policy layout and selector state: what a
         checkpoint holds when the next iteration is abandoned (``_mark_completed``)."""
@@ -107,6 +107,7 @@ class Trainer:
         self._sft_start, self._sft_history = 0, []
         """The warm start's next step and its records (restored from its checkpoint)."""
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
+        groups.set_group_timeout(cfg.cluster.group_timeout_s)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, it: int, models: Models) -> Optional[dict]:
@@ -194,7 +195,7 @@ class Trainer:
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
-        self.recorder.start(start)
+        messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()
         self._mark_completed(models, start - 1)
         try:
@@ -279,16 +280,20 @@ class Trainer:
                          max_tokens=cfg.model.max_position_embeddings, out=self.out,
                          checkpoint_every=cfg.run.checkpoint_every, rank=self.rank,
                          log=self.recorder.view.message, start_step=self._sft_start,
-                         history=self._sft_history)
+                         history=self._sft_history, keep_last=cfg.run.keep_last)
         return warm.run(models, self.planner, self.stop.world_should_stop)
 
     def _start(self) -> tuple[int, Models, list[str]]:
         """(first iteration, models, messages): from the newest checkpoint (RL, else the warm
         start's), or fresh."""
         cfg = self.cfg
-        ckpt = latest_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
-        if ckpt is not None:
-            state = json.loads((ckpt / "loop.json").read_text())
+        if not cfg.run.resume:
+            refused = segments.earlier_run(self.out)
+            if refused is not None:
+                raise ConfigError(refused)
+        found = find_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
+        if found is not None:
+            ckpt, state = found.path, found.state
             elastic = segments.resume_message(state, self.world, self.planner.auto)
             if elastic is None:
                 self.planner.restore(state.get("selector"), state["last_lengths"],
@@ -307,7 +312,8 @@ class Trainer:
             load_checkpoint(models.policy, ckpt)
             self.history.extend(state["history"])
             self._saved = state["iteration"]
-            return state["iteration"] + 1, models, [elastic] * (elastic is not None) + [
+            notes = [m for m in (found.message(), elastic) if m is not None]
+            return state["iteration"] + 1, models, notes + [
                 f"resumed from {ckpt} at iteration {state['iteration'] + 1}"]
         if cfg.sft.steps and cfg.run.resume:
             from earl_megatron.trainer.warm_start import warm_start_state
@@ -318,14 +324,9 @@ class Trainer:
                                       init=cfg.run.init)
                 load_checkpoint(models.policy, warm["path"])
                 self._sft_start, self._sft_history = warm["sft_step"] + 1, warm["sft_history"]
-                return 0, models, [f"resumed the warm start from {warm['path']} at step "
-                                   f"{self._sft_start}"]
-        if cfg.run.init:
-            from earl_megatron.weights.convert import read_model_config
-            found = read_model_config(cfg.run.init)
-            if found != cfg.model:
-                raise ConfigError(f"run.init={cfg.run.init} holds {found}, but the model config "
-                                  f"is {cfg.model}; pick the matching model= recipe")
+                return 0, models, warm["notes"] + [f"resumed the warm start from {warm['path']} "
+                                                   f"at step {self._sft_start}"]
+        # run.init's architecture and its match with cfg.model: checked in train.validate
         first = self.planner.plan("rollout", self.planner.rollout_lengths(), None)
         return 0, build_models(cfg.model, first, first if self.kl_on else None,
                                optimizer=self.optimizer, seed=cfg.run.seed,
@@ -381,6 +382,7 @@ class Trainer:
                  "ref_layout": str(ref.layout) if ref is not None else None,
                  "selector": self.planner.state_json(done["selector"]),
                  "profile": self.planner.profile_json()}
-        save_checkpoint(policy, self.out / "checkpoints", it, state)
+        save_checkpoint(policy, self.out / "checkpoints", it, state,
+                        keep_last=self.cfg.run.keep_last)
         self._saved = it
 

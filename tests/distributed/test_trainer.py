@@ -56,7 +56,7 @@ KILL_RUN = ["model.vocab_size=32", "layout=static", "layout.rollout=dp2", "layou
             "run.checkpoint_every=1", "run.eval_episodes=2", "run.live_view=false"]
 
 
-def _launch(out):
+def _launch(out, *extra):
     import os
     import subprocess
     import sys
@@ -64,7 +64,7 @@ def _launch(out):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "2", "-m", "earl_megatron.train",
-                             f"run.output_dir={out}", *KILL_RUN], env=env,
+                             f"run.output_dir={out}", *KILL_RUN, *extra], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
 
@@ -72,23 +72,39 @@ def _launch(out):
 def test_sigkill_mid_run_and_resume(tmp_path):
     """torchrun killed with SIGKILL during iteration 2 (after iteration 1's metrics line), then
     relaunched: the run resumes and its metrics equal an uninterrupted run's, line for line.
-    kl_mode=loss and the entropy bonus are on: the reference model is rebuilt, not loaded."""
+    kl_mode=loss and the entropy bonus are on: the reference model is rebuilt, not loaded.
+    The first run plays the held Connect Four (earl_megatron/testing/envs.py): from iteration
+    2's rollout on (metrics.jsonl has 2 lines) its steps wait for a stop request that never
+    comes, so the kill lands in checkpoint 1 or iteration 2's rollout on any machine; the rerun
+    plays the plain game (the same moves)."""
+    import contextlib
     import os
     import signal
     import time
 
+    import psutil
+
     part = tmp_path / "part"
-    proc = _launch(part)
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
+    proc = _launch(part, "env.name=earl_megatron.testing.envs:held_connect_four",
+                   f"+env.kwargs.hold_when={part / 'metrics.jsonl'}", "+env.kwargs.hold_lines=2")
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
         metrics = part / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break   # killed in checkpoint 1 or early in iteration 2 (an iteration takes > 1 s)
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break   # iteration 2 cannot complete now: its rollout holds
         time.sleep(0.05)
     assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
+    # torchrun starts each worker in a session of its own: kill them by pid with torchrun, or
+    # the orphans would hold (and later write to the run) beside the relaunch
+    workers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for w in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            w.kill()
     proc.wait()
-    assert len((part / "metrics.jsonl").read_text().splitlines()) < 3
+    psutil.wait_procs(workers, timeout=60)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert len((part / "metrics.jsonl").read_text().splitlines()) == 2   # held: never 3
     proc = _launch(part)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err.decode()[-3000:]
@@ -118,6 +134,9 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
                mode="static", rollout="dp2", logprob="tp2", train="cp2")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert hist[0]["layouts"] == {"rollout": "DP2", "logprob": "TP2", "train": "CP2"}
+    # the trainer initialised the world with the device-mapped backend (runtime/dist.py)
+    world = json.loads((tmp_path / "kl" / "world.json").read_text())
+    assert world["backend"] == "gloo" and world["devices"] == {"cpu": "gloo"}
     _check_kl(hist)
     assert hist[1]["kl"] > 0 and hist[0]["entropy"] > 0
 
@@ -185,8 +204,29 @@ def _bad(cfg):
     return "no error"
 
 
-def _bad_each(cfgs):
-    return [_bad(c) for c in cfgs]
+def _reported(cfg):
+    """What the command line does with cfg: (exit status, this rank's stderr)."""
+    import contextlib
+    import io
+
+    from earl_megatron.train import reporting_errors, run
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            reporting_errors(run, cfg)
+    except SystemExit as e:
+        return e.code, err.getvalue()
+    return 0, err.getvalue()
+
+
+def _bad_each(cfgs, reported=()):
+    return [_bad(c) for c in cfgs] + [_reported(c) for c in reported]
+
+
+def _mistral(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    return str(path)
 
 
 def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
@@ -216,13 +256,43 @@ def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
     cfgs += [TrainConfig.from_dict({"rollout": {"engine": "sglang", "sglang_python": python},
                                     "run": {"output_dir": str(tmp_path / f"sg{i}")}})
              for i, (python, _) in enumerate(sglang)]
-    per_rank = run_distributed(_bad_each, 2, cfgs, timeout=240)
+    # the command line's handling (train.reporting_errors) of input files that used to print a
+    # traceback on every rank: one line from rank 0, nothing from the others, exit 2 on both
+    out = {k: str(tmp_path / f"r_{k}") for k in ("data", "tok", "arch", "neither", "fits")}
+    reported = {
+        "data": ({"sft": {"steps": 1, "batch_size": 1, "data": str(tmp_path / "none.jsonl")}},
+                 f"configuration error: sft.data={tmp_path}/none.jsonl is not a file; point "
+                 "sft.data at a JSONL file of chat trajectories (rollout/trajectories.py) or set "
+                 "sft.data=null to warm start on the environment's expert"),
+        "tok": ({"rollout": {"tokenizer": str(tmp_path / "no-tok")}},
+                f"configuration error: rollout.tokenizer={tmp_path}/no-tok is not a directory; "
+                "use game, ascii, tool or the model's HF directory"),
+        "arch": ({"run": {"init": _mistral(tmp_path / "mistral")}},
+                 f"configuration error: run.init={tmp_path}/mistral: architecture "
+                 "MistralForCausalLM is not supported; supported: ['LlamaForCausalLM', "
+                 "'Qwen2ForCausalLM', 'Qwen3ForCausalLM'] (dense decoder-only"),
+        "neither": ({"run": {"init": str(tmp_path)}},
+                    f"checkpoint error: run.init={tmp_path}: {tmp_path} is neither a converted "
+                    "Megatron-Core checkpoint"),
+        "fits": ({"layout": {"mode": "auto", "memory_budget_gb": 0.0005}},
+                 "layout error: no layout fits stage rollout"),
+    }
+    rcfgs = [TrainConfig.from_dict({**o, "run": {**o.get("run", {}), "output_dir": out[k]}})
+             for k, (o, _) in reported.items()]
+    per_rank = run_distributed(_bad_each, 2, cfgs, rcfgs, timeout=240)
+    for (k, (_, says)), r0, r1 in zip(reported.items(), per_rank[0][len(cfgs):],
+                                      per_rank[1][len(cfgs):], strict=True):
+        assert r0[0] == r1[0] == 2 and r1[1] == "", (k, r0, r1)
+        lines = r0[1].splitlines()
+        assert len(lines) == 1 and lines[0].startswith(says), (k, r0)
+        assert k == "fits" or not (tmp_path / f"r_{k}").exists()  # stopped before any write
+    per_rank = [r[:len(cfgs)] for r in per_rank]
     chess, tp4, nodes, static, auto, *sg = zip(*per_rank)  # each: every rank's message
     assert static[0].startswith("LayoutOverBudgetError: static layout DP2 for stage rollout")
     assert "use layout=auto" in static[0]
     assert auto[0].startswith("NoLayoutFitsError: no layout fits stage rollout")
     assert not (tmp_path / "s" / "metrics.jsonl").exists()
-    assert "not a registered environment" in chess[0]
+    assert chess[0].startswith("ConfigError: env.name='chess': unknown environment 'chess'")
     assert "layout.train=tp4" in tp4[0] and "world size 2" in tp4[0]
     assert "cluster.nodes=2" in nodes[0]
     for i, ((_, says), msgs) in enumerate(zip(sglang, sg, strict=True)):
@@ -234,3 +304,27 @@ def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
         TrainConfig.from_dict({"run": {"iterations": 0}})
     with pytest.raises(ConfigError, match="rollout.top_p"):
         TrainConfig.from_dict({"rollout": {"top_p": 0.0}})
+
+
+def test_command_line_bad_input_is_one_line_and_exit_2(tmp_path):
+    # the whole command line (Hydra, main, run): run.init of an architecture the project does
+    # not convert used to be a traceback raised while the Trainer was built; now validate names
+    # it. Torch's own C++ log lines ("[rank0]:[W...") are not the trainer's output.
+    import os
+    import subprocess
+    import sys
+
+    init = _mistral(tmp_path / "mistral")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "earl_megatron.train", f"run.init={init}",
+                           f"run.output_dir={tmp_path / 'out'}"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l and not l.startswith("[rank")]
+    assert lines == [f"configuration error: run.init={init}: architecture MistralForCausalLM is "
+                     "not supported; supported: ['LlamaForCausalLM', 'Qwen2ForCausalLM', "
+                     "'Qwen3ForCausalLM'] (dense decoder-only, RMSNorm, SwiGLU, default rope, no "
+                     "sliding window, no MoE; docs/conversion.md says what stands in the way of "
+                     "MoE families such as Qwen3-MoE)"], proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "resolved.json").exists()
