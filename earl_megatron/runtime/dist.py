@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from earl_megatron.config.train import ClusterConfig
+
 
 def world_backend(cuda: Optional[bool] = None) -> str:
     """The device-mapped backend string of the world (None: ask this host)."""
@@ -61,7 +63,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float = 1800.0,
+def init_distributed(timeout_s: float = ClusterConfig.collective_timeout_s,
                      backend: Optional[str] = None) -> tuple[int, int]:
     """(rank, world_size); a single process without torchrun gets a 1-rank world. ``backend``
     (``cluster.world_backend``) replaces the host's rule, e.g. "gloo" for several ranks on one

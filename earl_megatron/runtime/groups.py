@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.train import ClusterConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.dist import gloo_only
 
@@ -88,7 +89,7 @@ _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
 _MAX_CACHED: Optional[int] = None      # None: DEFAULT_MAX_CACHED_LAYOUTS
 _FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
-DEFAULT_GROUP_TIMEOUT_S = 600.0
+DEFAULT_GROUP_TIMEOUT_S = ClusterConfig.group_timeout_s   # one default: the config's
 _GROUP_TIMEOUT_S: Optional[float] = None   # None: DEFAULT_GROUP_TIMEOUT_S
 
 
