@@ -289,28 +289,32 @@ def _raising_tool(expr):
     raise KeyError("the tool is broken")
 
 
-_RELEASE_TOOL = threading.Event()
-_TOOL_RETURNED = threading.Event()
+class _HangingTool:
+    """Blocks until the test has seen the step return; each test gets its own events, so a
+    thread released by one parametrization cannot set another's."""
+
+    def __init__(self):
+        self.release, self.returned = threading.Event(), threading.Event()
+
+    def __call__(self, expr):
+        self.release.wait(60.0)
+        self.returned.set()
+        return 1
 
 
-def _hanging_tool(expr):
-    _RELEASE_TOOL.wait(60.0)   # blocked until the test has seen the step return
-    _TOOL_RETURNED.set()
-    return 1
-
-
-@pytest.mark.parametrize("tool, why", [(_raising_tool, "tool raised KeyError"),
-                                       (_hanging_tool, "did not return within 0.2s"),
-                                       (lambda e: "12", "returned str")])
-def test_a_failing_tool_ends_the_episode_with_a_penalty(tool, why):
+@pytest.mark.parametrize("make_tool, why", [(lambda: _raising_tool, "tool raised KeyError"),
+                                            (_HangingTool, "did not return within 0.2s"),
+                                            (lambda: (lambda e: "12"), "returned str")])
+def test_a_failing_tool_ends_the_episode_with_a_penalty(make_tool, why):
+    tool = make_tool()
     env = CalculatorEnv(tool=tool, tool_timeout_s=0.2, tool_failure_penalty=-0.5)
     env.reset(0)
-    _RELEASE_TOOL.clear()
-    _TOOL_RETURNED.clear()
     res = env.step("<calc>1+1</calc>")
-    # the hanging tool is still blocked: the step returned on the guard, not on the tool
-    assert not _TOOL_RETURNED.is_set()
-    _RELEASE_TOOL.set()
+    if isinstance(tool, _HangingTool):
+        # the tool is still blocked: the step returned on the guard, not on the tool
+        assert not tool.returned.is_set()
+        tool.release.set()
+        assert tool.returned.wait(60.0)
     assert (res.reward, res.done, res.info["tool_error"], res.info["tool_failed"]) == \
         (-0.5, True, True, True)
     assert why in res.observation
