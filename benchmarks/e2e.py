@@ -64,8 +64,8 @@ def run_variant(name: str, overrides: list[str], out: Path, timeout: float) -> d
     failure = ""
     if proc.returncode != 0:
         text = proc.stdout + proc.stderr
-        for marker in ("LayoutOverBudgetError: ", "NoLayoutFitsError: ", "configuration error",
-                       "Error: "):
+        for marker in ("layout error: ", "LayoutOverBudgetError: ", "NoLayoutFitsError: ",
+                       "configuration error", "Error: "):
             i = text.find(marker)
             if i >= 0:
                 failure = text[i:i + 200].splitlines()[0]

@@ -154,7 +154,8 @@ def _job(pairs, args_dict, tmp_root):
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.runtime.switcher import SwitchStats, switch_layout, switch_via_checkpoint
+    from earl_megatron.runtime.switcher import SwitchStats, switch_layout
+    from earl_megatron.testing.baselines import switch_via_checkpoint
 
     args = argparse.Namespace(**args_dict)
     cfg = _cfg(args)

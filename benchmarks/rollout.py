@@ -73,7 +73,7 @@ def _engines_bench(hf_dir, cases, reps):
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
     from earl_megatron.rollout.engine import SamplingParams
-    from earl_megatron.rollout.hf_engine import HFEngine
+    from earl_megatron.testing.hf_engine import HFEngine
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend

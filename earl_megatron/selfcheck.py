@@ -47,11 +47,11 @@ def main(argv=None) -> int:
         for lay in enumerate_layouts(world, cfg):
             if args.global_batch % lay.dp:
                 continue
-            mol = build_on_layout(cfg, lay, weights=weights, optimizer=OptimizerSpec(lr=1e-3))
+            on_layout = build_on_layout(cfg, lay, weights=weights, optimizer=OptimizerSpec(lr=1e-3))
             losses, times = [], []
             for b in batches:
-                mbs = local_microbatches(b, lay, mol.coords, micro_batch_size=1)
-                r = train_step(mol, mbs, seq_len=args.seq_len, micro_batch_size=1)
+                mbs = local_microbatches(b, lay, on_layout.coords, micro_batch_size=1)
+                r = train_step(on_layout, mbs, seq_len=args.seq_len, micro_batch_size=1)
                 losses.append(r.loss)
                 times.append(r.seconds)
             groups.destroy_groups()

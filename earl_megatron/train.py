@@ -4,11 +4,15 @@
         layout=static layout.train=tp2
 
 Hydra composes recipes/config.yaml with the command-line overrides; the result is converted once
-to ``TrainConfig`` (frozen) and saved with the run as resolved.json. Bad configuration (unknown
+to ``TrainConfig`` (frozen) and saved with the run as resolved.json. With ``run.init=DIR`` the
+checkpoint is the model (``apply_run_init``): model.* from its config, the tokenizer from its
+directory, and the model.* keys the command line sets (Hydra's task overrides, as opposed to the
+recipe's defaults) checked against it. Bad configuration (unknown
 keys, an unknown environment, a layout the model cannot take, a model that fits no layout, a
 node count that does not match the world, a missing sft.data file, a missing tokenizer, a run.init
 of an architecture the project does not convert) stops here, before any model is built: one line
-(rank 0) and exit status 2, as does a damaged checkpoint (run.init or a resume). Megatron's known
+(rank 0) and exit status 2, as does a damaged checkpoint (run.init or a resume) and a model no
+layout fits (with the config keys that would make one fit, ``layout_fix``). Megatron's known
 warnings are filtered before the imports that print them (earl_megatron/quiet.py). A run stopped
 at a safe point (trainer/stop.py: SIGTERM, the sbatch stop file) exits 0.
 """
@@ -16,33 +20,46 @@ at a safe point (trainer/stop.py: SIGTERM, the sbatch stop file) exits 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Collection, Optional
 
 import torch
 import torch.distributed as dist
 
-from earl_megatron.config.compose import RECIPES
-from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.config.compose import RECIPES, command_line_keys
+from earl_megatron.config.train import ConfigError, TrainConfig, init_model
 
 BUILTIN_TOKENIZERS = ("game", "ascii", "tool")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """A directory holding any one of these is one transformers' AutoTokenizer can try to load."""
 
 
-def tokenizer_dir(name: str) -> Path:
-    """The HF directory ``rollout.tokenizer`` names: the directory itself, or the ``hf/`` folder
-    of a converted checkpoint (the converter copies the tokenizer files there), so the GPU
-    recipes' ``rollout.tokenizer: ${run.init}`` works with either kind of run.init."""
-    from earl_megatron.weights.convert import HF_SUBDIR
+def _holding_tokenizer(name: str) -> Optional[Path]:
+    """``name`` itself or the ``hf/`` folder of a converted checkpoint (the converter copies the
+    tokenizer files there), whichever holds a tokenizer file; None: neither."""
+    from earl_megatron.runtime.checkpoint import HF_SUBDIR
 
     p = Path(name)
-    for d in (p, p / HF_SUBDIR):
-        if any((d / f).is_file() for f in TOKENIZER_FILES):
-            return d
+    return next((d for d in (p, p / HF_SUBDIR)
+                 if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+
+
+def tokenizer_dir(name: str) -> Path:
+    """The HF directory ``rollout.tokenizer`` names: the directory itself, or the ``hf/`` folder
+    of a converted checkpoint, so ``rollout.tokenizer`` (and run.init's tokenizer,
+    ``apply_run_init``) works with either kind of run.init."""
+    from earl_megatron.runtime.checkpoint import HF_SUBDIR
+
+    p = Path(name)
+    found = _holding_tokenizer(name)
+    if found is not None:
+        return found
     if not p.is_dir():
         raise ConfigError(f"rollout.tokenizer={name} is not a directory; use "
                           f"{', '.join(BUILTIN_TOKENIZERS)} or the model's HF directory")
@@ -66,8 +83,9 @@ def make_tokenizer(cfg: TrainConfig):
         path = tokenizer_dir(name)
         try:
             tok = AutoTokenizer.from_pretrained(str(path))
-        except (OSError, ValueError) as e:  # a corrupt or partial tokenizer directory
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        except (OSError, ValueError, KeyError) as e:  # a corrupt or partial tokenizer directory
+            why = f"no key {e} in its files" if isinstance(e, KeyError) else \
+                (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"rollout.tokenizer={name}: transformers cannot load a tokenizer "
                               f"from {path} ({why}); copy the model's tokenizer files again"
                               ) from None
@@ -149,26 +167,57 @@ def _check_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(f"sft.data={scfg.data}: {e}") from None
     if cfg.rollout.tokenizer not in BUILTIN_TOKENIZERS:
         tokenizer_dir(cfg.rollout.tokenizer)
-    init = cfg.run.init
-    if init is not None:
-        from earl_megatron.runtime.io_errors import CheckpointError
-        from earl_megatron.weights.convert import read_model_config
-        if not Path(init).exists():
-            raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
-                              "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
-                              "(a random init from run.seed)")
-        try:
-            found = read_model_config(init)
-        except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error
-            raise CheckpointError(f"run.init={init}: {e}") from None
-        except KeyError as e:
-            raise ConfigError(f"run.init={init}: its config.json has no {e.args[0]!r}; copy the "
-                              "model's config.json again") from None
-        except ValueError as e:  # an architecture or a feature the project does not convert
-            raise ConfigError(f"run.init={init}: {e}") from None
-        if found != cfg.model:
-            raise ConfigError(f"run.init={init} holds {found}, but the model config is "
-                              f"{cfg.model}; pick the matching model= recipe")
+    if cfg.run.init is not None:
+        # a TrainConfig built in code counts as all explicit: every field checked (a command
+        # line's went through apply_run_init, which filled them from the checkpoint)
+        init_model(init_config(cfg.run.init), dataclasses.asdict(cfg.model), cfg.run.init)
+
+
+def init_config(init: str):
+    """The ModelConfig of the checkpoint ``run.init`` names (config.json only, no tensors);
+    each problem one ConfigError (missing, an architecture not converted) or CheckpointError
+    (damaged, neither kind of checkpoint) naming run.init."""
+    from earl_megatron.runtime.io_errors import CheckpointError
+    from earl_megatron.weights.convert import read_model_config
+    if not Path(init).exists():
+        raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
+                          "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
+                          "(a random init from run.seed)")
+    try:
+        return read_model_config(init)
+    except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error
+        raise CheckpointError(f"run.init={init}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"run.init={init}: its config.json has no {e.args[0]!r}; copy the "
+                          "model's config.json again") from None
+    except ValueError as e:  # an architecture or a feature the project does not convert
+        raise ConfigError(f"run.init={init}: {e}") from None
+
+
+def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
+    """The composed config ``d`` (a plain dict) of a run that starts from ``run.init``, with
+    ``keys`` the command line set (config/compose.py ``command_line_keys``):
+
+    - model.* is the checkpoint's config; the recipe's model values are not used. A model.*
+      key on the command line (or every field, for a ``model=NAME`` group there) must match
+      the checkpoint, except ``INIT_MAY_DIFFER`` (config/train.py ``init_model``).
+    - rollout.tokenizer is run.init's directory when it holds a tokenizer (its ``hf/`` folder
+      for a converted checkpoint) and the command line does not set rollout.tokenizer; else
+      the recipe's value stays.
+    - a leading ``~`` of run.init is expanded.
+    Without run.init, ``d`` is returned as it is. Reads config.json only."""
+    run = d.get("run") or {}
+    if not run.get("init"):
+        return d
+    init = os.path.expanduser(str(run["init"]))
+    model = d.get("model") or {}
+    given = list(model) if "model" in keys else [k.split(".", 1)[1] for k in keys
+                                                  if k.startswith("model.")]
+    found = init_model(init_config(init), {k: model.get(k) for k in given}, init)
+    out = {**d, "model": dataclasses.asdict(found), "run": {**run, "init": init}}
+    if "rollout.tokenizer" not in keys and _holding_tokenizer(init) is not None:
+        out["rollout"] = {**(d.get("rollout") or {}), "tokenizer": init}
+    return out
 
 
 def run(cfg: TrainConfig) -> list[dict]:
@@ -197,18 +246,53 @@ def run(cfg: TrainConfig) -> list[dict]:
         return Trainer(cfg, tokenizer).train()
 
 
-def _fail(kind: str, e: Exception) -> None:
+def _fail(kind: str, e: Exception, fix: str = "") -> None:
     """One line from rank 0 (every rank raises the same error), exit status 2."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{kind}: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"{kind}: {' '.join(str(e).split())}{fix}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def layout_fix(e, cfg: TrainConfig) -> str:
+    """The config keys that make a layout fit, after a NoLayoutFitsError or a
+    LayoutOverBudgetError (whose own text is in the selector's terms): the per-rank budget the
+    smallest layout needs, then each change the selector checked would fit, as the key that
+    makes it (its suggestions without a key, such as recompute, are left to its own text)."""
+    import re
+
+    from earl_megatron.plan.selector import NoLayoutFitsError
+    from earl_megatron.plan.specs import Stage, human_bytes
+
+    auto = isinstance(e, NoLayoutFitsError)
+    need = (e.smallest.total if e.smallest else None) if auto else e.estimate.total
+    stage = e.stage if auto else e.estimate.stage
+    lay, fixes = cfg.layout, []
+    if need is not None:
+        gb = math.ceil(need / (1 - lay.memory_margin) / 2**30 * 100) / 100
+        now = f"{lay.memory_budget_gb:g}" if lay.memory_budget_gb is not None else \
+            f"null, the cluster.preset={cfg.cluster.preset} device's memory"
+        fixes.append(f"layout.memory_budget_gb={gb:g} or more (now {now}; the smallest layout "
+                     f"needs {human_bytes(need)} and layout.memory_margin="
+                     f"{lay.memory_margin:g} stays free)")
+    for text in (e.suggestions if auto else ()):
+        if m := re.match(r"(\d+) nodes \((\d+) devices\)", text):
+            fixes.append(f"{m[2]} ranks (cluster.nodes={m[1]} x "
+                         f"{int(m[2]) // int(m[1])} per node)")
+        elif (m := re.match(r"micro_batch_tokens=(\d+)", text)) and stage is not Stage.ROLLOUT:
+            fixes.append(f"algorithm.micro_batch_tokens={m[1]}")
+        elif m := re.match(r"responses_in_flight=(\d+)", text):
+            fixes.append(f"rollout.episodes_per_iteration={m[1]}")
+        elif m := re.match(r"contexts up to (\d+) tokens", text):
+            fixes.append(f"rollout.max_context_tokens={m[1]}")
+    return ". Fix: " + "; or ".join(fixes) if fixes else ""
 
 
 def reporting_errors(fn, *args):
     """``fn(*args)`` with the command line's handling of bad input: a ConfigError, a damaged
     checkpoint or a model no layout fits is one line from rank 0 (``configuration error: ...``,
     ``checkpoint error: ...``, ``layout error: ...``) and SystemExit(2) on every rank, never a
-    traceback. Anything else is a bug and keeps its traceback."""
+    traceback. A layout error of ``run(cfg)`` ends with the config keys that fix it
+    (``layout_fix``). Anything else is a bug and keeps its traceback."""
     from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
     from earl_megatron.runtime.io_errors import CheckpointError
 
@@ -219,7 +303,15 @@ def reporting_errors(fn, *args):
     except CheckpointError as e:
         _fail("checkpoint error", e)
     except (NoLayoutFitsError, LayoutOverBudgetError) as e:
-        _fail("layout error", e)
+        cfg = next((a for a in args if isinstance(a, TrainConfig)), None)
+        _fail("layout error", e, layout_fix(e, cfg) if cfg is not None else "")
+
+
+def configure(d: dict, overrides: Collection[str] = ()) -> TrainConfig:
+    """The TrainConfig of a composed config ``d`` (a plain dict) and the command line's Hydra
+    ``overrides``, which say what the user set: run.init fills what they did not
+    (``apply_run_init``)."""
+    return TrainConfig.from_dict(apply_run_init(d, command_line_keys(overrides)))
 
 
 def main() -> None:
@@ -230,7 +322,9 @@ def main() -> None:
 
     @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
     def _entry(dcfg) -> None:
-        cfg = reporting_errors(TrainConfig.from_dict, OmegaConf.to_container(dcfg, resolve=True))
+        from hydra.core.hydra_config import HydraConfig
+        cfg = reporting_errors(configure, OmegaConf.to_container(dcfg, resolve=True),
+                               list(HydraConfig.get().overrides.task))
         t0 = time.time()
         try:
             reporting_errors(run, cfg)

@@ -14,6 +14,10 @@ A relative ``run.output_dir`` is resolved against the current directory, as the 
 it (srun starts torchrun in the batch script's directory). A composition error (unknown key,
 missing recipe, another Hydra flag) is one line on stderr, ``configuration error: ...``, and exit
 status 2.
+
+``command_line_keys`` says which keys a command line's overrides set, so the trainer can tell
+the user's values from the recipe's defaults (train.py ``apply_run_init``: run.init's model and
+tokenizer replace the recipe's, never the user's).
 """
 
 from __future__ import annotations
@@ -53,6 +57,17 @@ def split_args(args: Sequence[str]) -> tuple[str, str, list[str]]:
         else:
             overrides.append(a)
     return name, path, overrides
+
+
+def command_line_keys(overrides: Sequence[str]) -> frozenset[str]:
+    """The keys and config groups a command line's Hydra overrides set (``model.num_layers=2``,
+    ``+rollout.tokenizer=x`` -> ``model.num_layers``, ``rollout.tokenizer``; ``model=qwen3-8b``
+    -> ``model``; deletions ``~key`` set nothing): what the user chose, as opposed to what the
+    recipe's defaults gave (train.py ``apply_run_init`` tells them apart with it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return frozenset(o.key_or_group for o in parsed if not o.is_delete())
 
 
 def compose(args: Sequence[str]):

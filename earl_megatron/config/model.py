@@ -12,6 +12,11 @@ naming ``model.<key>``); ``num_attention_heads % num_query_groups == 0``;
 ``kv_channels`` defaults to ``hidden_size // num_attention_heads`` (Qwen3 sets it: its head_dim
 is independent of hidden_size / heads); ``add_qkv_bias`` and ``qk_layernorm`` left None take the
 family's value (qwen2: bias; qwen3: q/k norms), so ``model.family=qwen3`` alone switches a recipe.
+
+Starting from a checkpoint (``run.init``): its config is the model; a field set on the command
+line must equal the checkpoint's (floats within a relative 1e-6, so a typed ``1e-5`` matches a
+stored float32 ``9.999999747378752e-06``) unless it is one of ``INIT_MAY_DIFFER``, which only
+change how the same weights run (config/train.py ``init_model``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 FAMILY_FEATURES = {"llama": {"add_qkv_bias": False, "qk_layernorm": False},
                    "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
                    "qwen3": {"add_qkv_bias": False, "qk_layernorm": True}}
+INIT_MAY_DIFFER = ("max_position_embeddings",)
+"""Fields a run may set apart from its ``run.init`` checkpoint. max_position_embeddings: rotary
+embeddings have no learned positions, so the value only bounds the run's contexts (the rollout's
+default cap, the warm start's sequences); a shorter one caps them, a longer one extrapolates.
+Every other field fixes a tensor's shape, what the weights compute, or (params_dtype) the dtype
+the checkpoint's weights are built in, and must match."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ naming the key and the fix, before any process group or model exists.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any, Optional
 
 from earl_megatron.config.checks import ConfigError, check_finite, require_finite
 from earl_megatron.config.checks import at_least as _at_least
-from earl_megatron.config.model import ModelConfig
+from earl_megatron.config.model import INIT_MAY_DIFFER, ModelConfig
 from earl_megatron.config.sft import SFTConfig
 
 STAGES = ("rollout", "logprob", "train")
@@ -91,7 +92,8 @@ class RolloutConfig:
     max_action_tokens: int = 4
     tokenizer: str = "game"
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
-    ids, its tags one token each) or an HF tokenizer directory."""
+    ids, its tags one token each) or an HF tokenizer directory. With run.init on the command
+    line: run.init's directory when it holds a tokenizer, unless this key is given there."""
     sglang_python: Optional[str] = None
     """engine=sglang: Python of the SGLang venv (`make sglang` builds a CPU one); checked on
     every rank before any model or server is built."""
@@ -279,6 +281,8 @@ class ClusterConfig:
 class RunConfig:
     seed: int = 0
     iterations: int = 40
+    """RL iterations; 0: evaluate the starting policy (after the warm start, if any) and stop
+    (verl's val_only): how a base model is measured before RL."""
     output_dir: str = "runs/default"
     checkpoint_every: int = 10
     """Iterations between checkpoints (0: only on SIGTERM and at the end)."""
@@ -298,11 +302,17 @@ class RunConfig:
     tensorboard: bool = False
     """Mirror the metrics to <output_dir>/tensorboard (needs the tensorboard package)."""
     init: Optional[str] = None
-    """HF directory or converted checkpoint to start from; None: random init from the seed."""
+    """HF directory or converted checkpoint to start from; None: random init from the seed. On
+    the command line it is the model: its config.json (a converted checkpoint's model config)
+    fills model.*, its tokenizer rollout.tokenizer (train.py ``apply_run_init``)."""
+    samples_per_iteration: int = 4
+    """Episodes of each iteration written decoded to <output_dir>/samples/iter_NNNNNN.jsonl by
+    rank 0 (trainer/samples.py); the live view shows the latest. 0: none."""
 
     def __post_init__(self):
-        _at_least(self, "run", 1, "iterations", "eval_episodes")
-        _at_least(self, "run", 0, "checkpoint_every", "eval_every")
+        _at_least(self, "run", 1, "eval_episodes")
+        _at_least(self, "run", 0, "iterations", "checkpoint_every", "eval_every",
+                  "samples_per_iteration")
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(f"run.keep_last={self.keep_last} would keep no checkpoint: use "
                               ">= 1, or null to keep every checkpoint")
@@ -340,6 +350,39 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
+    """The model of a run that starts from the checkpoint ``init``, whose config is ``found``,
+    with ``overrides`` ({field: value} the user set, as composed): a field equal to the
+    checkpoint's (floats within a relative 1e-6, None-defaults resolved as ModelConfig resolves
+    them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` takes the value
+    given; any other difference is a ConfigError naming the field, both values and the fix."""
+    hints = typing.get_type_hints(ModelConfig)
+    unknown = sorted(set(overrides) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[f'model.{k}' for k in unknown]}; valid keys of "
+                          f"model: {sorted(hints)}")
+    changes = {}
+    for name, raw in overrides.items():
+        want, have = _coerce(hints[name], raw, f"model.{name}"), getattr(found, name)
+        if isinstance(want, float) and isinstance(have, float) and \
+                math.isclose(want, have, rel_tol=1e-6):
+            continue
+        if name in INIT_MAY_DIFFER:
+            changes[name] = want
+            continue
+        try:  # as ModelConfig normalises it (kv_channels=head_dim -> None, None -> the family's)
+            same = found.with_(**{name: want}) == found
+        except (ConfigError, TypeError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(
+                f"model.{name}={want} does not match run.init={init}, whose model has {name}="
+                f"{have}: drop model.{name} to take the checkpoint's value, or point run.init "
+                f"at a checkpoint with {name}={want} (only {', '.join(INIT_MAY_DIFFER)} may "
+                "differ from it)")
+    return found.with_(**changes)  # a bad value of a field that may differ: its ConfigError
 
 
 def _device_mapped(text: str) -> bool:

@@ -16,7 +16,10 @@ Invariants every environment keeps (tests check them for the built-in ones):
 - Rewards are from the agent's point of view. Games: +1 win, 0 draw, -1 loss; an episode that ends
   in a game result sets ``info["outcome"]`` to "win", "draw" or "loss".
 - ``system_prompt`` is the fixed task description the loop renders as the system turn (may be
-  empty: then no system turn is rendered). Observation and system texts carry loss mask 0.
+  empty: then no system turn is rendered, and a template with a default system prompt, such as
+  SmolLM2's ChatML, inserts its own). Observation and system texts carry loss mask 0.
+- ``StepResult.role`` says which chat role the observation is rendered in: "user" (default) or
+  "tool" for a tool's result; the first observation (``reset``) is always a user turn.
 
 ``expert(seed)`` (optional) returns a scripted teacher's actions for the episode of that seed;
 the supervised warm start plays them to make training traces.
@@ -42,6 +45,17 @@ class StepResult:
     reward: float
     done: bool
     info: Mapping[str, Any] = field(default_factory=dict)
+    role: str = "user"
+    """The chat role the agent loop renders ``observation`` in: "user" for an environment's
+    reply (a game's board), "tool" for a tool's result (the calculator's JSON format), so the
+    chat template shows the model a tool message where it has one. Never "assistant" or
+    "system": those turns are the policy's and the task's."""
+
+    def __post_init__(self):
+        if not isinstance(self.role, str) or not self.role or self.role in ("assistant",
+                                                                             "system"):
+            raise ValueError(f"StepResult.role={self.role!r}: an observation is rendered as a "
+                             "user or tool message (any non-empty role but assistant/system)")
 
 
 class EnvStateError(RuntimeError):

@@ -1,14 +1,32 @@
 """A tool-use environment: arithmetic questions the agent may answer with a calculator tool.
 
-Each episode asks for the value of an integer expression generated from the reset seed (e.g.
-``compute 37*(12-5)+8``). Each turn the agent emits exactly one of (docs/envs.md):
+Each episode asks for the value of an integer expression generated from the reset seed. Two
+action formats (``tool_format``, docs/envs.md), the same rewards:
 
-    <calc>EXPR</calc>     run the calculator; the next observation is <result>VALUE</result>
-                          or <error>WHY</error> (division by zero, a bound exceeded)
+``"tags"`` (default; the tiny recipe's one-token tags, no system prompt needed): the question is
+``compute 37*(12-5)+8`` and each turn the agent emits one of
+
+    <calc>EXPR</calc>     run the calculator; the next observation (a user turn) is
+                          <result>VALUE</result> or <error>WHY</error> (division by zero, a bound)
     <answer>N</answer>    final answer; reward 1 if N equals the true value, else 0; done
 
-The first such tag in the text counts; text around it is ignored. No tag, a tag whose expression
-is not plain arithmetic, or an answer that is not a number ends the episode with
+``"json"`` (for a real instruct model; Hermes/Qwen style): the system prompt (``json_system_
+prompt``) gives the calculator's JSON schema inside <tools></tools>, the question is ``What is
+37*(12-5)+8?``, and each turn the agent emits one of
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "EXPR"}}</tool_call>
+                          the result comes back as a *tool* message (StepResult.role "tool")
+                          holding the plain value (``391``) or ``error: WHY``
+    <answer>N</answer>    as above
+
+Parsing is forgiving of whitespace (around the tags' contents, inside the JSON) and strict about
+content: valid JSON, an object with exactly "name" and "arguments", name "calculator", arguments
+exactly {"expression": <string>}, and arithmetic in it. A call that breaks any of that (or an
+unclosed <tool_call>) is a malformed call: the episode ends with ``invalid_penalty`` and
+``info["tool_error"]``, ``info["malformed_call"]``, never an exception.
+
+In both formats the first tag in the text counts; text around it is ignored. No tag, a <calc>
+whose expression is not plain arithmetic, or an answer that is not a number ends the episode with
 ``invalid_penalty`` and ``info["unparsable"]``. After ``max_tool_calls`` calculator calls the
 next call ends the episode with reward 0 (``info["tool_budget"]``).
 
@@ -22,11 +40,12 @@ calculator runs inline with no clock at all: its work is bounded by counts (belo
 action gets the same observation and reward on an idle machine and on a loaded one.
 
 ``expert(seed)`` is the scripted teacher of the supervised warm start: the actions of a full
-episode from ``reset(seed)``. With probability ``expert_tool_rate`` it calls the calculator on the
-question's expression and answers with the result; otherwise it answers from "mental arithmetic":
-the true value with probability ``mental_accuracy``, else the value with one digit slipped (a
-plausible, wrong number). Its choices draw from their own stream of the seed, so the question of
-a seed does not depend on them.
+episode from ``reset(seed)``, written in the environment's ``tool_format`` (so a warm start on
+its traces teaches that format). With probability ``expert_tool_rate`` it calls the calculator on
+the question's expression and answers with the result; otherwise it answers from "mental
+arithmetic": the true value with probability ``mental_accuracy``, else the value with one digit
+slipped (a plausible, wrong number). Its choices draw from their own stream of the seed, so the
+question of a seed does not depend on them.
 
 The calculator never runs ``eval``: ``safe_eval`` parses with ``ast`` and walks only number
 literals, unary +/-, and binary + - * / // % **. Its limits count work, never time: at most
@@ -49,6 +68,7 @@ import threading
 from typing import Callable, Optional
 
 from earl_megatron.envs.base import Env, StepResult
+from earl_megatron.envs.tool_calls import json_system_prompt, parse_json_action, tool_call_text
 
 MAX_EXPR_CHARS = 200
 MAX_OPERATIONS = 64
@@ -62,6 +82,7 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARYOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _TAG = re.compile(r"<(calc|answer)>(.*?)</\1>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")
+TOOL_FORMATS = ("tags", "json")
 
 
 class CalcUnparsable(ValueError):
@@ -193,8 +214,12 @@ class CalculatorEnv(Env):
                  invalid_penalty: float = -1.0, system_prompt: str | None = None,
                  tool: Optional[Callable[[str], object]] = None, tool_timeout_s: float = 1.0,
                  tool_failure_penalty: float = -1.0, expert_tool_rate: float = 0.5,
-                 mental_accuracy: float = 0.1):
+                 mental_accuracy: float = 0.1, tool_format: str = "tags"):
         super().__init__(invalid_penalty)
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format={tool_format!r}: use one of {TOOL_FORMATS} (\"json\" "
+                             "for a real instruct model, docs/envs.md)")
+        self.tool_format = tool_format
         if num_operands < 2 or max_operand < 2 or max_tool_calls < 0:
             raise ValueError(f"need num_operands >= 2, max_operand >= 2, max_tool_calls >= 0; "
                              f"got {num_operands}, {max_operand}, {max_tool_calls}")
@@ -218,7 +243,8 @@ class CalculatorEnv(Env):
         expr, value = make_question(seed, self.num_operands, self.max_operand)
         rng = random.Random(f"expert:{seed}")
         if rng.random() < self.expert_tool_rate and self.max_tool_calls >= 1:
-            return [f"<calc>{expr}</calc>", f"<answer>{value}</answer>"]
+            call = tool_call_text(expr) if self.tool_format == "json" else f"<calc>{expr}</calc>"
+            return [call, f"<answer>{value}</answer>"]
         guess = value if rng.random() < self.mental_accuracy else slipped(value, rng)
         return [f"<answer>{guess}</answer>"]
 
@@ -226,29 +252,59 @@ class CalculatorEnv(Env):
     def system_prompt(self) -> str:
         if self._system_prompt is not None:
             return self._system_prompt
+        if self.tool_format == "json":
+            return json_system_prompt()
         return "calculator: <calc>expr</calc>. final: <answer>n</answer>."
 
     def _reset(self, seed: int) -> str:
         expr, self.answer = make_question(seed, self.num_operands, self.max_operand)
-        self.question, self.tool_calls = f"compute {expr}", 0
+        self.question = f"What is {expr}?" if self.tool_format == "json" else f"compute {expr}"
+        self.tool_calls = 0
         return self.question
 
-    def _step(self, action: str) -> StepResult:
+    def _tool_says(self, text: str, error: bool = False) -> str:
+        # a tool's observation: tags wrap it; the JSON format's tool message holds it plainly
+        if self.tool_format == "json":
+            return f"error: {text}" if error else text
+        return f"<error>{text}</error>" if error else f"<result>{text}</result>"
+
+    def _parse(self, action: str) -> tuple[str, str]:
+        if self.tool_format == "json":
+            return parse_json_action(action)
         match = _TAG.search(action)
         if match is None:
-            return self.invalid("unparsable", "<error>no <calc> or <answer> tag</error>",
+            return "none", "no <calc> or <answer> tag"
+        return ("call" if match.group(1) == "calc" else "answer"), match.group(2).strip()
+
+    def _step(self, action: str) -> StepResult:
+        kind, body = self._parse(action)
+        result = self._outcome(kind, body)
+        # in the JSON format what answers a tool call (its result, a refusal, a malformed
+        # call's error) is a tool message; the verdict on an answer stays a user turn, and so
+        # does everything in the tags format
+        if self.tool_format == "json" and kind in ("call", "malformed"):
+            return StepResult(result.observation, result.reward, result.done, result.info,
+                              role="tool")
+        return result
+
+    def _outcome(self, kind: str, body: str) -> StepResult:
+        if kind == "none":
+            return self.invalid("unparsable", self._tool_says(body, error=True),
                                 tool_calls=self.tool_calls)
-        tag, body = match.group(1), match.group(2).strip()
-        if tag == "answer":
+        if kind == "malformed":
+            return self.invalid("tool_error", self._tool_says(body, error=True),
+                                malformed_call=True, tool_calls=self.tool_calls)
+        if kind == "answer":
             if not _NUMBER.fullmatch(body):
-                return self.invalid("unparsable", "<error>answer is not a number</error>",
+                return self.invalid("unparsable", self._tool_says("answer is not a number",
+                                                                  error=True),
                                     tool_calls=self.tool_calls)
             correct = abs(float(body) - self.answer) <= 1e-6
             return StepResult(f"<result>{'correct' if correct else 'wrong'}</result>",
                               1.0 if correct else 0.0, True,
                               {"correct": correct, "tool_calls": self.tool_calls})
         if self.tool_calls >= self.max_tool_calls:
-            return StepResult("<error>tool budget spent</error>", 0.0, True,
+            return StepResult(self._tool_says("tool budget spent", error=True), 0.0, True,
                               {"tool_budget": True, "tool_calls": self.tool_calls})
         self.tool_calls += 1
         try:
@@ -259,16 +315,19 @@ class CalculatorEnv(Env):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ToolFailure(f"tool returned {type(value).__name__}, not a number")
         except CalcUnparsable as e:
+            if self.tool_format == "json":  # a valid call whose argument is no arithmetic
+                return self.invalid("tool_error", self._tool_says(str(e), error=True),
+                                    malformed_call=True, tool_calls=self.tool_calls)
             return self.invalid("unparsable", f"<error>{e}</error>", tool_calls=self.tool_calls)
         except CalcError as e:
-            return StepResult(f"<error>{e}</error>", 0.0, False,
+            return StepResult(self._tool_says(str(e), error=True), 0.0, False,
                               {"tool_error": True, "tool_calls": self.tool_calls})
         except Exception as e:  # noqa: BLE001 - a broken tool ends the episode, not the run
             why = e if isinstance(e, ToolFailure) else f"tool raised {type(e).__name__}"
-            return StepResult(f"<error>{why}</error>", self.tool_failure_penalty, True,
-                              {"tool_error": True, "tool_failed": True,
-                               "tool_calls": self.tool_calls})
-        return StepResult(f"<result>{format_number(value)}</result>", 0.0, False,
+            return StepResult(self._tool_says(str(why), error=True), self.tool_failure_penalty,
+                              True, {"tool_error": True, "tool_failed": True,
+                                     "tool_calls": self.tool_calls})
+        return StepResult(self._tool_says(format_number(value)), 0.0, False,
                           {"tool_calls": self.tool_calls})
 
 

@@ -175,11 +175,6 @@ class ParallelLayout:
                 return g
         raise AssertionError("unreachable: groups partition the world")
 
-    def layers_of(self, pp_rank: int, num_layers: int) -> range:
-        """Global (0-based) layer indices held by one pp_stage."""
-        per = num_layers // self.pp
-        return range(pp_rank * per, (pp_rank + 1) * per)
-
     def __str__(self) -> str:
         parts = [f"{a.upper()}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
         return "x".join(parts) if parts else "TP1"

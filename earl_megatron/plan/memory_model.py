@@ -200,8 +200,13 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
     last = pp_rank == pp - 1
     # Training and scoring keep a sequence in one micro-batch; rollout prefills in chunks of the
     # budget (the KV cache holds the earlier chunks), so a long context needs no long chunk.
-    mb = workload.micro_batch_tokens if stage is Stage.ROLLOUT \
-        else workload.effective_micro_batch_tokens
+    if stage is Stage.ROLLOUT:
+        # a prefill chunk holds at most the replica's prompts: its responses, padded to the
+        # longest (a 49,152-token vocabulary makes the chunk's logits the largest term)
+        mb = min(workload.micro_batch_tokens,
+                 workload.responses_per_replica(layout.dp) * workload.max_context)
+    else:
+        mb = workload.effective_micro_batch_tokens
     longest = workload.max_context
     local_mb = math.ceil(mb / c)
     vocab_local = model.vocab_size // t

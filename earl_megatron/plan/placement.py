@@ -86,18 +86,6 @@ class TensorSpec:
         return tuple(range(pp))
 
 
-# Which pp_stages need which tensor, as data: token ids feed the embedding on the first
-# pp_stage and are the labels on the last; everything the loss reads lives on the last.
-RL_TENSORS: tuple[TensorSpec, ...] = (
-    TensorSpec("tokens", "int64", True, "first+last"),
-    TensorSpec("loss_mask", "bool", True, "last"),
-    TensorSpec("old_logprobs", "float32", True, "last"),
-    TensorSpec("ref_logprobs", "float32", True, "last"),
-    TensorSpec("advantages", "float32", True, "last"),
-    TensorSpec("rewards", "float32", False, "last"),
-)
-
-
 @dataclass(frozen=True, order=True)
 class Piece:
     rank: int
@@ -292,7 +280,7 @@ def assign_samples(lengths: Mapping[int, int], dp: int, num_micro_batches: int =
 
 def placement_from_assignment(layout: ParallelLayout, assignment: Sequence[Sequence[Sequence[int]]],
                               lengths: Mapping[int, int],
-                              tensors: Sequence[TensorSpec] = RL_TENSORS, *,
+                              tensors: Sequence[TensorSpec], *,
                               pp_stages: Optional[Mapping[str, str]] = None) -> Placement:
     """Pieces for samples assigned ``[dp_rank][micro_batch]``: replicated on TP, CP-split,
     on the pp_stages each tensor needs (``pp_stages`` overrides per tensor name, e.g. a
@@ -320,7 +308,7 @@ def placement_from_assignment(layout: ParallelLayout, assignment: Sequence[Seque
 
 
 def consumer_placement(layout: ParallelLayout, lengths: Mapping[int, int],
-                       tensors: Sequence[TensorSpec] = RL_TENSORS, num_micro_batches: int = 1,
+                       tensors: Sequence[TensorSpec], num_micro_batches: int = 1,
                        producer: Optional[Placement] = None,
                        assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
                        ) -> Placement:
@@ -348,7 +336,7 @@ def consumer_placement(layout: ParallelLayout, lengths: Mapping[int, int],
 
 
 def producer_placement(layout: ParallelLayout, reports: Sequence[Sequence[tuple[int, int]]],
-                       tensors: Sequence[TensorSpec] = RL_TENSORS, *,
+                       tensors: Sequence[TensorSpec], *,
                        pp_stages: Optional[Mapping[str, str]] = None) -> Placement:
     """Producer placement from what each rank reports: ``reports[rank]`` = (sample_id, length)
     of the samples its DP replica produced. Ranks of one DP replica may report the same samples

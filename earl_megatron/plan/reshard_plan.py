@@ -39,9 +39,8 @@ from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.specs import DTYPE_BYTES
 from earl_megatron.plan.tensor_table import tensor_table
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, order=True)

@@ -22,8 +22,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable, Optional
 
+from earl_megatron.plan.placement import ITEMSIZE
+
 GiB = 1024 ** 3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {k: ITEMSIZE[k] for k in ("float32", "bfloat16", "float16")}
+"""Bytes per element of the dtypes a model's parameters may have (sizes: placement.ITEMSIZE)."""
 
 
 def human_bytes(n: float) -> str:
@@ -247,6 +250,11 @@ def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
     return spec.with_(device_memory_bytes=device_memory_bytes) if device_memory_bytes else spec
 
 
+PREFILL_TOKENS = 8192
+"""Tokens of one prefill forward of the embedded engine (rows = this // width), and the default
+micro-batch budget the memory model plans every stage with."""
+
+
 @dataclass(frozen=True)
 class StageWorkload:
     """What one stage must process in one RL iteration (globally, over all dp replicas)."""
@@ -259,9 +267,10 @@ class StageWorkload:
     gets ``responses_per_replica(dp)`` of them (the trainer passes its episodes per iteration).
     How many of those a replica decodes concurrently is the engine's KV pool's business (the
     running batch, time_model.py). Ignored by LOGPROB and TRAIN."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = PREFILL_TOKENS
     """Token budget of one packed micro-batch per dp replica. A sequence is never split across
-    micro-batches, so a micro-batch holds at least one whole sequence."""
+    micro-batches, so a micro-batch holds at least one whole sequence. ROLLOUT: the prefill
+    chunk (the embedded engine's ``prefill_tokens``, this same default)."""
     predicted_context: int = 0
     """Plan memory for contexts up to this length even if none is that long yet (growth)."""
     decode_fraction: float = 0.25

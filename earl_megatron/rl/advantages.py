@@ -1,12 +1,14 @@
-"""Returns, advantages and their normalisation: the one place the trainer's RL math lives.
+"""Returns, advantages, their normalisation, KL in the reward and TIS weights (pure tensor math).
 
-Pure tensor math, no communication. Normalisation statistics come in already reduced over the
-whole (global) batch: the trainer computes this rank's ``moment_sums`` on what it OWNS (each
-sample counted once, by one rank of its rollout replica), runtime/reduce.py all-reduces them
-(mean first, then squared deviations about the global mean: one pass of sum and sum of squares
-loses digits when the mean is large), and the functions here apply the result. On one process
-``local_moments`` is the same computation without the all-reduces, so a distributed run equals
-the single-process one.
+The trainer's RL arithmetic lives in rl/ only: this module, rl/losses.py (the per-token loss, KL
+estimators, ratio and clip-fraction sums) and rl/vocab_parallel.py (logp and entropy from
+TP-sharded logits); trainer/scoring.py and trainer/stages.py call them. No communication:
+normalisation statistics come in already reduced over the whole (global) batch: the trainer
+computes this rank's ``moment_sums`` on what it OWNS (each sample counted once, by one rank of its
+rollout replica), runtime/reduce.py all-reduces them (mean first, then squared deviations about the
+global mean: one pass of sum and sum of squares loses digits when the mean is large), and the
+functions here apply the result. On one process ``local_moments`` is the same computation without
+the all-reduces, so a distributed run equals the single-process one.
 
 Per-sample tensors are label-aligned [T] rows (trainer/data.py): ``mask`` is 1 on policy
 tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding tokens;
@@ -22,13 +24,14 @@ tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding
   of the global batch (population std), ``normalize``.
 - GRPO (Shao et al. 2024): ``A_i = (r_i - mean_g) / (std_g + eps)`` over the episodes of prompt
   group g (unbiased std within the group, as GRPO implementations use; 0 for a singleton group),
-  broadcast over the episode's policy tokens, ``grpo_advantages``. With KL in the reward the
-  episode's summed k1 comes off r_i first (a sequence-level penalty).
+  broadcast over the episode's policy tokens, ``grpo_advantage``. With KL in the reward the
+  episode's summed k1 comes off r_i first (a sequence-level penalty, ``kl_penalized_reward``).
 
 - Truncated importance sampling (TIS; Yao et al. 2025, verl's ``tis_imp_ratio_cap``, slime's
   ``--use-tis``): the engine that sampled (SGLang, its own kernels) is not the trainer's old
   policy, so each sampled token's policy-gradient term is weighted by
-  ``w = min(pi_old / pi_rollout, cap)``, detached, ``truncated_is_weights``. Every term of the
+  ``w = min(pi_old / pi_rollout, cap)``, detached, ``truncated_is_weights``, applied to the
+  advantages by ``tis_weighted``. Every term of the
   clipped surrogate (dual clip included) is linear in A and w > 0, so ``w * A`` in place of A is
   exactly ``w * surrogate``; the KL and entropy terms are not weighted (they are not reached
   through A).
@@ -147,6 +150,11 @@ def normalize(values: torch.Tensor, mask: torch.Tensor, moments: Moments,
     return (values - mean) / (std + eps) * mask
 
 
+def kl_penalized_reward(reward: float, kl: Optional[torch.Tensor], kl_coef: float) -> float:
+    """GRPO with KL in the reward: the episode reward minus ``kl_coef`` times its summed k1."""
+    return reward - (kl_coef * float(kl.sum()) if kl is not None and kl_coef else 0.0)
+
+
 def grpo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Moments, *,
                    scale: bool = True, eps: float = EPS) -> torch.Tensor:
     """GRPO: one episode's group-normalised reward on its policy tokens (``scale=False``:
@@ -167,3 +175,11 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
     ratio = torch.exp(old_logp.double() - rollout_logp.double())
     weights = torch.where(on, ratio.clamp(max=cap), torch.ones_like(ratio))
     return weights.to(old_logp.dtype), int((on & (ratio > cap)).sum())
+
+
+def tis_weighted(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``w * A`` of one sample: ``weights`` (``truncated_is_weights``) cover its first
+    predictions, 1 on the padding after them."""
+    w = torch.ones_like(advantages)
+    w[:weights.numel()] = weights.to(advantages.dtype)
+    return advantages * w

@@ -12,6 +12,9 @@ logprob under the policy that sampled (from the LOGPROB stage, or the engine's r
     kl (k3)    = exp(ref_logp - logp) - (ref_logp - logp) - 1                   (>= 0, unbiased)
     loss       = surrogate + kl_coef * kl - entropy_coef * entropy
 
+KL estimators (Schulman's): ``k1_kl`` (in the reward, rl/advantages.py), ``k3_kl`` (in the loss).
+Clip fraction (``ratio_sums``): policy tokens whose ratio left [1 - eps_low, 1 + eps_high].
+
 With one optimizer step per batch (on-policy) ratio == 1 and the surrogate's gradient equals
 REINFORCE's ``-A * grad logp``; clipping matters once a batch is reused for several epochs.
 """
@@ -41,6 +44,11 @@ class PolicyLossConfig:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
 
 
+def k1_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k1 estimator of KL(pi || ref) per token: log pi - log ref (signed, unbiased)."""
+    return logp - ref_logp
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per token: non-negative, unbiased."""
     d = ref_logp - logp
@@ -48,8 +56,8 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                      cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token loss, per-token clipped indicator) of PPO's clipped objective."""
+                      cfg: PolicyLossConfig) -> torch.Tensor:
+    """Per-token loss of PPO's clipped objective (with the dual clip when ``cfg.ratio_cap``)."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * advantages
@@ -58,17 +66,33 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         # dual clip: bound the loss of a huge ratio on a negative advantage
         capped = -cfg.ratio_cap * advantages
         loss = torch.where(advantages < 0, torch.minimum(loss, capped), loss)
-    return loss, (clipped.detach() < unclipped.detach()).float()
+    return loss
+
+
+def ratio_sums(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+               cfg: PolicyLossConfig) -> torch.Tensor:
+    """[3] float64 over policy tokens: (sum of pi/pi_old, ratios outside [1 - eps_low,
+    1 + eps_high], tokens); summed over ranks, ratio_mean = [0] / [2], clip_fraction = [1] / [2]."""
+    m = mask.double()
+    ratio = torch.exp(logp.detach().double() - old_logp.double())
+    out = ((ratio < 1.0 - cfg.clip_eps_low) | (ratio > 1.0 + cfg.clip_eps_high)).double()
+    return torch.stack([(ratio * m).sum(), (out * m).sum(), m.sum()])
+
+
+def masked_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[2] float64: (sum of ``values`` over policy tokens, policy tokens); e.g. the entropy."""
+    m = mask.float()
+    return torch.stack([(values.detach().double() * m).sum(), m.double().sum()])
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 cfg: PolicyLossConfig, ref_logp: Optional[torch.Tensor] = None,
                 entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
-    loss, _ = clipped_surrogate(logp, old_logp, advantages, cfg)
+    loss = clipped_surrogate(logp, old_logp, advantages, cfg)
     if cfg.kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference logprobs: enable the reference model "
-                             "(algorithm.kl.mode=loss) or set kl_coef=0")
+                             "(algorithm.kl_mode=loss) or set kl_coef=0")
         loss = loss + cfg.kl_coef * k3_kl(logp, ref_logp)
     if cfg.entropy_coef:
         if entropy is None:

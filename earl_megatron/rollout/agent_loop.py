@@ -2,12 +2,24 @@
 
 Each turn, every live episode's whole context (token ids so far) goes to the engine in ONE
 ``generate`` call; each episode's sampled tokens go to its environment as text, and the
-environment's answer is rendered with the chat template and appended. An episode is one token
-sequence trained under a loss mask:
+environment's answer is rendered with the chat template, in the role it names
+(``StepResult.role``: "user", or "tool" for a tool's result), and appended. An episode is one
+token sequence trained under a loss mask:
 
     [prompt: system + obs0 + gen prompt][sampled turn 1][end/obs1/gen prompt][sampled turn 2]...
      loss_mask 0                         1               0                    1
      logprobs  0.0                       engine's        0.0                  engine's
+
+Token-in/token-out (tests check it with SmolLM2's own tokenizer, tests/real/test_real_chat.py):
+the assistant's ids are exactly the sampled ids, never decoded and re-encoded; everything between
+them is the template's own tokens (rollout/tokenizer.py); and the decoded episode is the chat
+template's text of the whole conversation (assistant contents = decoded sampled tokens) up to
+the closing of its last turn. A turn cut by ``max_action_tokens`` is closed by the template's
+end-of-turn token (loss mask 0, logprob 0.0: the model never sampled it, so nothing trains it)
+before the next observation, as slime and verl close truncated turns; the last turn of an
+episode is not closed (no token would ever be trained after it): the template's text of the
+whole conversation is the decoded episode + (end-of-turn if that turn was cut) +
+``ChatFormat.turn_suffix``.
 
 Invariants (tests check them against a real model):
 - ``len(token_ids) == len(loss_mask) == len(logprobs)``; loss_mask is 1 exactly on tokens the
@@ -89,6 +101,9 @@ class Episode:
     turn_rewards: tuple[float, ...] = ()
     """The environment's reward for each sampled turn (per-turn credit: format rewards, the
     outcome on the last turn); ``len(turn_rewards) == turns``."""
+    observation_roles: tuple[str, ...] = ()
+    """The chat role of each observation ("user" for the reset observation, then each
+    StepResult.role); ``len(observation_roles) == len(observations)``."""
 
     @property
     def num_policy_tokens(self) -> int:
@@ -106,6 +121,7 @@ class _Live:
     observations: list[str]
     prompt_length: int
     actions: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=lambda: ["user"])
     info: dict = field(default_factory=dict)
     reward: float = 0.0
     turns: int = 0
@@ -122,7 +138,8 @@ class _Live:
                        reward=self.reward, turns=self.turns, finish_reason=finish_reason,
                        prompt_length=self.prompt_length, actions=tuple(self.actions),
                        observations=tuple(self.observations), info=dict(self.info),
-                       turn_rewards=tuple(self.turn_rewards))
+                       turn_rewards=tuple(self.turn_rewards),
+                       observation_roles=tuple(self.roles))
 
 
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
@@ -174,6 +191,7 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
             result = live.env.step(action)
             live.actions.append(action)
             live.observations.append(result.observation)
+            live.roles.append(result.role)
             live.reward += result.reward
             live.turn_rewards.append(float(result.reward))
             live.info.update(result.info)
@@ -187,7 +205,7 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
             # turn cut by max_action_tokens (or ended by EOS) gets the end-of-turn token as a
             # template token with loss mask 0
             stopped = bool(gen.token_ids) and gen.token_ids[-1] == end_of_turn_id
-            nxt = render_next_turn(tokenizer, fmt, result.observation, stopped)
+            nxt = render_next_turn(tokenizer, fmt, result.observation, stopped, result.role)
             if len(live.tokens) + len(nxt) > room:
                 results[i] = live.freeze("max_context")
                 continue

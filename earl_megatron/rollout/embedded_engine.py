@@ -1,6 +1,6 @@
 """The embedded rollout engine: Megatron-Core's own GPTModel in the rollout layout, with a KV cache.
 
-``EmbeddedEngine(mol)`` serves the ``RolloutEngine`` interface from a ``ModelOnLayout`` built
+``EmbeddedEngine(on_layout)`` serves the ``RolloutEngine`` interface from a ``ModelOnLayout`` built
 with ``build_on_layout(cfg, layout, weights=..., ddp=False)``. Every rank of the world calls
 ``generate`` collectively (SPMD) with the same arguments.
 
@@ -45,7 +45,8 @@ prompt index); the call seed is ``params.seed`` or, when None, drawn from the en
 generator on every rank alike. So a row's samples do not depend on its batch mates or on the dp
 split (a dp2 rollout samples what a tp2 one does, to rounding of the logits), and duplicated
 prompts still draw independent samples. In "replica" mode the index is (dp rank, position in
-the replica's list). The trainer's side of the logprob check is ``rollout.recompute``.
+the replica's list). The trainer's side of the logprob check is
+``trainer.old_logprobs.recompute_logprobs`` (the trainer's LOGPROB stage).
 
 Limits: cp must be 1 in the rollout layout (decoding one token at a time has nothing to split);
 the model runs in eval mode during a call (its mode is restored after); an engine is bound to
@@ -62,6 +63,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
 from earl_megatron.rollout.megatron_decode import (Pipeline, host_scope, move_cached_rows,
@@ -80,15 +82,17 @@ split_over_dp = split_evenly
 class EmbeddedEngine:
     """RolloutEngine over a Megatron-Core GPTModel pp_stage (see the module docstring)."""
 
-    def __init__(self, mol, *, pad_token_id: int = 0, seed: int = 0, prompts: str = "global",
-                 kv_cache: bool = True, prefill_tokens: int = 16384, reuse_prefix: bool = False):
-        if mol.layout.cp != 1:
-            raise ValueError(f"EmbeddedEngine needs cp=1 in the rollout layout, got {mol.layout}; "
-                             "decode with a layout whose cp is 1 (spend those ranks on tp or dp)")
+    def __init__(self, on_layout, *, pad_token_id: int = 0, seed: int = 0, prompts: str = "global",
+                 kv_cache: bool = True, prefill_tokens: int = PREFILL_TOKENS,
+                 reuse_prefix: bool = False):
+        if on_layout.layout.cp != 1:
+            raise ValueError(f"EmbeddedEngine needs cp=1 in the rollout layout, got "
+                             f"{on_layout.layout}; decode with a layout whose cp is 1 (spend "
+                             "those ranks on tp or dp)")
         if prompts not in ("global", "replica"):
             raise ValueError(f"prompts must be 'global' or 'replica', got {prompts!r}")
-        self.mol = mol
-        self.model = mol.module()
+        self.on_layout = on_layout
+        self.model = on_layout.module()
         self.pad_token_id = pad_token_id
         self.prompts_mode = prompts
         self.kv_cache = kv_cache
@@ -99,7 +103,7 @@ class EmbeddedEngine:
         self.reuse_prefix = reuse_prefix and kv_cache
         self._rows: list[tuple[list[int], int]] = []  # per cache row: (cached tokens, 1st slot)
         self.device = groups.device()
-        self._pipe = Pipeline(self.model, mol.cfg.hidden_size, mol.tcfg.params_dtype,
+        self._pipe = Pipeline(self.model, on_layout.cfg.hidden_size, on_layout.tcfg.params_dtype,
                                self.device)
         self._dp_group = groups.dp_group()
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -138,7 +142,7 @@ class EmbeddedEngine:
 
     def _generate(self, prompts: Sequence[Sequence[int]],
                   params: SamplingParams) -> list[Generation]:
-        layout, dp_rank = self.mol.layout, self.mol.coords.dp
+        layout, dp_rank = self.on_layout.layout, self.on_layout.coords.dp
         # every rank draws the base seed, so the engine's generator stays in step on all ranks
         base = params.seed if params.seed is not None else int(
             torch.randint(2**31, (1,), generator=self._generator, device=self.device))
@@ -246,10 +250,10 @@ class EmbeddedEngine:
         from earl_megatron.weights.gather import gather_full
         from earl_megatron.models.sharding import load_full_weights
 
-        mol = self.mol
+        on_layout = self.on_layout
         self._rows = []  # cached keys/values belong to the old weights
         if hasattr(source, "layout") and hasattr(source, "model"):
-            if source.layout == mol.layout:
+            if source.layout == on_layout.layout:
                 source = source.module()
             else:
                 source = gather_full(source.model, source.cfg, source.layout)
@@ -265,7 +269,7 @@ class EmbeddedEngine:
             for k, p in dst.items():
                 p.copy_(src[k])
         elif isinstance(source, dict):
-            load_full_weights(self.model, source, mol.cfg, mol.layout, mol.coords)
+            load_full_weights(self.model, source, on_layout.cfg, on_layout.layout, on_layout.coords)
         else:
             raise TypeError(f"EmbeddedEngine.update_weights takes a full-weights dict, a "
                             f"ModelOnLayout or a GPTModel, got {type(source).__name__}")
@@ -287,7 +291,7 @@ class EmbeddedEngine:
     def health(self) -> EngineHealth:
         state = "closed" if self._closed else "released" if self._released else "ready"
         return EngineHealth(healthy=state == "ready", detail=state, extra={
-            "layout": str(self.mol.layout), "coords": vars(self.mol.coords),
+            "layout": str(self.on_layout.layout), "coords": vars(self.on_layout.coords),
             "kv_cache": self.kv_cache, "kv_cache_bytes": self.kv_cache_bytes(),
             "parameters": sum(p.numel() for p in self.model.parameters()), **self.stats})
 

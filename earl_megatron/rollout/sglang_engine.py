@@ -62,16 +62,16 @@ from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingPara
                                           check_prompts, split_evenly)
 from earl_megatron.rollout.sglang_server import (CPU_FLAGS, SGLangConfig, SGLangRequestError,
                                                  parse_generation, sglang_sampling_params,
-                                                 SGLangServerError, _free_ports, _port_free,
+                                                 SGLangServerError, free_ports, port_is_free,
                                                  _Server, _Unreachable, server_command,
-                                                 server_env, server_environ)
+                                                 server_variables, server_environment)
 from earl_megatron.rollout.sglang_weights import push_weights, trainer_weight_update_group
 from earl_megatron.runtime.fault_points import fault_point
 
 __all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
            "SGLangServerError", "SGLangServerUnreachable", "SGLangWeightsLost",
-           "parse_generation", "server_command", "server_env", "server_environ",
-           "sglang_sampling_params", "trainer_weight_update_group", "_free_ports", "_port_free"]
+           "parse_generation", "server_command", "server_variables", "server_environment",
+           "sglang_sampling_params", "trainer_weight_update_group", "free_ports", "port_is_free"]
 
 
 class SGLangServerUnreachable(SGLangServerError):
@@ -120,7 +120,7 @@ class SGLangEngine:
         self._load_format = config.load_format
         # False after a distributed push or a dummy start: restarts need on_restart
         self._weights_on_disk = config.load_format != "dummy"
-        ports = config.ports or _free_ports(config.host, config.num_servers)
+        ports = config.ports or free_ports(config.host, config.num_servers)
         self._servers = [_Server(config, i, p, self._log_dir) for i, p in enumerate(ports)]
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * config.num_servers),
                                         thread_name_prefix="sglang")

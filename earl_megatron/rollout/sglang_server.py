@@ -83,7 +83,7 @@ class SGLangConfig:
     """One port per server; None picks free ports."""
     base_gpu_id: int = 0
     """Server i uses GPUs base_gpu_id + i * tp_size ... + tp_size - 1; on cpu the same numbers
-    pick its ranks' cores among this process's usable ones (``server_env``)."""
+    pick its ranks' cores among this process's usable ones (``server_variables``)."""
     dtype: Optional[str] = None
     """None: "float32" on cpu, SGLang's "auto" on cuda."""
     mem_fraction_static: Optional[float] = None
@@ -190,12 +190,12 @@ TORCHELASTIC_USE_AGENT_STORE set, SGLang's rendezvous for the weight-update grou
 client of an agent store that does not exist at that port, and the group never forms."""
 
 
-def server_environ(parent: dict[str, str], config: SGLangConfig,
+def server_environment(parent: dict[str, str], config: SGLangConfig,
                    index: int = 0) -> dict[str, str]:
     """A server's whole environment: ``parent`` less the launcher's variables, plus
-    ``server_env``."""
+    ``server_variables``."""
     env = {k: v for k, v in parent.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env.update(server_env(config, index))
+    env.update(server_variables(config, index))
     return env
 
 
@@ -216,7 +216,7 @@ def usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def server_env(config: SGLangConfig, index: int = 0) -> dict[str, str]:
+def server_variables(config: SGLangConfig, index: int = 0) -> dict[str, str]:
     """Environment variables of server ``index`` (on top of os.environ and config.env).
 
     CPU: one OpenMP core list per tp rank, else SGLang refuses more ranks than NUMA nodes. The
@@ -301,9 +301,9 @@ class _Server:
         """Launch the server and block until /health answers 200 and /model_info names this
         start's nonce; returns seconds taken."""
         if self.starts:  # never retry a port: the old process or a stranger may hold it
-            self.port = _free_ports(self.config.host, 1)[0]
+            self.port = free_ports(self.config.host, 1)[0]
             self.url = f"http://{self.config.host}:{self.port}"
-        elif not _port_free(self.config.host, self.port):
+        elif not port_is_free(self.config.host, self.port):
             raise SGLangServerError(f"port {self.port} on {self.config.host} is already in use "
                                     f"(a server left running?); stop it or pass other ports")
         self.starts += 1
@@ -312,7 +312,7 @@ class _Server:
         if self.config.api_key:
             secrets_file = str(self.log_path.with_name(f"server-{self.index}.secret.yaml"))
             _write_private(Path(secrets_file), f"api-key: {json.dumps(self.config.api_key)}\n")
-        env = server_environ(os.environ, self.config, self.index)
+        env = server_environment(os.environ, self.config, self.index)
         cmd = server_command(self.config, self.index, self.port, model_path,
                              served_name=self.served_name, secrets_file=secrets_file,
                              load_format=load_format)
@@ -322,9 +322,9 @@ class _Server:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             log.flush()
             # Own session: the server's children share its process group, stopped as one.
-            self.proc = subprocess.Popen(_owned(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(_watched_by_owner(cmd), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
             log.write(f"=== pid {self.proc.pid} (process group {self.proc.pid})\n".encode())
             log.flush()
         fault_point("sglang.start", pid=self.proc.pid, port=self.port, index=self.index,
@@ -427,7 +427,7 @@ class _Server:
             return "(no log)"
 
 
-def _owned(cmd: list[str]) -> list[str]:
+def _watched_by_owner(cmd: list[str]) -> list[str]:
     """``cmd`` under a shell that kills the whole process group when the server exits or when
     this process (its owner) is gone. The server runs in its own session so stop() reaches its
     children, which also means nothing would stop it if the owner died without close()
@@ -447,7 +447,7 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_is_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener not
         try:
@@ -457,7 +457,7 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def _free_ports(host: str, n: int) -> tuple[int, ...]:
+def free_ports(host: str, n: int) -> tuple[int, ...]:
     """n distinct free ports (all held open at once while choosing, so none repeats)."""
     socks = [socket.socket() for _ in range(n)]
     try:

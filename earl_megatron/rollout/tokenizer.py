@@ -22,19 +22,37 @@ The agent loop builds a context turn by turn, so it needs the template cut into 
 
     render_prompt(system, obs0)  = template([system, user obs0], generation prompt)
     <assistant tokens sampled by the engine, ending with the end-of-turn token>
-    render_next_turn(obs1)       = what the template puts between that end-of-turn token and the
-                                   next generation prompt, user turn obs1 included
+    render_next_turn(obs1, role) = what the template puts between that end-of-turn token and the
+                                   next generation prompt, the ``role`` turn obs1 included
+                                   ("user", or "tool" for a tool's result)
 
-Invariant (tested): prompt + sampled tokens + next turn + ... equals the template applied to the
-whole conversation, so training sees exactly the text the template defines. The pieces come from
-rendering the template on a short conversation and cutting it, so any template that renders
-earlier turns identically when a turn is appended works; one that does not gets a clear error.
+SmolLM2's ChatML template (a default system prompt when none is given) cuts as:
+
+    <|im_start|>system\nYou are a helpful AI assistant named SmolLM, ...<|im_end|>\n
+    <|im_start|>user\nWhat is 17*23?<|im_end|>\n<|im_start|>assistant\n      render_prompt
+    <tool_call>...</tool_call><|im_end|>                                        sampled
+    \n<|im_start|>tool\n391<|im_end|>\n<|im_start|>assistant\n                render_next_turn
+
+The ``\n`` after ``<|im_end|>`` is the template's (``ChatFormat.turn_suffix``), not the model's:
+it opens the next piece and is never trained. A turn cut by the token budget has no end-of-turn
+token; ``render_next_turn(stopped=False)`` starts with it, as a template token.
+
+Invariant (tested with the character templates, a ChatML BPE tokenizer and SmolLM2's own):
+prompt + sampled tokens + next turn + ... decodes to the template applied to the whole
+conversation (each assistant content being the decoded sampled tokens), so training sees exactly
+the text the template defines. Token-in/token-out: the pieces are encoded on their own and the
+sampled ids are kept as sampled; re-tokenizing the whole text can give other ids at a turn
+boundary (a BPE merges an assistant turn's leading space with the newline before it), so nothing
+here ever does. The pieces come from rendering the template on a short conversation and cutting
+it, so any template that renders earlier turns identically when a turn is appended works; one
+that does not, or that does not render a role's content verbatim, gets a clear error.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -108,6 +126,11 @@ class ChatFormat:
     """The special token text closing an assistant turn (<|end|>, <|im_end|>, <|eot_id|>)."""
     stop_token_ids: tuple[int, ...]
     """Token ids that end a generated turn: the end-of-turn token, plus EOS if different."""
+    turn_suffix: str = ""
+    """What the template writes after an assistant turn's end-of-turn token ("\n" for ChatML,
+    "" for the character template): template text, never trained. An episode ends on its last
+    sampled token, so the template's text of the whole conversation is the decoded episode plus
+    the end-of-turn token (when the last turn was cut) plus this suffix."""
 
 
 def _template(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
@@ -148,7 +171,7 @@ def chat_format(tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
     ids = [tokenizer.convert_tokens_to_ids(end)]
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return ChatFormat(end_of_turn=end, stop_token_ids=tuple(ids))
+    return ChatFormat(end_of_turn=end, stop_token_ids=tuple(ids), turn_suffix=after[len(end):])
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, system: str, observation: str) -> list[int]:
@@ -158,18 +181,30 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, system: str, observation: 
 
 
 def render_next_turn(tokenizer: PreTrainedTokenizerBase, fmt: ChatFormat, observation: str,
-                     stopped: bool) -> list[int]:
+                     stopped: bool, role: str = "user") -> list[int]:
     """Token ids between the end of a sampled assistant turn and the next generation prompt.
 
     ``stopped`` says whether the sampled turn ended with the end-of-turn token; when it did not
     (the turn hit its token budget) the end-of-turn token is part of these template tokens.
+    ``role`` is the observation's chat role (``StepResult.role``): "user", or "tool" for a
+    tool's result, rendered the way the template renders that role.
     """
     turns = (("user", _DUMMY_USER), ("assistant", _DUMMY_ASSISTANT))
     base = _template(tokenizer, _messages("", *turns), False)
-    full = _template(tokenizer, _messages("", *turns, ("user", observation)), True)
+    try:
+        full = _template(tokenizer, _messages("", *turns, (role, observation)), True)
+    except TemplateError as e:  # a template that refuses the role raises from Jinja
+        raise ValueError(f"the chat template refuses a {role!r} message ({e}); use a template "
+                         f"that renders role {role!r} or an environment whose observations are "
+                         "user turns (the calculator's tool_format='tags')") from None
     if not full.startswith(base):
         raise ValueError("the chat template renders earlier turns differently once a turn is "
                          "appended; multi-turn contexts cannot be built incrementally with it")
+    if observation.strip() not in full[len(base):]:  # strip: templates may trim contents
+        raise ValueError(f"the chat template does not render a {role!r} message's content "
+                         f"verbatim, so the observation would be lost; use a template that "
+                         f"renders role {role!r} or an environment whose observations are user "
+                         "turns (the calculator's tool_format='tags')")
     after_content = base[base.rfind(_DUMMY_ASSISTANT) + len(_DUMMY_ASSISTANT):]
     if stopped:
         after_content = after_content[len(fmt.end_of_turn):]

@@ -11,7 +11,8 @@ File format: one trajectory per line, in the "messages" form of chat datasets::
 
 Rules, checked on reading (errors name the file, the line and the fix): an optional system turn
 first, then user and assistant turns alternating, starting with a user turn and ending with an
-assistant turn; every content is a string. Other keys of a line (``seed``, ``reward``...) are kept
+assistant turn (a "tool" turn, a tool's result, may stand where any user turn but the first
+does); every content is a string. Other keys of a line (``seed``, ``reward``...) are kept
 in ``Trajectory.meta`` and never trained on. Blank lines are skipped.
 
 Tokens (``trajectory_tokens``) are exactly the episode the agent loop would have built had the
@@ -35,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from earl_megatron.envs.base import Env
 from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class TrajectoryFormatError(ValueError):
@@ -74,12 +75,13 @@ def check_messages(messages: Sequence[tuple[str, str]]) -> None:
             raise TrajectoryFormatError(f"message {i} is {m!r}; each message is a role in "
                                         f"{ROLES} with a string content")
     turns = messages[1:] if messages[0][0] == "system" else messages
-    want = ("user", "assistant")
     for i, (role, _) in enumerate(turns):
-        if role != want[i % 2]:
+        # an observation is a user turn, or a tool turn (a tool's result) after the first
+        want = ("'user'",) if i == 0 else ("'assistant'",) if i % 2 else ("'user'", "'tool'")
+        if repr(role) not in want:
             raise TrajectoryFormatError(
-                f"turn {i} is {role!r} where {want[i % 2]!r} belongs: after an optional system "
-                "turn, user and assistant turns alternate, starting with user")
+                f"turn {i} is {role!r} where {' or '.join(want)} belongs: after an optional "
+                "system turn, user (or tool) and assistant turns alternate, starting with user")
     if len(turns) < 2 or turns[-1][0] != "assistant":
         raise TrajectoryFormatError("a trajectory must end with an assistant turn (the last "
                                     "thing trained on is the agent's); drop the trailing turn")
@@ -147,7 +149,7 @@ def expert_trajectories(make_env: Callable[[], Env], seeds: Sequence[int]) -> li
                     raise RuntimeError(f"{env.name} expert: episode {seed} ended after action "
                                        f"{k} of {len(actions)}; the expert is inconsistent")
                 break
-            msgs.append(("user", res.observation))
+            msgs.append((res.role, res.observation))
         else:
             raise RuntimeError(f"{env.name} expert: its {len(actions)} actions for seed {seed} "
                                "do not finish the episode")
@@ -168,7 +170,8 @@ def trajectory_tokens(traj: Trajectory, tokenizer) -> tuple[list[int], list[int]
         ids += action
         mask += [1] * len(action)
         if k + 1 < len(turns):
-            nxt = render_next_turn(tokenizer, fmt, turns[k + 1][1], stopped=True)
+            nxt = render_next_turn(tokenizer, fmt, turns[k + 1][1], stopped=True,
+                                   role=turns[k + 1][0])
             ids += nxt
             mask += [0] * len(nxt)
     return ids, mask

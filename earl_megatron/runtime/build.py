@@ -90,7 +90,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
         torch.manual_seed(seed)
         model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
                                 post_process=coords.pp == layout.pp - 1, config=tcfg)
-    # the flag is read only during construction; a model built later from mol.tcfg (e.g. a
+    # the flag is read only during construction; a model built later from on_layout.tcfg (e.g. a
     # second live copy) gets Megatron's init as usual
     tcfg.perform_initialization = True
     if weights is not None:

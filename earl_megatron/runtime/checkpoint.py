@@ -47,6 +47,8 @@ from earl_megatron.runtime.io_errors import CheckpointError, reading
 
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 CONFIG_JSON = "earl_model_config.json"
+HF_SUBDIR = "hf"
+"""A checkpoint's HF side files: the tokenizer and the HF config.json it was made from."""
 """The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
 REQUIRED = ("metadata.json", ".metadata")
 """What dist_checkpointing's torch_dist save writes last per checkpoint, besides the shards."""
@@ -228,10 +230,15 @@ def _publish(tmp: Path, final: Path, keep_last: Optional[int], iteration: int) -
         _remove(pub[i][2])
 
 
-def save_checkpoint(mol, root: str | Path, iteration: int, loop_state: dict[str, Any],
-                    keep_last: Optional[int] = None) -> Path:
+def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dict[str, Any],
+                    keep_last: Optional[int] = None, *, tokenizer=None,
+                    hf_config: Optional[Path] = None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory. ``keep_last``: keep
-    that many complete checkpoints (this one included) and delete older ones; None keeps all."""
+    that many complete checkpoints (this one included) and delete older ones; None keeps all.
+    ``tokenizer`` (saved with ``save_pretrained``) and ``hf_config`` (the HF config.json the run
+    started from) go to ``hf/``, as in a converted checkpoint: ``run.init=`` this checkpoint
+    then gets the run's tokenizer, and tools/convert_mcore_to_hf.py exports a complete HF
+    directory from it."""
     from megatron.core import dist_checkpointing
 
     if keep_last is not None and keep_last < 1:
@@ -242,34 +249,54 @@ def save_checkpoint(mol, root: str | Path, iteration: int, loop_state: dict[str,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    msd = mol.module().sharded_state_dict()
+    msd = on_layout.module().sharded_state_dict()
     state = {"model": msd}
-    if mol.optimizer is not None:
-        state["optimizer"] = mol.optimizer.sharded_state_dict(msd, metadata=_OPT_META)
+    if on_layout.optimizer is not None:
+        state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd, metadata=_OPT_META)
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         _write_synced(tmp / "loop.json", json.dumps(loop_state, indent=1, sort_keys=True))
         # the model config beside the weights: tools/convert_mcore_to_hf.py exports the policy
         # and run.init= starts a new run from it (the same keys as a converted checkpoint)
-        _write_synced(tmp / CONFIG_JSON, json.dumps(dataclasses.asdict(mol.cfg), indent=2) + "\n")
+        _write_synced(tmp / CONFIG_JSON,
+                      json.dumps(dataclasses.asdict(on_layout.cfg), indent=2) + "\n")
+        if tokenizer is not None or hf_config is not None:
+            (tmp / HF_SUBDIR).mkdir()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp / HF_SUBDIR))
+            if hf_config is not None:
+                shutil.copy2(hf_config, tmp / HF_SUBDIR / "config.json")
         _publish(tmp, final, keep_last, iteration)
     dist.barrier()
     return final
 
 
 # ------------------------------------------------------------------ loading
-def load_checkpoint(mol, path: str | Path) -> dict[str, Any]:
-    """Collective: load weights (and optimizer state when mol has an optimizer) from ``path``."""
+def base_hf_config(init: Optional[str]) -> Optional[Path]:
+    """The HF config.json a run started from ``init`` carries into its checkpoints: the HF
+    directory's own, or a converted / trainer checkpoint's ``hf/config.json``; None if neither."""
+    if not init:
+        return None
+    p = Path(init)
+    for f in (p / HF_SUBDIR / "config.json", p / "config.json"):
+        if f.is_file():
+            return f
+    return None
+
+
+def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
+    """Collective: load weights (and optimizer state when on_layout has an optimizer) from
+    ``path``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     loop = read_loop_state(path)
-    msd = mol.module().sharded_state_dict()
+    msd = on_layout.module().sharded_state_dict()
     state = {"model": msd}
-    if mol.optimizer is not None:
-        _ensure_optimizer_state(mol.optimizer)
-        state["optimizer"] = mol.optimizer.sharded_state_dict(msd, is_loading=True,
+    if on_layout.optimizer is not None:
+        _ensure_optimizer_state(on_layout.optimizer)
+        state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd, is_loading=True,
                                                               metadata=_OPT_META)
     # a truncated or missing file: one line (torch's CheckpointException is a BaseException)
     with reading(path, "training checkpoint"):
@@ -279,9 +306,9 @@ def load_checkpoint(mol, path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"cannot load {path}: {' '.join(str(e).split())[:300]}. Was "
                                   "it written for another model config? Its config is in "
                                   f"{path}/earl_model_config.json") from None
-    mol.module().load_state_dict(loaded["model"])
-    if mol.optimizer is not None:
-        _load_optimizer(mol.optimizer, loaded["optimizer"])
+    on_layout.module().load_state_dict(loaded["model"])
+    if on_layout.optimizer is not None:
+        _load_optimizer(on_layout.optimizer, loaded["optimizer"])
     return loop
 
 

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.placement import (RL_TENSORS, Placement, TensorSpec, consumer_placement,
+from earl_megatron.plan.placement import (Placement, TensorSpec, consumer_placement,
                                           producer_placement)
-from earl_megatron.plan.shard_map import (ShardMap, Topology, Transfer, build_centralized_map,
-                                          build_shard_map)
+from earl_megatron.plan.shard_map import ShardMap, Topology, Transfer, build_shard_map
+from earl_megatron.runtime.step_inputs import TRAIN_TENSORS
 
 Local = dict[str, dict[int, torch.Tensor]]
 
@@ -71,7 +71,7 @@ def exchange_metadata(local: Sequence[SampleMeta]) -> list[list[SampleMeta]]:
 
 def plan_dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
                   metadata: Sequence[Sequence[SampleMeta]],
-                  tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
+                  tensors: Sequence[TensorSpec] = TRAIN_TENSORS, *, num_micro_batches: int = 1,
                   topology: Optional[Topology] = None,
                   producer_pp_stages: Optional[Mapping[str, str]] = None,
                   assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
@@ -192,7 +192,7 @@ def _unpack(store: _Store, buf: torch.Tensor, ts: Sequence[Transfer],
 
 def dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
              local_meta: Sequence[SampleMeta], local: Mapping[str, Mapping[int, torch.Tensor]],
-             tensors: Sequence[TensorSpec] = RL_TENSORS, *, num_micro_batches: int = 1,
+             tensors: Sequence[TensorSpec] = TRAIN_TENSORS, *, num_micro_batches: int = 1,
              topology: Optional[Topology] = None,
              producer_pp_stages: Optional[Mapping[str, str]] = None,
              assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
@@ -204,14 +204,6 @@ def dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
         producer_layout, consumer_layout, meta, tensors, num_micro_batches=num_micro_batches,
         topology=topology, producer_pp_stages=producer_pp_stages, assignment=assignment)
     return execute_shard_map(smap, producer, consumer, local), consumer, meta
-
-
-def dispatch_centralized(producer: Placement, consumer: Placement,
-                         local: Mapping[str, Mapping[int, torch.Tensor]], *, root: int = 0,
-                         device: Optional[torch.device] = None) -> DispatchResult:
-    """Baseline for benchmarks and tests only: gather everything on ``root``, then scatter."""
-    return execute_shard_map(build_centralized_map(producer, consumer, root), producer, consumer,
-                             local, device=device)
 
 
 # ----------------------------------------------------------------------------- reductions

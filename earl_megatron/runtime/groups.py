@@ -404,16 +404,6 @@ def is_pipeline_last_stage() -> bool:
     return ps.is_pipeline_last_stage()
 
 
-def pipeline_prev_next_ranks():
-    from megatron.core import parallel_state as ps
-    return ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
-
-
-def set_virtual_pipeline_rank(rank: Optional[int]) -> None:
-    from megatron.core import parallel_state as ps
-    ps.set_virtual_pipeline_model_parallel_rank(rank)
-
-
 def timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 

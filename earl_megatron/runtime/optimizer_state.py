@@ -49,9 +49,9 @@ def state_kinds(masters: bool, stepped: bool) -> tuple[str, ...]:
     return ((MASTER,) if masters else ()) + (MOMENTS if stepped else ())
 
 
-def has_masters(mol) -> bool:
+def has_masters(on_layout) -> bool:
     """Megatron's optimizer keeps fp32 master copies (bf16/fp16 weights) that must move too."""
-    return mol.optimizer is not None and mol.cfg.params_dtype != "float32"
+    return on_layout.optimizer is not None and on_layout.cfg.params_dtype != "float32"
 
 
 def _plain_mains(opt) -> dict:
@@ -76,11 +76,11 @@ def _distributed_mains(opt) -> dict:
     return {p: m for model_g, main_g in pairs for p, m in zip(model_g, main_g)}
 
 
-def _mains(mol) -> dict:
+def _mains(on_layout) -> dict:
     """{local name: (Megatron optimizer, main tensor, flat start, flat stop)} of this rank."""
-    names = {p: n for n, p in mol.module().named_parameters()}
+    names = {p: n for n, p in on_layout.module().named_parameters()}
     out = {}
-    for opt in megatron_optimizers(mol.optimizer):
+    for opt in megatron_optimizers(on_layout.optimizer):
         if not is_distributed(opt):
             for p, main in _plain_mains(opt).items():
                 out[names[p]] = (opt, main, 0, p.numel())
@@ -97,15 +97,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def optimizer_state(mol) -> tuple[FlatState, StateRanges, Optional[torch.Tensor]]:
+def optimizer_state(on_layout) -> tuple[FlatState, StateRanges, Optional[torch.Tensor]]:
     """This rank's optimizer state as flat ranges, their geometry, and one step tensor
     (None: never stepped; every rank must agree, checked with one all-reduce)."""
-    params = dict(mol.module().named_parameters())
-    masters = has_masters(mol)
+    params = dict(on_layout.module().named_parameters())
+    masters = has_masters(on_layout)
     state: FlatState = {}
     ranges: StateRanges = {}
     step = None
-    for name, (opt, main, start, stop) in _mains(mol).items():
+    for name, (opt, main, start, stop) in _mains(on_layout).items():
         st = opt.optimizer.state.get(main) or {}
         if "step" in st:
             step = st["step"]
@@ -123,14 +123,15 @@ def optimizer_state(mol) -> tuple[FlatState, StateRanges, Optional[torch.Tensor]
     return state, ranges, step if have.item() else None
 
 
-def install_optimizer_state(mol, step: Optional[torch.Tensor]) -> tuple[FlatState, StateRanges]:
+def install_optimizer_state(on_layout, step: Optional[torch.Tensor]
+                            ) -> tuple[FlatState, StateRanges]:
     """Give the new optimizer zeroed moments (with ``step``) and return its state as flat
     ranges to receive into: the masters are the optimizer's own main tensors."""
-    params = dict(mol.module().named_parameters())
-    masters = has_masters(mol)
+    params = dict(on_layout.module().named_parameters())
+    masters = has_masters(on_layout)
     state: FlatState = {}
     ranges: StateRanges = {}
-    for name, (opt, main, start, stop) in _mains(mol).items():
+    for name, (opt, main, start, stop) in _mains(on_layout).items():
         entry = {MASTER: _flat(main)} if masters else {}
         if step is not None:
             st = {"step": step.clone(), **{k: torch.zeros_like(main) for k in MOMENTS}}

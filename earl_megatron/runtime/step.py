@@ -1,9 +1,9 @@
 """Forward/backward over Megatron-Core's pipeline schedules for one layout.
 
-``TokenBatch`` is the global batch (every rank builds or receives the same view of it in tests;
-the trainer hands each rank only its slice through the dispatcher). ``local_microbatches`` cuts
-this rank's share: samples by dp rank (contiguous blocks), tokens by cp rank (the load-balanced
-split, chunks i and 2*cp-1-i), then micro-batches. ``forward_backward`` runs
+``TokenBatch`` is a global batch (tests and tools build the same one on every rank; the trainer
+hands each rank only its slice through the dispatcher). ``local_microbatches`` cuts this rank's
+share (samples by dp block, tokens by cp zigzag) and stacks it with the trainer's builder,
+runtime/step_inputs.py. ``forward_backward`` runs
 ``get_forward_backward_func()`` with a per-token loss:
 
     loss = sum_{tokens t with mask} w_t * ce_t / sum_{tokens with mask} 1      (global over dp, cp)
@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.layout import Coords, ParallelLayout
-from earl_megatron.plan.placement import cp_chunks
+from earl_megatron.models.cp_attention import zigzag_positions
+from earl_megatron.plan.placement import TensorSpec
+from earl_megatron.runtime.step_inputs import TRAIN_TENSORS, microbatches
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ def random_batch(num_samples: int, seq_len: int, vocab: int, seed: int) -> Token
 
 def local_microbatches(batch: TokenBatch, layout: ParallelLayout, coords: Coords,
                        micro_batch_size: int, device=None) -> list[dict]:
-    """This rank's micro-batches: dp block of samples, cp zigzag of tokens."""
+    """This rank's micro-batches of a global batch: dp block of samples, cp zigzag of tokens,
+    stacked by ``step_inputs.microbatches`` (the trainer's builder)."""
     if batch.num_samples % layout.dp:
         raise ValueError(f"global batch of {batch.num_samples} samples does not divide by "
                          f"dp={layout.dp}; pad the batch or change the layout")
@@ -78,20 +81,17 @@ def local_microbatches(batch: TokenBatch, layout: ParallelLayout, coords: Coords
     if layout.cp > 1 and batch.seq_len % (2 * layout.cp):
         raise ValueError(f"sequence length {batch.seq_len} must be divisible by 2*cp = "
                          f"{2 * layout.cp} (pad the batch to a multiple of 2*cp)")
-    rows = slice(coords.dp * per_dp, (coords.dp + 1) * per_dp)
-    pos = torch.cat([torch.arange(a, b) for a, b in cp_chunks(batch.seq_len, layout.cp, coords.cp)])
-    inputs = batch.tokens[rows, :-1][:, pos]
-    labels = batch.tokens[rows, 1:][:, pos]
-    mask = batch.loss_mask[rows, 1:][:, pos]
-    extras = {k: v[rows, 1:][:, pos] for k, v in (batch.extras or {}).items()}
-    out = []
-    for m in range(0, per_dp, micro_batch_size):
-        sl = slice(m, m + micro_batch_size)
-        mb = dict(input_ids=inputs[sl], labels=labels[sl], loss_mask=mask[sl],
-                  position_ids=pos.unsqueeze(0).expand(micro_batch_size, -1),
-                  **{k: v[sl] for k, v in extras.items()})
-        out.append({k: (v.to(device) if device is not None else v) for k, v in mb.items()})
-    return out
+    rows = list(range(coords.dp * per_dp, (coords.dp + 1) * per_dp))
+    pos = zigzag_positions(batch.seq_len, layout.cp, coords.cp)
+    columns = {"input_ids": batch.tokens[:, :-1], "labels": batch.tokens[:, 1:],
+               "loss_mask": batch.loss_mask[:, 1:],
+               **{k: v[:, 1:] for k, v in (batch.extras or {}).items()}}
+    received = {name: {r: col[r, pos] for r in rows} for name, col in columns.items()}
+    known = {spec.name: spec for spec in TRAIN_TENSORS}
+    specs = [known.get(name, TensorSpec(name, "float32")) for name in columns]
+    ids = [rows[m:m + micro_batch_size] for m in range(0, per_dp, micro_batch_size)]
+    return microbatches(received, ids, seq_lens=[batch.seq_len] * len(ids), cp=layout.cp,
+                        cp_rank=coords.cp, tensors=specs, device=device)
 
 
 PerTokenLoss = Callable[[torch.Tensor, dict], torch.Tensor]
@@ -103,7 +103,7 @@ def _ce_loss(output: torch.Tensor, mb: dict) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class ForwardBackwardResult:
     loss: float
     """Global token-mean loss over the whole batch (identical on every rank)."""
     num_tokens: int
@@ -112,7 +112,7 @@ class StepResult:
 
 def forward_backward(model, tcfg, microbatches: list[dict], layout: ParallelLayout, *,
                      seq_len: int, micro_batch_size: int, forward_only: bool = False,
-                     loss_fn: PerTokenLoss = _ce_loss) -> StepResult:
+                     loss_fn: PerTokenLoss = _ce_loss) -> ForwardBackwardResult:
     """One forward(/backward) pass over ``microbatches`` with Megatron's schedule for ``layout``."""
 
     def forward_step(data_iterator, m):
@@ -139,7 +139,7 @@ def _masked_loss_func(per_token_fn, mb: dict):
 
 
 def _run_schedule(model, tcfg, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
-                  forward_only: bool, forward_step) -> StepResult:
+                  forward_only: bool, forward_step) -> ForwardBackwardResult:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -154,7 +154,7 @@ def _run_schedule(model, tcfg, microbatches: list[dict], *, seq_len: int, micro_
                  num_microbatches=len(microbatches), seq_length=seq_len,
                  micro_batch_size=micro_batch_size, forward_only=forward_only)
     seconds = time.perf_counter() - t0
-    return StepResult(*_global_loss(reduced), seconds=seconds)
+    return ForwardBackwardResult(*_global_loss(reduced), seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class TrainStepResult:
     seconds: float
 
 
-def train_step(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+def train_step(on_layout, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
                loss_fn: PerTokenLoss = _ce_loss) -> TrainStepResult:
     """zero grads -> forward/backward -> optimizer step, as Megatron-LM's train_step orders it.
 
@@ -174,16 +174,17 @@ def train_step(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size:
     points ``param.grad`` at the DDP buffer during ``step``; left in place, the next backward
     accumulates through that alias and the gradients are wrong from the second step on.
     """
-    return _train_step(mol, lambda: forward_backward(
-        mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
+    return _train_step(on_layout, lambda: forward_backward(
+        on_layout.model, on_layout.tcfg, microbatches, on_layout.layout, seq_len=seq_len,
         micro_batch_size=micro_batch_size, loss_fn=loss_fn))
 
 
-def _train_step(mol, run_forward_backward: Callable[[], StepResult]) -> TrainStepResult:
+def _train_step(on_layout, run_forward_backward: Callable[[], ForwardBackwardResult]
+                ) -> TrainStepResult:
     t0 = time.perf_counter()
-    mol.optimizer.zero_grad()
+    on_layout.optimizer.zero_grad()
     res = run_forward_backward()
-    ok, grad_norm, _ = mol.optimizer.step()
+    ok, grad_norm, _ = on_layout.optimizer.step()
     return TrainStepResult(loss=res.loss, num_tokens=res.num_tokens,
                            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                            update_successful=bool(ok), seconds=time.perf_counter() - t0)
@@ -222,7 +223,7 @@ def token_logprobs(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> 
 def forward_backward_logprobs(model, tcfg, microbatches: list[dict], layout: ParallelLayout, *,
                               seq_len: int, micro_batch_size: int, loss_fn: LogprobLoss,
                               forward_only: bool = False,
-                              temperature: float = 1.0) -> StepResult:
+                              temperature: float = 1.0) -> ForwardBackwardResult:
     """``forward_backward`` through the logits path: ``loss_fn`` sees logp AND entropy.
 
     Same loss normalisation and reporting as ``forward_backward`` (masked per-token sum over the
@@ -241,19 +242,19 @@ def forward_backward_logprobs(model, tcfg, microbatches: list[dict], layout: Par
                          forward_step=forward_step)
 
 
-def train_step_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+def train_step_logprobs(on_layout, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
                         loss_fn: LogprobLoss, temperature: float = 1.0) -> TrainStepResult:
     """``train_step`` through the logits path (see ``forward_backward_logprobs``)."""
-    return _train_step(mol, lambda: forward_backward_logprobs(
-        mol.model, mol.tcfg, microbatches, mol.layout, seq_len=seq_len,
+    return _train_step(on_layout, lambda: forward_backward_logprobs(
+        on_layout.model, on_layout.tcfg, microbatches, on_layout.layout, seq_len=seq_len,
         micro_batch_size=micro_batch_size, loss_fn=loss_fn, temperature=temperature))
 
 
-def forward_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+def forward_logprobs(on_layout, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
                      temperature: float = 1.0) -> list[torch.Tensor]:
     """Per-token logprobs of ``mb["labels"]`` for each micro-batch: the LOGPROB stage.
 
-    Forward only (Megatron's schedule for ``mol.layout``, no grad, the model in eval mode for
+    Forward only (Megatron's schedule for ``on_layout.layout``, no grad, the model in eval mode for
     the call and restored after). Returns, in micro-batch order, fp32 [b, s_local] tensors
     (cp: this rank's zigzag chunk, positions ``mb["position_ids"]``) on every rank of the LAST
     pp_stage (identical across its tp ranks; each dp rank has its own samples); every other
@@ -270,7 +271,7 @@ def forward_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch
 
         return logits, collect
 
-    model = mol.model
+    model = on_layout.model
     was_training = model.training
     model.eval()
     try:
@@ -281,7 +282,7 @@ def forward_logprobs(mol, microbatches: list[dict], *, seq_len: int, micro_batch
                 micro_batch_size=micro_batch_size, forward_only=True, collect_non_loss_data=True)
     finally:
         model.train(was_training)
-    return list(out) if mol.post_process else []
+    return list(out) if on_layout.post_process else []
 
 
 def _global_loss(reduced: list[dict]) -> tuple[float, int]:

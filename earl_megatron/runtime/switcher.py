@@ -1,14 +1,15 @@
 """Switch a live Megatron-Core model (and its optimizer) to another layout on the same ranks.
 
-``switch_layout(mol, new_layout)`` is collective over the world and runs, on every rank:
+``switch_layout(on_layout, new_layout)`` is collective over the world and runs, on every rank:
 
 1. plan   ``plan_reshard(cfg, old, new)`` (pure, identical on every rank; plan/reshard_plan.py);
 2. collect this rank's old shards: weights, and with an optimizer its state as flat ranges of
    the local parameters (runtime/optimizer_state.py: the fp32 ``master`` copies of bf16/fp16
    weights and, once stepped, ``exp_avg`` / ``exp_avg_sq``; whole parameters for the plain
    optimizer, each dp x cp rank's own range for the distributed one) and the step count;
-3. free the old model, its grad buffers and optimizer (``mol`` is consumed: ``_release`` breaks
-   its reference cycles so that refcounting frees it now, without a full ``gc.collect()``);
+3. free the old model, its grad buffers and optimizer (``on_layout`` is consumed:
+   ``release_model`` breaks its reference cycles so that refcounting frees it now, without a
+   full ``gc.collect()``);
 4. regroup (``groups.build_groups`` via ``build_on_layout``) and build the model and optimizer
    for the new layout without Megatron's random init (``init=False``: parameters are
    ``torch.empty``, with the TP attributes set as init would have). Before any transfer every
@@ -32,13 +33,11 @@ Peak memory per rank during a switch (documented in docs/switcher.md):
       the process keeps between switches (shm).
 Never a second copy of the whole model on one rank: each rank holds only its two shards.
 
-``switch_via_checkpoint`` is the disk baseline: Megatron's dist_checkpointing save under the old
-layout and load under the new one (weights only), used by benchmarks/reshard.py and the tests.
+The disk baseline (dist_checkpointing save and load) is ``testing/baselines.switch_via_checkpoint``.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -78,10 +77,6 @@ class SwitchStats:
     """Optimizer-state bytes all ranks send (the minimum: see plan/state_plan.py)."""
     plan: Optional[ReshardPlan] = field(default=None, repr=False)
 
-    @property
-    def total_s(self) -> float:
-        return self.plan_s + self.collect_s + self.rebuild_s + self.transfer_s
-
 
 def spec_of(optimizer) -> OptimizerSpec:
     """The OptimizerSpec that rebuilds ``optimizer`` (read from Megatron's OptimizerConfig)."""
@@ -103,25 +98,26 @@ def plan_names(cfg: ModelConfig, layout: ParallelLayout, pp_rank: int,
         layout.pp, cfg.num_layers) for n in names}
 
 
-def _params(mol: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(live name -> plan name, {plan name: parameter}) of this rank's pp_stage."""
-    live = dict(mol.module().named_parameters())
-    names = plan_names(mol.cfg, mol.layout, mol.coords.pp, live)
+    live = dict(on_layout.module().named_parameters())
+    names = plan_names(on_layout.cfg, on_layout.layout, on_layout.coords.pp, live)
     return names, {names[n]: p.detach() for n, p in live.items()}
 
 
-def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
+def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
                   optimizer: Optional[OptimizerSpec] = None,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
                   stats: Optional[SwitchStats] = None) -> ModelOnLayout:
-    """Return the model (and optimizer) of ``mol`` in ``new_layout``; ``mol`` is consumed.
+    """Return the model (and optimizer) of ``on_layout`` in ``new_layout``; ``on_layout`` is
+    consumed.
 
     ``optimizer``: the spec for the new optimizer; default: the old optimizer's own config.
-    With no optimizer on ``mol`` only weights move (rollout / logprob stages).
+    With no optimizer on ``on_layout`` only weights move (rollout / logprob stages).
     ``transport``: "auto" (shared memory between the ranks of one gloo host, else batched
     isend/irecv), "p2p" or "shm" (an error where shared memory does not apply)."""
     stats = stats if stats is not None else SwitchStats()
-    cfg, old = mol.cfg, mol.layout
+    cfg, old = on_layout.cfg, on_layout.layout
     new_layout.check(dist.get_world_size(), cfg)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -129,19 +125,19 @@ def switch_layout(mol: ModelOnLayout, new_layout: ParallelLayout, *,
     plan = plan_reshard(cfg, old, new_layout)
     stats.plan = plan
     t1 = time.perf_counter()
-    spec = optimizer or (spec_of(mol.optimizer) if mol.optimizer is not None else None)
-    old_state, old_ranges, step = optimizer_state(mol) if mol.optimizer is not None \
+    spec = optimizer or (spec_of(on_layout.optimizer) if on_layout.optimizer is not None else None)
+    old_state, old_ranges, step = optimizer_state(on_layout) if on_layout.optimizer is not None \
         else ({}, {}, None)
-    kinds = state_kinds(has_masters(mol), step is not None)
-    names, src = _params(mol)
+    kinds = state_kinds(has_masters(on_layout), step is not None)
+    names, src = _params(on_layout)
     old_state, old_ranges = ({names[n]: v for n, v in d.items()} for d in (old_state, old_ranges))
-    ddp = hasattr(mol.model, "module")
+    ddp = hasattr(on_layout.model, "module")
     t2 = time.perf_counter()
 
     # free the old model now: only its parameter storages (and optimizer state) stay alive, via
     # `src` and `old_state`; its grad buffers go before the new model is allocated
-    _release(mol.model)
-    mol.model = mol.optimizer = mol.tcfg = None
+    release_model(on_layout.model)
+    on_layout.model = on_layout.optimizer = on_layout.tcfg = None
     # no random init: the transfers below overwrite every element (_check_coverage proves it)
     new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
     new_state, new_ranges = install_optimizer_state(new, step) if new.optimizer is not None \
@@ -230,7 +226,7 @@ def _state_views(flat: torch.Tensor, geometry: tuple, blocks: tuple[Block, ...])
     return [flat.as_strided((b.rows, b.cols), (b.stride, 1), base + b.start) for b in blocks]
 
 
-def _release(model) -> None:
+def release_model(model) -> None:
     """Break the consumed model's reference cycles so that reference counting frees it now.
 
     A Megatron model is one big reference cycle: DDP's gradient hooks (closures over the DDP, held
@@ -260,32 +256,3 @@ def _check_coverage(plan: ReshardPlan, me: int, params: dict[str, torch.Tensor])
     if short:
         raise RuntimeError(f"the reshard plan leaves parameters {short[:4]} of rank {me} "
                            "(partly) unwritten; they would keep uninitialised memory")
-
-
-def switch_via_checkpoint(mol: ModelOnLayout, new_layout: ParallelLayout, ckpt_dir: str, *,
-                          stats: Optional[SwitchStats] = None) -> ModelOnLayout:
-    """Baseline: dist_checkpointing save under the old layout, load under the new (weights)."""
-    from megatron.core import dist_checkpointing
-
-    stats = stats if stats is not None else SwitchStats()
-    cfg, ddp = mol.cfg, hasattr(mol.model, "module")
-    t0 = time.perf_counter()
-    os.makedirs(ckpt_dir, exist_ok=True)  # a shared filesystem: every rank sees one directory
-    dist.barrier()
-    dist_checkpointing.save(mol.module().sharded_state_dict(), ckpt_dir)
-    t1 = time.perf_counter()
-    # the same rebuild as switch_layout's (free, regroup, build without random init)
-    _release(mol.model)
-    mol.model = mol.optimizer = mol.tcfg = None
-    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, init=False)
-    t2 = time.perf_counter()
-    state = dist_checkpointing.load(new.module().sharded_state_dict(), ckpt_dir)
-    missing = [k for k in new.module().load_state_dict(state, strict=False).missing_keys
-               if not k.endswith("_extra_state")]
-    if missing:
-        raise RuntimeError(f"the checkpoint left parameters {missing[:4]} unloaded")
-    t3 = time.perf_counter()
-    stats.collect_s += t1 - t0
-    stats.rebuild_s += t2 - t1
-    stats.transfer_s += t3 - t2
-    return new

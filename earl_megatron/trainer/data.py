@@ -1,23 +1,11 @@
-"""Episodes -> per-sample training tensors -> this rank's micro-batches after a dispatch.
+"""Episodes -> per-sample training tensors: label-aligned rows of ``L`` predictions each.
 
-Each episode becomes one sample of ``L`` *predictions* (L = the longest episode of its
-micro-batch minus one, rounded up to a multiple of 2 * cp_max so any CP split is even; the
-micro-batches come from plan/batching.py), shifted once here so a CP split never separates an
-input from its label:
+L is the longest episode of the sample's micro-batch (plan/batching.py) minus one; the rows the
+step reads are drawn in runtime/step_inputs.py. A sample also carries what scoring reads:
 
-    token ids     t0 t1 t2 ... t_n
-    input_ids     t0 t1 ... t_{n-1}  pad...        (what the model reads)
-    labels        t1 t2 ... t_n      pad...        (what it predicts)
-    loss_mask     m1 m2 ... m_n      0...          (1 on policy tokens only)
-    old_logprobs  lp1 ... lp_n       0...
-    ref_logprobs  rlp1 ... rlp_n     0...      (kl on: the reference policy's, LOGPROB stage)
     token_rewards 0 .. r_1 .. r_2 .. 0...      (turn k's reward on its last policy token)
-    advantages    a1  ... a_n        0...
+    ref_logprobs  rlp1 ... rlp_n     0...      (kl on: the reference policy's, LOGPROB stage)
 
-The dispatcher moves these 1-D tensors from the rollout layout (every rank of a replica holds its
-replica's episodes) to the consumer layout (dp block and cp chunks); ``microbatches`` stacks what
-arrived into Megatron's micro-batches. The LOGPROB stage sends only ``LOGPROB_TENSORS`` to the
-reference model and its ``REF_LOGPROBS`` back to every rank of each rollout replica.
 Invariant: every policy token of every episode is in exactly one micro-batch of exactly one dp
 rank (the dispatcher's exactly-once guarantee).
 """
@@ -29,48 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from earl_megatron.models.cp_attention import zigzag_positions
-from earl_megatron.plan.placement import TensorSpec
-
-TRAIN_TENSORS = (
-    TensorSpec("input_ids", "int64", per_token=True, pp_stages="first"),
-    TensorSpec("labels", "int64", per_token=True, pp_stages="last"),
-    TensorSpec("loss_mask", "float32", per_token=True, pp_stages="last"),
-    TensorSpec("old_logprobs", "float32", per_token=True, pp_stages="last"),
-    TensorSpec("advantages", "float32", per_token=True, pp_stages="last"),
-)
-REF_LOGPROBS = TensorSpec("ref_logprobs", "float32", per_token=True, pp_stages="all")
-"""The reference policy's logprobs: produced on the LOGPROB layout's last pp_stage, returned to
-every rank of a rollout replica ("all"), read by the loss on the TRAIN layout's last pp_stage."""
-LOGPROB_TENSORS = TRAIN_TENSORS[:2]
-"""What the LOGPROB stage's forward reads: input_ids (first pp_stage) and labels (last)."""
-
-
-def train_tensors(with_ref: bool) -> tuple[TensorSpec, ...]:
-    """TRAIN_TENSORS, plus the reference logprobs when the loss reads them (kl_mode=loss)."""
-    if not with_ref:
-        return TRAIN_TENSORS
-    return TRAIN_TENSORS + (TensorSpec("ref_logprobs", "float32", True, "last"),)
-
-
-def shifted_ids(token_ids: Sequence[int], length: int, pad_id: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) of ``length`` predictions each: the tokens padded, shifted once."""
-    n = len(token_ids)
-    if n - 1 > length:
-        raise ValueError(f"episode of {n} tokens does not fit {length} predictions")
-    ids = torch.full((length + 1,), pad_id, dtype=torch.long)
-    ids[:n] = torch.tensor(token_ids, dtype=torch.long)
-    return ids[:-1].clone(), ids[1:].clone()
-
-
-def padded(values: torch.Tensor, length: int, fill: float = 1.0) -> torch.Tensor:
-    """A sample's per-prediction ``values`` [n - 1] as a [length] row, ``fill`` after them."""
-    if values.numel() > length:
-        raise ValueError(f"{values.numel()} values do not fit a row of {length} predictions")
-    out = torch.full((length,), fill, dtype=torch.float32)
-    out[:values.numel()] = values.float()
-    return out
+from earl_megatron.runtime.step_inputs import shifted_ids
 
 
 @dataclass(frozen=True)
@@ -126,34 +73,3 @@ def episode_tensors(token_ids: Sequence[int], loss_mask: Sequence[int],
                          loss_mask=mask[1:].clone(), old_logprobs=lp[1:].clone(),
                          reward=float(reward), token_rewards=rew[1:].clone(), ref_logprobs=ref)
 
-
-def microbatches(received: dict, sample_ids: Sequence[Sequence[int]], *,
-                 seq_lens: Sequence[int], cp: int, cp_rank: int, rows: int = 0,
-                 tensors: Sequence[TensorSpec] = TRAIN_TENSORS) -> list[dict]:
-    """Stack this rank's dispatched samples into micro-batches (one list of ids per batch).
-
-    ``seq_lens[i]`` is micro-batch i's padded length (plan/batching.py: every sample in it was
-    built with that length). ``received[name][sid]`` is this rank's part of sample ``sid`` (its
-    CP chunks in Megatron's order); pp_stages that do not need a tensor simply did not receive
-    it and get zeros, which the model never reads there. ``rows`` pads each micro-batch with
-    all-masked rows up to that many samples (Megatron's schedule wants one size everywhere).
-    """
-    out = []
-    for ids, seq_len in zip(sample_ids, seq_lens, strict=True):
-        pos = zigzag_positions(seq_len, cp, cp_rank)
-        local_len = pos.numel()
-        n = max(rows, len(ids))
-        mb = {"position_ids": pos.unsqueeze(0).expand(n, -1)}
-        for spec in tensors:
-            got = received.get(spec.name, {})
-            dtype = torch.long if spec.dtype == "int64" else torch.float32
-            stacked = torch.zeros(n, local_len, dtype=dtype)
-            for i, s in enumerate(ids):
-                if s in got:
-                    if got[s].numel() != local_len:
-                        raise RuntimeError(f"sample {s} of {spec.name!r} has {got[s].numel()} "
-                                           f"tokens here, its micro-batch {local_len}")
-                    stacked[i] = got[s]
-            mb[spec.name] = stacked
-        out.append(mb)
-    return out

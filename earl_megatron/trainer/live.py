@@ -17,6 +17,10 @@ win rate; illegal and unparsable rates; what the update did (``TRAIN_COLUMNS``: 
 before clipping, policy entropy, KL to the reference, fraction of policy tokens whose ratio was
 clipped, mean policy ratio pi/pi_old: a normalised policy-gradient loss is ~0 by construction and
 says nothing, so it is in metrics.jsonl and TensorBoard only); seconds per iteration; ETA.
+On a terminal the latest sample (trainer/samples.py: one episode decoded, as the model saw it)
+shows under the table: its reward, finish reason and flags, then the end of its text
+(``SAMPLE_LINES`` lines at most, each cut to the console's width). Off a terminal the samples are
+in <output_dir>/samples only (the plain lines stay one per iteration).
 
 Invariants:
 - metrics.jsonl stays the record; this module only displays it (and mirrors it to TensorBoard).
@@ -44,6 +48,8 @@ TRAIN_COLUMNS = (("grad_norm", "gnorm", ".3f", 6), ("entropy", "ent", ".3f", 6),
                  ("kl", "kl", "+.4f", 8), ("clip_fraction", "clip", ".3f", 5),
                  ("ratio_mean", "ratio", ".4f", 6))
 """(metrics key, header, format, width): a key a record lacks shows as '-'."""
+SAMPLE_LINES = 8
+"""Lines of the latest sample's text the live display shows (its last ones: the answer)."""
 
 
 # ---------------------------------------------------------------------------- pure formatting
@@ -95,6 +101,24 @@ def header_cells(stages: list[str]) -> list[str]:
             + [f"{'s/it':>6}", f"{'eta':>8}"])
 
 
+def sample_lines(sample: dict, width: int = 100, lines: int = SAMPLE_LINES) -> list[str]:
+    """The live display's view of one sample (trainer/samples.py's dict): a heading (iteration,
+    sample id, reward, finish reason, the info flags that are set), then the last ``lines``
+    lines of its text, each cut to ``width`` characters ('...' marks a cut)."""
+    flags = [k for k, v in (sample.get("info") or {}).items() if v is True]
+    head = (f"sample {sample.get('sample', '-')} of iteration {sample.get('iteration', '-')}: "
+            f"reward {sample.get('reward', float('nan')):+.3f}, "
+            f"{sample.get('finish_reason', '-')}, {sample.get('turns', '-')} turns"
+            + (f", {' '.join(flags)}" if flags else ""))
+    text = str(sample.get("text", "")).splitlines() or [""]
+    body = (["..."] if len(text) > lines else []) + text[-lines:]
+    return [_cut(line, width) for line in [head, *body]]
+
+
+def _cut(line: str, width: int) -> str:
+    return line if len(line) <= width else line[:max(width - 3, 0)] + "..."
+
+
 def scalars(rec: dict) -> dict[str, float]:
     """The TensorBoard scalars of one record: tag -> value (numbers only, missing keys skipped)."""
     out: dict[str, float] = {}
@@ -139,6 +163,7 @@ class LiveView:
         self._table = None
         self._stages: Optional[list[str]] = None   # columns of the last plain header
         self._done = start
+        self._sample: Optional[dict] = None         # the latest sample, shown on a terminal
         self._t0: Optional[float] = None
         self._started = False
 
@@ -197,6 +222,15 @@ class LiveView:
         if self._writer is not None:
             self._log_tensorboard(rec)
 
+    def sample(self, sample: dict) -> None:
+        """The latest decoded episode (trainer/samples.py), shown under the live table; off a
+        terminal nothing is printed (it is in <output_dir>/samples)."""
+        if not self.enabled:
+            return
+        self._sample = sample
+        if self._live is not None:
+            self._live.refresh()
+
     def message(self, text: str) -> None:
         """A free text line (resume, evaluation results), printed above the live display."""
         if not self.enabled:
@@ -247,7 +281,13 @@ class LiveView:
         head.add_row(f"iteration {self._done}/{self.total}",
                      ProgressBar(total=max(self.total, 1), completed=self._done, width=40),
                      f"elapsed {fmt_duration(elapsed)}", f"eta {fmt_duration(self.eta())}")
-        return head if self._table is None else Group(head, self._table)
+        parts = [head] + ([] if self._table is None else [self._table])
+        if self._sample is not None:
+            from rich.text import Text
+            width = max(self._console.width - 2, 20)
+            lines = sample_lines(self._sample, width)
+            parts.append(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"))
+        return parts[0] if len(parts) == 1 else Group(*parts)
 
     def _open_writer(self) -> None:
         try:

@@ -23,20 +23,43 @@ trainer to apply to the advantages; recorded as ``tis_weight_mean`` (over sample
 
 Token alignment: Episode.logprobs[j] is the logprob of token j (0.0 where loss_mask is 0); the
 LOGPROB stage returns one value per prediction, entry j - 1 scoring token j.
+
+One re-scoring path: ``rescore`` (the trainer's) and ``recompute_logprobs`` (token lists, for
+the engine consistency tests) both call the LOGPROB stage, ``trainer.stages.reference_logprobs``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rl.advantages import truncated_is_weights
 from earl_megatron.rollout.agent_loop import Episode
+from earl_megatron.rollout.engine import check_prompts
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.trainer.stages import BatchShape, reference_logprobs
+
+
+def recompute_logprobs(policy: ModelOnLayout, sequences: Sequence[Sequence[int]], *,
+                       temperature: float = 1.0, micro_batch_size: int = 1,
+                       pad_token_id: int = 0) -> list[list[float]]:
+    """Per-token logprobs of every sequence under ``policy`` (any layout, DDP-wrapped or not),
+    through ``reference_logprobs``: all sequences form one replica that every rank holds.
+    Entry j is log p(seq[j] | seq[:j]) at ``temperature`` (entry 0, without context, is 0.0:
+    aligned with ``Episode.logprobs``); greedy (temperature <= 0) scores at 1. Collective."""
+    check_prompts(sequences)
+    ids = list(range(len(sequences)))
+    token_ids = {s: list(seq) for s, seq in zip(ids, sequences)}
+    everyone = ParallelLayout(tp=dist.get_world_size())  # one replica: every rank holds all
+    got, _ = reference_logprobs(policy, everyone, ids, token_ids,
+                                {s: len(t) for s, t in token_ids.items()}, pad_token_id,
+                                BatchShape(micro_batch_size),
+                                temperature=temperature if temperature > 0 else 1.0)
+    return [[0.0] + got[s].tolist() for s in ids]
 
 
 def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],

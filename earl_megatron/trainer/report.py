@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-STAGES = ("rollout", "logprob", "train")
+from earl_megatron.config.train import STAGES
+
 # stacked from the bottom in loop order; unknown keys go on top, "total" is the sum, not a part
 TIME_ORDER = ("plan+switch", "rollout", "logprob", "switch", "train")
 # one colour per stage in every panel

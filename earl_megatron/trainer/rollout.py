@@ -12,7 +12,9 @@ episodes). The sample id of the i-th episode of an iteration is i; GRPO groups a
 
 Engines: ``embedded`` (EmbeddedRollout: Megatron-Core's own model, KV cache, in the rollout
 layout; the default and the CPU path) and ``sglang`` (SGLangRollout, trainer/sglang_rollout.py:
-SGLang servers in the rollout layout, weights pushed by ``sync`` after every TRAIN step).
+SGLang servers in the rollout layout, weights pushed by ``sync`` after every TRAIN step);
+trainer/rollout_engines.py's ``make_rollout`` picks one (this module imports neither that one
+nor sglang_rollout: no import loop).
 """
 
 from __future__ import annotations
@@ -112,21 +114,3 @@ class EmbeddedRollout:
 
     def close(self) -> None:
         pass
-
-
-def make_rollout(engine: str, spec: EpisodeSpec, tokenizer, *, model=None, python=None,
-                 device: str = "cuda", out_dir=None, mem_fraction=None,
-                 bucket_mb: float = 512.0, cluster=None) -> Rollout:
-    """The engine of ``rollout.engine`` (validated by the config); ``model``, ``python``,
-    ``device``, ``out_dir`` (SGLang's logs and start config), ``mem_fraction`` (the servers'
-    --mem-fraction-static; None: config.train.SGLANG_MEM_FRACTION), ``bucket_mb``
-    (weight-sync buckets) and ``cluster`` (the ClusterConfig: server timeouts and restarts)
-    serve ``sglang`` only."""
-    if engine == "embedded":
-        return EmbeddedRollout(spec, tokenizer)
-    if engine == "sglang":
-        from earl_megatron.trainer.sglang_rollout import SGLangRollout
-        return SGLangRollout(spec, tokenizer, model, python=python, device=device,
-                             out_dir=out_dir, mem_fraction=mem_fraction,
-                             bucket_bytes=int(bucket_mb * 2**20), cluster=cluster)
-    raise ValueError(f"rollout.engine={engine!r}: use embedded or sglang")

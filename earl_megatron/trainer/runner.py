@@ -10,8 +10,8 @@
         record; checkpoint (periodic, last, when stopping); evaluate (periodic)
 
 ``iteration`` is that loop body, in one screen; the machinery sits in named objects beside
-it: ``StagePlanner`` (trainer/planner.py), ``Models`` (trainer/models.py), the rollout engine
-(trainer/rollout.py), the stages (trainer/stages.py, trainer/scoring.py) and the ``Recorder``
+it: ``StagePlanner`` (trainer/planner.py), ``ModelPair`` (trainer/model_pair.py), the rollout
+engine (trainer/rollout.py), the stages (trainer/stages.py, trainer/scoring.py) and the ``Recorder``
 (trainer/record.py). Only this module and train.py read ``TrainConfig``; everything below takes
 the values it uses.
 
@@ -45,18 +45,22 @@ from earl_megatron.config.train import ConfigError, TrainConfig, sglang_mem_frac
 from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
+from earl_megatron.rl.advantages import tis_weighted
 from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
-from earl_megatron.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from earl_megatron.runtime.checkpoint import (base_hf_config, find_checkpoint, load_checkpoint,
+                                              save_checkpoint)
 from earl_megatron.trainer import segments
-from earl_megatron.trainer.data import episode_tensors, padded
-from earl_megatron.trainer.models import Models, build_models
+from earl_megatron.trainer.data import episode_tensors
+from earl_megatron.trainer.model_pair import ModelPair, build_model_pair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
-from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds, make_rollout
+from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds
+from earl_megatron.trainer.rollout_engines import make_rollout
+from earl_megatron.trainer.samples import SampleWriter
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
                                            kl_to_reference)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
@@ -110,7 +114,7 @@ class Trainer:
         groups.set_group_timeout(cfg.cluster.group_timeout_s)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, it: int, models: Models) -> Optional[dict]:
+    def iteration(self, it: int, models: ModelPair) -> Optional[dict]:
         """One iteration's record; None when told to stop during its rollout (abandoned before
         anything trained)."""
         cfg, plan, t = self.cfg, self.planner, StageTimer()
@@ -162,13 +166,14 @@ class Trainer:
                                       e.turn_rewards, ref_logprobs=ref_lp.get(s))
                    for s, e in zip(ids, episodes)}
         if ref is not None:
-            kl, metrics = kl_to_reference(policy, ids, samples,
-                                          in_reward=cfg.algorithm.kl_mode == "reward")
+            kl, kl_metrics = kl_to_reference(policy, ids, samples,
+                                             in_reward=cfg.algorithm.kl_mode == "reward")
+            metrics.update(kl_metrics)  # beside the engine's (rollout_engine, logprob diffs)
         adv = advantages(self.adv, policy, ids, samples, len(seeds),
                          kl=kl if self.adv.kl_coef else None)
         metrics.update(advantage_check(self.adv, policy, ids, samples, adv, len(seeds)))
         if tis:  # TIS: w * A trains exactly w * surrogate (rl/advantages.py)
-            adv = {s: adv[s] * padded(tis[s], adv[s].numel()) for s in ids}
+            adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
         with t("switch"):
             trainee = models.policy_in(layouts["train"])
         with t("train"):
@@ -183,6 +188,7 @@ class Trainer:
                        dispatch_bytes=res.bytes_received + moved_lp)
         if res.entropy is not None:
             metrics["entropy"] = res.entropy
+        self.sample_writer.write(it, ids, episodes)  # rank 0: a few decoded, <run>/samples
         return self.recorder.record(it, layouts, ids, episodes, lengths, t.total(), metrics,
                                     plan)
 
@@ -195,6 +201,8 @@ class Trainer:
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
+        self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
+                                          view, enabled=self.rank == 0)
         messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()
         self._mark_completed(models, start - 1)
@@ -202,7 +210,7 @@ class Trainer:
             with view:
                 for line in messages:
                     view.message(line)
-                if start >= cfg.run.iterations:
+                if start >= cfg.run.iterations and start:
                     view.message(f"the run is complete ({start} iterations): nothing to do; "
                                  "raise run.iterations to train further")
                     return self.history
@@ -212,7 +220,7 @@ class Trainer:
             self.rollout.close()
         return self.history
 
-    def _run(self, start: int, models: Models) -> None:
+    def _run(self, start: int, models: ModelPair) -> None:
         cfg = self.cfg
         if start == 0 and cfg.sft.steps and not self._warm_start(models):
             # told to stop during the warm start: it checkpointed itself; resume continues it
@@ -250,13 +258,13 @@ class Trainer:
             self.recorder.view.message(
                 f"stopped at a safe point after iteration {done}: checkpoint saved, evaluation "
                 "skipped; rerun (or the requeued job) resumes there")
-        else:
+        elif cfg.run.iterations:    # run.iterations=0: the start evaluation is the run
             self._evaluate_into("end", models)
         self.recorder.finish()
         if self.stop.stopping:
             self.stop.mark_stopped(self._completed["iteration"])
 
-    def _evaluate_into(self, when: str, models: Models) -> None:
+    def _evaluate_into(self, when: str, models: ModelPair) -> None:
         res = self.evaluate(models)
         if res is not None:  # None: told to stop meanwhile, nothing recorded
             self.recorder.evaluation(when, res)
@@ -266,11 +274,11 @@ class Trainer:
         for tp, seconds in self.rollout.take_starts():
             self.planner.record_start(tp, seconds)
 
-    def _mark_completed(self, models: Models, it: int) -> None:
+    def _mark_completed(self, models: ModelPair, it: int) -> None:
         self._completed = {"iteration": it, "layout": models.policy.layout,
                            "selector": self.planner.state}
 
-    def _warm_start(self, models: Models) -> bool:
+    def _warm_start(self, models: ModelPair) -> bool:
         """The supervised phase before RL (trainer/warm_start.py); False: told to stop."""
         from earl_megatron.trainer.warm_start import TraceSource, WarmStart
 
@@ -283,7 +291,7 @@ class Trainer:
                          history=self._sft_history, keep_last=cfg.run.keep_last)
         return warm.run(models, self.planner, self.stop.world_should_stop)
 
-    def _start(self) -> tuple[int, Models, list[str]]:
+    def _start(self) -> tuple[int, ModelPair, list[str]]:
         """(first iteration, models, messages): from the newest checkpoint (RL, else the warm
         start's), or fresh."""
         cfg = self.cfg
@@ -306,9 +314,9 @@ class Trainer:
                 self.planner.restore([], state["last_lengths"], state.get("profile"))
                 lay = ref_lay = self.planner.plan("rollout", self.planner.rollout_lengths(),
                                                   None)
-            models = build_models(cfg.model, lay, ref_lay if self.kl_on else None,
-                                  optimizer=self.optimizer, seed=cfg.run.seed,
-                                  init=cfg.run.init)
+            models = build_model_pair(cfg.model, lay, ref_lay if self.kl_on else None,
+                                      optimizer=self.optimizer, seed=cfg.run.seed,
+                                      init=cfg.run.init)
             load_checkpoint(models.policy, ckpt)
             self.history.extend(state["history"])
             self._saved = state["iteration"]
@@ -319,23 +327,23 @@ class Trainer:
             from earl_megatron.trainer.warm_start import warm_start_state
             warm = warm_start_state(self.out)
             if warm is not None:  # killed during (or right after) the warm start
-                models = build_models(cfg.model, self._parse(warm["layout"]), None,
-                                      optimizer=self.optimizer, seed=cfg.run.seed,
-                                      init=cfg.run.init)
+                models = build_model_pair(cfg.model, self._parse(warm["layout"]), None,
+                                          optimizer=self.optimizer, seed=cfg.run.seed,
+                                          init=cfg.run.init)
                 load_checkpoint(models.policy, warm["path"])
                 self._sft_start, self._sft_history = warm["sft_step"] + 1, warm["sft_history"]
                 return 0, models, warm["notes"] + [f"resumed the warm start from {warm['path']} "
                                                    f"at step {self._sft_start}"]
         # run.init's architecture and its match with cfg.model: checked in train.validate
         first = self.planner.plan("rollout", self.planner.rollout_lengths(), None)
-        return 0, build_models(cfg.model, first, first if self.kl_on else None,
-                               optimizer=self.optimizer, seed=cfg.run.seed,
-                               init=cfg.run.init), []
+        return 0, build_model_pair(cfg.model, first, first if self.kl_on else None,
+                                   optimizer=self.optimizer, seed=cfg.run.seed,
+                                   init=cfg.run.init), []
 
     def _parse(self, text: str) -> ParallelLayout:
         return ParallelLayout.parse(text, world_size=self.world, model=self.cfg.model)
 
-    def evaluate(self, models: Models) -> Optional[dict]:
+    def evaluate(self, models: ModelPair) -> Optional[dict]:
         """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
         "sampled" plays the stochastic policy at the rollout temperature (what training
         optimises); "greedy" plays its argmax. An environment without opponents (the
@@ -368,7 +376,7 @@ class Trainer:
                 out[f"{opp or cfg.env.name}/{mode}"] = res
         return out
 
-    def _checkpoint(self, models: Models, it: int) -> None:
+    def _checkpoint(self, models: ModelPair, it: int) -> None:
         """Checkpoint iteration ``it``, the last completed one. The loop state records the
         layout and selector state that iteration ended with (``_mark_completed``), even when the
         policy has moved on into an abandoned iteration (its weights have not: nothing trained);
@@ -383,6 +391,7 @@ class Trainer:
                  "selector": self.planner.state_json(done["selector"]),
                  "profile": self.planner.profile_json()}
         save_checkpoint(policy, self.out / "checkpoints", it, state,
-                        keep_last=self.cfg.run.keep_last)
+                        keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
+                        hf_config=base_hf_config(self.cfg.run.init))
         self._saved = it
 

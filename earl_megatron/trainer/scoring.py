@@ -3,10 +3,8 @@
 Where the samples are: every rank of rollout replica d holds replica d's samples (the producer
 placement). One rank per replica OWNS them for statistics (tp, pp and cp coordinate 0), so each
 sample counts once in every all-reduce (runtime/reduce.py); every rank then applies the same
-global statistics to the samples it holds. The math is rl/advantages.py's.
-
-KL estimators (Schulman's k1/k3, as OpenRLHF uses them): in the reward, k1 = log pi_old -
-log pi_ref per policy token; in the loss, k3 = exp(ref - logp) - (ref - logp) - 1 (rl/losses.py).
+global statistics to the samples it holds. The math is rl/'s: advantages and KL in the reward in
+rl/advantages.py, the KL estimators (k1 in the reward, k3 in the loss) in rl/losses.py.
 ``kl`` in the metrics is the mean over policy tokens of the estimator in use, evaluated at the
 policy that sampled the batch.
 """
@@ -18,8 +16,9 @@ from typing import Optional
 
 import torch
 
-from earl_megatron.rl.advantages import grpo_advantage, normalize, token_returns
-from earl_megatron.rl.losses import k3_kl
+from earl_megatron.rl.advantages import (grpo_advantage, kl_penalized_reward, normalize,
+                                         token_returns)
+from earl_megatron.rl.losses import k1_kl, k3_kl
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.reduce import global_max, global_moments, global_sum
 
@@ -50,12 +49,11 @@ def kl_to_reference(policy: ModelOnLayout, ids: list[int], samples: dict, in_rew
     for s in ids:
         t = samples[s]
         m = t.loss_mask
-        k = (t.old_logprobs - t.ref_logprobs if in_reward
-             else k3_kl(t.old_logprobs, t.ref_logprobs)) * m
+        k = (k1_kl if in_reward else k3_kl)(t.old_logprobs, t.ref_logprobs) * m
         per[s] = k
         if owner:
             acc += torch.stack([k.double().sum(), m.double().sum()])
-            gap = ((t.old_logprobs - t.ref_logprobs).abs() * m).max() if m.any() else 0.0
+            gap = (k1_kl(t.old_logprobs, t.ref_logprobs).abs() * m).max() if m.any() else 0.0
             top = torch.maximum(top, torch.as_tensor(gap, dtype=torch.float64).reshape(1))
     acc, top = global_sum(acc), global_max(top)
     return per, {"kl": acc[0].item() / max(acc[1].item(), 1.0),
@@ -76,7 +74,7 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
     coef = cfg.kl_coef if kl is not None else 0.0
     if cfg.estimator == "grpo":
         g = cfg.group_size
-        reward = {s: samples[s].reward - (coef * float(kl[s].sum()) if coef else 0.0)
+        reward = {s: kl_penalized_reward(samples[s].reward, kl[s] if coef else None, coef)
                   for s in ids}
         mine = ids if owner else []
         moments = global_moments(torch.tensor([reward[s] for s in mine], dtype=torch.float64),

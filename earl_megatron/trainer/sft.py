@@ -34,8 +34,8 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.rollout.trajectories import (Trajectory, expert_trajectories, read_jsonl,
                                                 trajectory_tokens)
-from earl_megatron.trainer.data import TRAIN_TENSORS, microbatches, shifted_ids
-from earl_megatron.trainer.stages import BatchShape, micro_batch_plan
+from earl_megatron.runtime.step_inputs import TRAIN_TENSORS, shifted_ids
+from earl_megatron.trainer.stages import BatchShape, dispatched_microbatches, micro_batch_plan
 
 SFT_TENSORS = TRAIN_TENSORS[:3]
 """input_ids (first pp_stage), labels and loss_mask (last): all the cross entropy reads."""
@@ -102,20 +102,20 @@ def sample_tensors(ids: Sequence[int], mask: Sequence[int], length: int, pad_id:
     return {"input_ids": input_ids, "labels": labels, "loss_mask": m[1:].clone()}
 
 
-def sft_step(mol, samples: Sequence[Sample], batch: Sequence[int], *, lr: float, pad_id: int,
+def sft_step(on_layout, samples: Sequence[Sample], batch: Sequence[int], *, lr: float, pad_id: int,
              shape: BatchShape):
-    """One optimizer step on the traces ``batch`` (indices into ``samples``), in ``mol``'s layout.
+    """One optimizer step on the traces ``batch`` (indices into ``samples``), in ``on_layout``'s
+    layout.
 
     Sample ids are positions in ``batch``; rank r of the producer layout DP(world) builds the
     tensors of its block ``split_evenly(len(batch), world)[r]`` and the dispatcher moves them to
     the train layout, in RL's length-grouped micro-batches (trainer/stages.micro_batch_plan:
     ``shape``, padding to a multiple of 2 * cp). Returns (TrainStepResult, bytes received here).
     """
-    from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
     from earl_megatron.runtime.step import train_step
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    lay = mol.layout
+    lay = on_layout.layout
     plan = micro_batch_plan(lay, {s: len(samples[i][0]) for s, i in enumerate(batch)}, shape)
     length_of = plan.length_of
     producer = ParallelLayout(dp=world)
@@ -125,30 +125,18 @@ def sft_step(mol, samples: Sequence[Sample], batch: Sequence[int], *, lr: float,
         ids, mask = samples[batch[s]]
         for name, t in sample_tensors(ids, mask, length_of[s], pad_id).items():
             local[name][s] = t
-    result, _, _ = dispatch(producer, lay, [SampleMeta(s, length_of[s]) for s in mine], local,
-                            SFT_TENSORS,
-                            producer_pp_stages={spec.name: "all" for spec in SFT_TENSORS},
-                            assignment=plan.assignment)
-    groups_of_ids = [list(mb) for mb in plan.assignment[mol.coords.dp]]
-    batches = microbatches(result.tensors, groups_of_ids,
-                           seq_lens=plan.micro_batch_lengths(mol.coords.dp), cp=lay.cp,
-                           cp_rank=mol.coords.cp, tensors=SFT_TENSORS)
-    # every dp rank runs the same number of micro-batches: all-masked filler rows add nothing
-    count = max(len(mbs) for mbs in plan.assignment)
-    shortest = min(length_of.values())
-    while len(batches) < count:
-        batches += microbatches({}, [[]], seq_lens=[shortest], cp=lay.cp,
-                                cp_rank=mol.coords.cp, rows=1, tensors=SFT_TENSORS)
-    set_lr(mol.optimizer, lr)
-    res = train_step(mol, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
-    return res, int(result.stats.bytes_received)
+    batches, _, received = dispatched_microbatches(on_layout, producer, mine, local, plan,
+                                                   SFT_TENSORS)
+    set_lr(on_layout.optimizer, lr)
+    res = train_step(on_layout, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
+    return res, received
 
 
-def train_sft(mol, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, seed: int,
+def train_sft(on_layout, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, seed: int,
               pad_id: int, shape: BatchShape, start: int = 0,
               on_step: Optional[Callable[[int, object], None]] = None
               ) -> list[float]:
-    """Steps ``start .. scfg.steps - 1`` in ``mol``'s layout; the loss of each step.
+    """Steps ``start .. scfg.steps - 1`` in ``on_layout``'s layout; the loss of each step.
 
     ``on_step(step, TrainStepResult)`` runs after every step (metrics, checkpoints). The trainer
     (trainer/warm_start.py) drives its own loop over ``sft_step`` to plan a layout per step.
@@ -156,7 +144,7 @@ def train_sft(mol, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, see
     losses = []
     for step in range(start, scfg.steps):
         batch = step_batch(len(samples), scfg.batch_size, seed, step)
-        res, _ = sft_step(mol, samples, batch, lr=lr, pad_id=pad_id, shape=shape)
+        res, _ = sft_step(on_layout, samples, batch, lr=lr, pad_id=pad_id, shape=shape)
         losses.append(res.loss)
         if on_step is not None:
             on_step(step, res)

@@ -18,6 +18,7 @@ rank of the consuming layout (the dispatcher's exactly-once guarantee).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -26,13 +27,14 @@ import torch
 
 from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.rl.losses import PolicyLossConfig, policy_loss
+from earl_megatron.rl.losses import PolicyLossConfig, masked_sums, policy_loss, ratio_sums
 from earl_megatron.rollout.engine import split_evenly
+from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
 from earl_megatron.runtime.reduce import global_sum
-from earl_megatron.trainer.data import (LOGPROB_TENSORS, REF_LOGPROBS, microbatches,
-                                        shifted_ids, train_tensors)
+from earl_megatron.runtime.step_inputs import (LOGPROB_TENSORS, REF_LOGPROBS, microbatches,
+                                               shifted_ids, train_tensors)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,28 @@ def micro_batch_plan(layout: ParallelLayout, tokens: dict[int, int],
                               shape.micro_batch_size, multiple, shape.micro_batch_tokens)
 
 
+def dispatched_microbatches(model: ModelOnLayout, producer: ParallelLayout, ids: list[int],
+                            local: dict, plan: MicroBatchPlan, tensors, *, fill: bool = True
+                            ) -> tuple[list[dict], list[list[int]], int]:
+    """Dispatch this rank's ``local`` samples (held on every pp_stage of their ``producer``
+    replica) to ``model``'s layout in ``plan``'s micro-batches and stack this rank's. With
+    ``fill`` every dp rank runs as many micro-batches (all-masked rows of the shortest length
+    fill in: they add nothing to the loss or the token count). Returns (micro-batches, their
+    sample ids, bytes received here)."""
+    lay, me = model.layout, model.coords
+    result, _, _ = dispatch(producer, lay, [SampleMeta(s, plan.length_of[s]) for s in ids], local,
+                            tensors, producer_pp_stages={spec.name: "all" for spec in tensors},
+                            assignment=plan.assignment)
+    groups_of_ids = [list(mb) for mb in plan.assignment[me.dp]]
+    batches = microbatches(result.tensors, groups_of_ids, seq_lens=plan.micro_batch_lengths(me.dp),
+                           cp=lay.cp, cp_rank=me.cp, tensors=tensors, device=groups.device())
+    count = max(len(mbs) for mbs in plan.assignment) if fill else 0
+    while len(batches) < count:
+        batches += microbatches({}, [[]], seq_lens=[min(plan.length_of.values())], cp=lay.cp,
+                                cp_rank=me.cp, rows=1, tensors=tensors, device=groups.device())
+    return batches, groups_of_ids, int(result.stats.bytes_received)
+
+
 def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[int],
                        token_ids: dict[int, list[int]], tokens: dict[int, int], pad_id: int,
                        shape: BatchShape, temperature: float = 1.0
@@ -67,38 +91,33 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     if producer.cp != 1:
         raise ValueError(f"rollout layout {producer} has cp={producer.cp}; the engine decodes "
                          "with cp=1 and replicas hold whole episodes")
-    lay, me = ref.layout, ref.coords
+    lay = ref.layout
     plan = micro_batch_plan(lay, tokens, shape)
     length_of = plan.length_of
     local: dict[str, dict] = {spec.name: {} for spec in LOGPROB_TENSORS}
     for s in ids:
         local["input_ids"][s], local["labels"][s] = shifted_ids(token_ids[s], length_of[s],
                                                                 pad_id)
-    result, _, _ = dispatch(producer, lay, [SampleMeta(s, length_of[s]) for s in ids], local,
-                            LOGPROB_TENSORS,
-                            producer_pp_stages={spec.name: "all" for spec in LOGPROB_TENSORS},
-                            assignment=plan.assignment)
-    groups_of_ids = [list(mb) for mb in plan.assignment[me.dp]]
-    batches = microbatches(result.tensors, groups_of_ids,
-                           seq_lens=plan.micro_batch_lengths(me.dp), cp=lay.cp, cp_rank=me.cp,
-                           tensors=LOGPROB_TENSORS)
+    batches, groups_of_ids, received = dispatched_microbatches(ref, producer, ids, local, plan,
+                                                               LOGPROB_TENSORS, fill=False)
     out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows,
                            temperature=temperature)
     back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
                                 for i, s in enumerate(mb)}}
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
+    to_replica = dataclasses.replace(REF_LOGPROBS, pp_stages="all")
     mine = [s for mb in groups_of_ids for s in mb]
     blocks = [[tuple(b)] for b in split_evenly(len(tokens), producer.dp)]
     returned, _, _ = dispatch(lay, producer, [SampleMeta(s, length_of[s]) for s in mine], back,
-                              (REF_LOGPROBS,), producer_pp_stages={REF_LOGPROBS.name: "last"},
+                              (to_replica,), producer_pp_stages={REF_LOGPROBS.name: "last"},
                               assignment=blocks)
     got = returned.tensors[REF_LOGPROBS.name]
-    moved = int(result.stats.bytes_received + returned.stats.bytes_received)
-    return {s: got[s][:len(token_ids[s]) - 1] for s in ids}, moved
+    moved = received + int(returned.stats.bytes_received)
+    return {s: got[s][:len(token_ids[s]) - 1].cpu() for s in ids}, moved
 
 
 @dataclass(frozen=True)
-class TrainResult:
+class TrainStageResult:
     loss: float
     grad_norm: float
     bytes_received: int
@@ -107,7 +126,8 @@ class TrainResult:
     ratio_mean: float
     """Mean pi/pi_old over policy tokens in the last epoch's step (~1 on-policy, epoch 1)."""
     clip_fraction: float
-    """Policy tokens whose ratio left [1 - clip_eps_low, 1 + clip_eps_high] (last epoch)."""
+    """Policy tokens whose ratio left [1 - clip_eps_low, 1 + clip_eps_high] (last epoch;
+    ``rl.losses.ratio_sums``)."""
 
 
 def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -120,7 +140,7 @@ def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
 
 def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
              advantages: dict, plan: MicroBatchPlan, loss: PolicyLossConfig, epochs: int
-             ) -> TrainResult:
+             ) -> TrainStageResult:
     """The TRAIN stage: dispatch this rank's samples to the train layout and run ``epochs``
     optimizer steps on them. ``plan`` (``micro_batch_plan`` of the train layout) fixes which
     samples train together; ``samples`` were built with its lengths. The reference logprobs
@@ -128,8 +148,6 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
     (one V/tp-wide fp32 buffer more per micro-batch), so only when entropy_coef > 0."""
     from earl_megatron.runtime.step import train_step, train_step_logprobs
 
-    lay = policy.layout
-    length_of = plan.length_of
     tensors = train_tensors(with_ref=loss.kl_coef > 0)
     local = {spec.name: {} for spec in tensors}
     for s in ids:
@@ -137,21 +155,7 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
         for spec in tensors:
             local[spec.name][s] = advantages[s] if spec.name == "advantages" \
                 else getattr(t, spec.name)
-    meta = [SampleMeta(s, length_of[s]) for s in ids]
-    result, _, _ = dispatch(producer, lay, meta, local, tensors,
-                            producer_pp_stages={spec.name: "all" for spec in tensors},
-                            assignment=plan.assignment)
-    groups_of_ids = [list(mb) for mb in plan.assignment[policy.coords.dp]]
-    # every dp rank runs the same number of micro-batches (one all-masked row of the shortest
-    # length fills in; it adds nothing to the loss or the token count)
-    count = max(len(mbs) for mbs in plan.assignment)
-    batches = microbatches(result.tensors, groups_of_ids,
-                           seq_lens=plan.micro_batch_lengths(policy.coords.dp), cp=lay.cp,
-                           cp_rank=policy.coords.cp, tensors=tensors)
-    shortest = min(length_of.values())
-    while len(batches) < count:
-        batches += microbatches({}, [[]], seq_lens=[shortest], cp=lay.cp,
-                                cp_rank=policy.coords.cp, rows=1, tensors=tensors)
+    batches, _, received = dispatched_microbatches(policy, producer, ids, local, plan, tensors)
     kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
     r, entropy, ratio = None, None, torch.full((3,), math.nan, dtype=torch.float64)
     for epoch in range(epochs):
@@ -168,11 +172,11 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
             r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
         ratio = _over_world(policy, ratios, 3)
     tokens = max(ratio[2].item(), 1.0)
-    return TrainResult(loss=r.loss if r is not None else math.nan,
-                       grad_norm=r.grad_norm if r is not None else math.nan,
-                       bytes_received=int(result.stats.bytes_received), entropy=entropy,
-                       ratio_mean=ratio[0].item() / tokens,
-                       clip_fraction=ratio[1].item() / tokens)
+    return TrainStageResult(loss=r.loss if r is not None else math.nan,
+                            grad_norm=r.grad_norm if r is not None else math.nan,
+                            bytes_received=received, entropy=entropy,
+                            ratio_mean=ratio[0].item() / tokens,
+                            clip_fraction=ratio[1].item() / tokens)
 
 
 def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
@@ -184,34 +188,24 @@ def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
     return global_sum(acc)
 
 
-def _ratio_sums(logp: torch.Tensor, mb: dict, cfg: PolicyLossConfig) -> torch.Tensor:
-    """(sum of pi/pi_old, tokens outside the clip range, policy tokens) over policy tokens."""
-    m = mb["loss_mask"].double()
-    ratio = torch.exp(logp.detach().double() - mb["old_logprobs"].double())
-    out = ((ratio < 1.0 - cfg.clip_eps_low) | (ratio > 1.0 + cfg.clip_eps_high)).double()
-    return torch.stack([(ratio * m).sum(), (out * m).sum(), m.sum()])
-
-
-def _loss_fn(cfg: PolicyLossConfig, ratio_sums: list):
+def _loss_fn(cfg: PolicyLossConfig, ratios: list):
     """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy).
-    Appends each micro-batch's ``_ratio_sums`` to ``ratio_sums``."""
+    Appends each micro-batch's ``rl.losses.ratio_sums`` to ``ratios``."""
     def loss_fn(output: torch.Tensor, mb: dict) -> torch.Tensor:
         logp = -output.float()  # Megatron returns the vocab-parallel cross entropy per token
-        ratio_sums.append(_ratio_sums(logp, mb, cfg))
+        ratios.append(ratio_sums(logp, mb["old_logprobs"], mb["loss_mask"], cfg))
         return policy_loss(logp, mb["old_logprobs"], mb["advantages"], cfg,
                            ref_logp=_ref_logp(mb, logp))
     return loss_fn
 
 
-def _entropy_loss_fn(cfg: PolicyLossConfig, entropy_sums: list, ratio_sums: list):
+def _entropy_loss_fn(cfg: PolicyLossConfig, entropies: list, ratios: list):
     """Per-token loss on the logits path: TokenLogprobs -> loss with the entropy bonus. Appends
-    each micro-batch's (masked entropy sum, policy tokens) to ``entropy_sums`` and its
-    ``_ratio_sums`` to ``ratio_sums``."""
+    each micro-batch's (masked entropy sum, policy tokens) to ``entropies`` and its
+    ``rl.losses.ratio_sums`` to ``ratios``."""
     def loss_fn(tl, mb: dict) -> torch.Tensor:
-        m = mb["loss_mask"].float()
-        entropy_sums.append(torch.stack([(tl.entropy.detach().double() * m).sum(),
-                                         m.double().sum()]))
-        ratio_sums.append(_ratio_sums(tl.logp, mb, cfg))
+        entropies.append(masked_sums(tl.entropy, mb["loss_mask"]))
+        ratios.append(ratio_sums(tl.logp, mb["old_logprobs"], mb["loss_mask"], cfg))
         return policy_loss(tl.logp, mb["old_logprobs"], mb["advantages"], cfg,
                            ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy)
     return loss_fn

@@ -40,13 +40,11 @@ import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.runtime.checkpoint import CONFIG_JSON
+from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights.hf_io import HFCheckpoint, HFWriter, release_freed_memory
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
-
-HF_SUBDIR = "hf"
 
 
 @dataclasses.dataclass(frozen=True)

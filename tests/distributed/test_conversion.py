@@ -76,29 +76,10 @@ def models(tmp_path_factory):
 
 def _megatron_logits(mol, tokens: torch.Tensor):
     """Full-vocab logits on the last pp_stage's tp rank 0 (None elsewhere), Megatron schedules."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from earl_megatron.testing.logits import megatron_logits
 
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch, position_ids, None)
-
-        def loss_func(logits):
-            full = gather_from_tensor_model_parallel_region(logits)
-            return logits.sum() * 0.0, torch.tensor(1), {"logits": full.detach().clone()}
-
-        return out, loss_func
-
-    mol.tcfg.finalize_model_grads_func = None
-    res = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([tokens]), model=[mol.model],
-        num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
-        forward_only=True)
-    if mol.post_process and mol.coords.tp == 0:
-        return res[0]["logits"].float()
-    return None
+    got = megatron_logits(mol, tokens)
+    return None if got is None else got[1]
 
 
 def _load_layouts(paths: list[str], layouts: list[str]) -> dict:

@@ -10,9 +10,10 @@ import random
 import pytest
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.placement import RL_TENSORS, consumer_placement, producer_placement
+from earl_megatron.plan.placement import consumer_placement, producer_placement
 from earl_megatron.plan.shard_map import Topology
 from earl_megatron.testing.multiproc import run_distributed
+from earl_megatron.testing.varied_tensors import VARIED_TENSORS
 
 pytestmark = pytest.mark.distributed
 
@@ -40,8 +41,8 @@ def lengths_for(seed: int, n: int) -> dict[int, int]:
 
 def full_tensor(name: str, s: int, length: int, seed: int):
     import torch
-    spec = {t.name: t for t in RL_TENSORS}[name]
-    index = [t.name for t in RL_TENSORS].index(name)
+    spec = {t.name: t for t in VARIED_TENSORS}[name]
+    index = [t.name for t in VARIED_TENSORS].index(name)
     g = torch.Generator().manual_seed(seed * 1_000_003 + s * 31 + index)
     n = spec.elements(length)
     if spec.dtype == "int64":
@@ -55,8 +56,9 @@ def _run_cases(cases, seed):
     import torch
     import torch.distributed as dist
 
-    from earl_megatron.runtime.dispatcher import (SampleMeta, dispatch, dispatch_centralized,
-                                                  execute_shard_map, owned_slices, plan_dispatch)
+    from earl_megatron.runtime.dispatcher import (SampleMeta, dispatch, execute_shard_map,
+                                                  owned_slices, plan_dispatch)
+    from earl_megatron.testing.baselines import dispatch_centralized
     from earl_megatron.runtime.reduce import global_moments
     rank, world = dist.get_rank(), dist.get_world_size()
     report = []
@@ -66,28 +68,30 @@ def _run_cases(cases, seed):
         case_seed = seed + 97 * i
         lengths = lengths_for(case_seed, 4 * world)
         full = {(t.name, s): full_tensor(t.name, s, n, case_seed)
-                for t in RL_TENSORS for s, n in lengths.items()}
+                for t in VARIED_TENSORS for s, n in lengths.items()}
         my_dp = P.coords(rank).dp
         meta = [SampleMeta(s, n, s // 4) for s, n in lengths.items() if s % P.dp == my_dp]
         topo = Topology(ranks_per_node=rpn, latency_s=lat)
         # what the producer placement says this rank holds, cut from the full tensors
         everyone = [[SampleMeta(s, n, s // 4) for s, n in lengths.items()
                      if s % P.dp == P.coords(r).dp] for r in range(world)]
-        producer, consumer, smap = plan_dispatch(P, C, everyone, num_micro_batches=mbs,
-                                                 topology=topo, producer_pp_stages=pp_stages)
+        producer, consumer, smap = plan_dispatch(P, C, everyone, VARIED_TENSORS,
+                                                 num_micro_batches=mbs, topology=topo,
+                                                 producer_pp_stages=pp_stages)
         local = {}
         for p in producer.pieces_of(rank):
             local.setdefault(p.tensor, {}).setdefault(p.sample_id, []).append(
                 full[p.tensor, p.sample_id][p.start:p.end])
         local = {k: {s: torch.cat(v) for s, v in d.items()} for k, d in local.items()}
 
-        result, consumer2, gathered = dispatch(P, C, meta, local, num_micro_batches=mbs,
-                                               topology=topo, producer_pp_stages=pp_stages)
+        result, consumer2, gathered = dispatch(P, C, meta, local, VARIED_TENSORS,
+                                               num_micro_batches=mbs, topology=topo,
+                                               producer_pp_stages=pp_stages)
         assert consumer2 == consumer, "plan differs from the one built from the same metadata"
         central = dispatch_centralized(producer, consumer, local)
         checked = 0
         checksum = 0
-        for p_name in [t.name for t in RL_TENSORS]:
+        for p_name in [t.name for t in VARIED_TENSORS]:
             for s in consumer.local_samples(rank, p_name):
                 want = torch.cat([full[p_name, s][a:b]
                                   for a, b in consumer.intervals(rank, p_name, s)])
@@ -143,8 +147,8 @@ def _expected_pieces(cases, world, seed):
         lengths = lengths_for(seed + 97 * i, 4 * world)
         reports = [[(s, n) for s, n in lengths.items() if s % P.dp == P.coords(r).dp]
                    for r in range(world)]
-        producer = producer_placement(P, reports, RL_TENSORS, pp_stages=pp_stages)
-        consumer = consumer_placement(C, lengths, RL_TENSORS, mbs, producer=producer)
+        producer = producer_placement(P, reports, VARIED_TENSORS, pp_stages=pp_stages)
+        consumer = consumer_placement(C, lengths, VARIED_TENSORS, mbs, producer=producer)
         out.append([len({(p.tensor, p.sample_id) for p in consumer.pieces_of(r)})
                     for r in range(world)])
     return out

@@ -2,11 +2,11 @@
 
 One 2-rank launch loops over rollout layouts (dp2 = two TP1 replicas, tp2, pp2; Llama, Qwen2
 with qkv bias and tied embeddings on pp2, Qwen3 with q/k norms and head_dim 12 != 64 / 8 heads
-on tp2; earl_megatron/testing/models.py) and checks, per layout:
+on tp2; earl_megatron/testing/tiny_models.py) and checks, per layout:
 - greedy tokens of the KV-cached engine, batched over prompts of different lengths (left-padded),
   equal the KV-cached engine one prompt at a time and a no-cache reference that recomputes the
   whole unpadded sequence every step with the same Megatron model;
-- sampled tokens' logprobs equal ``recompute_logprobs`` (Megatron's forward-only schedule) within
+- sampled tokens' logprobs equal ``recompute_logprobs`` (the trainer's LOGPROB stage) within
   1e-4, also when recomputed by a DDP training model in another layout (cp2);
 - stop tokens end a row with finish_reason "stop"; every rank returns the same generations.
 Then Connect Four episodes run through the engine with ``run_episodes`` (tp2) and the loss mask
@@ -18,7 +18,7 @@ The greedy tokens (Llama and Qwen3, tp2) are also compared with the transformers
 import pytest
 import torch
 
-from earl_megatron.testing.models import tiny_model
+from earl_megatron.testing.tiny_models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 from earl_megatron.testing.weights import biased_weights
 
@@ -36,7 +36,7 @@ def _check_layout(family, name, weights_seed):
 
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
-    from earl_megatron.rollout.recompute import recompute_logprobs
+    from earl_megatron.trainer.old_logprobs import recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.models.sharding import reference_weights
@@ -103,7 +103,7 @@ def _agent_loop_and_weights():
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.agent_loop import AgentLoopConfig, run_episodes
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
-    from earl_megatron.rollout.recompute import recompute_logprobs
+    from earl_megatron.trainer.old_logprobs import recompute_logprobs
     from earl_megatron.rollout.engine import SamplingParams
     from earl_megatron.rollout.tokenizer import chat_format, char_tokenizer
     from earl_megatron.runtime.build import build_on_layout
@@ -156,7 +156,7 @@ def _all_checks():
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.recompute import recompute_logprobs
+    from earl_megatron.trainer.old_logprobs import recompute_logprobs
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
@@ -304,7 +304,7 @@ def test_greedy_equals_transformers_reference(results, family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from earl_megatron.rollout.engine import SamplingParams
-    from earl_megatron.rollout.hf_engine import HFEngine
+    from earl_megatron.testing.hf_engine import HFEngine
     from earl_megatron.models.sharding import reference_weights
     from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
 

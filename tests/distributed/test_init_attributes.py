@@ -14,7 +14,7 @@ dp4, tp2-dp2, tp4, pp2-dp2, tp2-pp2 (tied with pp > 1: the last pp_stage's outpu
   loss (clipping is where a wrong ``tensor_model_parallel`` shows: TP shards counted once only).
 """
 
-from earl_megatron.testing.models import tiny_model
+from earl_megatron.testing.tiny_models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 
 WORLD = 4

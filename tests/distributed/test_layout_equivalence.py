@@ -2,7 +2,7 @@
 
 One launch per (model, world size); each launch loops over many layouts (regrouping in place).
 Qwen2 (qkv bias, tied) and Qwen3 (q/k norms, head_dim 12 != hidden / heads; see
-earl_megatron/testing/models.py) run all 13 layouts. Llama runs world 2 only: its tensors are a
+earl_megatron/testing/tiny_models.py) run all 13 layouts. Llama runs world 2 only: its tensors are a
 subset of Qwen3's (untied, no bias), so its worlds 4 and 8 gave way to Qwen3's to keep the suite
 short.
 """
@@ -11,7 +11,7 @@ import functools
 
 import pytest
 
-from earl_megatron.testing.models import tiny_model
+from earl_megatron.testing.tiny_models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 
 TOL = 1e-5

@@ -14,7 +14,7 @@ Launches (each loops over many layouts in one job):
 
 import pytest
 
-from earl_megatron.testing.models import tiny_model
+from earl_megatron.testing.tiny_models import tiny_model
 from earl_megatron.testing.multiproc import run_distributed
 
 WORLD = 4
@@ -54,7 +54,8 @@ def _weights_job(family):
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import random_batch
-    from earl_megatron.runtime.switcher import SwitchStats, switch_layout, switch_via_checkpoint
+    from earl_megatron.runtime.switcher import SwitchStats, switch_layout
+    from earl_megatron.testing.baselines import switch_via_checkpoint
     from earl_megatron.weights.gather import gather_full
     from earl_megatron.models.sharding import reference_weights
 

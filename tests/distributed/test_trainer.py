@@ -139,6 +139,8 @@ def test_kl_loss_with_a_logprob_layout_of_its_own(tmp_path):
     assert world["backend"] == "gloo" and world["devices"] == {"cpu": "gloo"}
     _check_kl(hist)
     assert hist[1]["kl"] > 0 and hist[0]["entropy"] > 0
+    # the KL metrics join the engine's, not replace them
+    assert all(h["rollout_engine"] == "embedded" for h in hist)
 
 
 def test_recomputed_old_logprobs_with_the_embedded_engine(tmp_path):
@@ -173,9 +175,16 @@ def test_kl_in_the_reward_with_auto_layouts(tmp_path):
 
 
 def test_auto_layouts_change_under_a_memory_budget(tmp_path):
-    cfg = _cfg(str(tmp_path / "auto"), 2, mode="auto", memory_budget_gb=0.1)
+    # 0.02 GB per rank: TRAIN in DP2 (the whole model's activations per rank, ~24 MiB predicted)
+    # no longer fits, so TRAIN moves to a layout that splits them (CP2 or TP2) while ROLLOUT (a
+    # few MiB) keeps DP2: the stages of one iteration run in different layouts, all in budget
+    cfg = _cfg(str(tmp_path / "auto"), 2, mode="auto", memory_budget_gb=0.02)
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
-    assert len(hist) == 2 and "predicted_memory_gb" in hist[0]
+    assert len(hist) == 2
+    for h in hist:
+        lay = h["layouts"]
+        assert lay["train"] != "DP2" and lay["train"] != lay["rollout"], h["layout_reasons"]
+        assert all(0 < gb <= 0.02 for gb in h["predicted_memory_gb"].values()), h
 
 
 def test_evaluation_after_a_cp_train_layout(tmp_path):
@@ -185,6 +194,24 @@ def test_evaluation_after_a_cp_train_layout(tmp_path):
     assert hist[0]["layouts"]["train"] == "CP2"
     evals = json.loads((tmp_path / "cp" / "eval.json").read_text())
     assert "random/sampled" in evals["end"]
+    # rank 0's rollout replica (DP2: 2 of the 4 episodes) wrote them decoded (trainer/samples.py)
+    from earl_megatron.trainer.samples import read_samples
+    rows = read_samples(tmp_path / "cp", 0)
+    assert len(rows) == 2 and {r["sample"] for r in rows} < set(range(4))
+    for r in rows:
+        assert "".join(s["text"] for s in r["segments"]) == r["text"] and r["turns"] >= 1
+        assert [s["trained"] for s in r["segments"]][:2] == [False, True]  # prompt, then a move
+        assert r["finish_reason"] in ("done", "max_turns", "max_context")
+
+
+def test_zero_iterations_evaluate_the_starting_policy_and_stop(tmp_path):
+    # run.iterations=0 (verl's val_only): the start evaluation is the whole run
+    out = tmp_path / "ev"
+    assert run_distributed(_train, 2, _cfg(str(out), 0), timeout=400)[0] == []
+    evals = json.loads((out / "eval.json").read_text())
+    assert set(evals) == {"start"} and "random/greedy" in evals["start"]
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    assert not list(out.glob("checkpoints/iter_*"))
 
 
 def test_pipeline_train_layout_with_length_grouped_micro_batches(tmp_path):
@@ -300,8 +327,8 @@ def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
                    and "make sglang" in m for m in msgs), msgs
         out = tmp_path / f"sg{i}"
         assert not (out / "checkpoints").exists() and not (out / "sglang").exists()
-    with pytest.raises(ConfigError, match="run.iterations=0 must be >= 1"):
-        TrainConfig.from_dict({"run": {"iterations": 0}})
+    with pytest.raises(ConfigError, match="run.iterations=-1 must be >= 0"):
+        TrainConfig.from_dict({"run": {"iterations": -1}})
     with pytest.raises(ConfigError, match="rollout.top_p"):
         TrainConfig.from_dict({"rollout": {"top_p": 0.0}})
 

@@ -24,9 +24,10 @@ import pytest
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.sglang_engine import (CPU_FLAGS, SGLangConfig, SGLangEngine,
                                                  SGLangRequestError, SGLangServerError,
-                                                 parse_generation, server_env, server_environ,
-                                                 server_command, sglang_sampling_params,
-                                                 split_evenly, trainer_weight_update_group)
+                                                 parse_generation, server_command,
+                                                 server_environment, server_variables,
+                                                 sglang_sampling_params, split_evenly,
+                                                 trainer_weight_update_group)
 from earl_megatron.rollout.sglang_server import usable_cores
 
 # Server starts can take minutes on a loaded 2-core machine; pytest.ini's 600 s is too tight.
@@ -53,22 +54,22 @@ def test_server_command_cpu_and_gpu():
     assert "--device" not in cmd and "--enable-memory-saver" in cmd
     assert "--sleep-on-idle" not in cmd
     assert "--tp-size" not in server_command(cpu, 0, 31000, "/m")
-    assert server_env(cpu) == {"SGLANG_CPU_OMP_THREADS_BIND": str(usable_cores()[0])}
+    assert server_variables(cpu) == {"SGLANG_CPU_OMP_THREADS_BIND": str(usable_cores()[0])}
     cpu2 = SGLangConfig(python="p", model_path="m", device="cpu", tp_size=2)
     assert server_command(cpu2, 0, 1, "/m").count("--tp-size") == 1
-    env = server_env(cpu2)  # DESIGN.md: the two variables SGLang needs for tp > 1 on CPU
+    env = server_variables(cpu2)  # DESIGN.md: the two variables SGLang needs for tp > 1 on CPU
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] in ("0|1", "0|0")
     assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
     # dp servers on one host take different cores (the CPU analogue of --base-gpu-id)
     cores = usable_cores()
-    binds = [server_env(cpu2, i)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(2)]
+    binds = [server_variables(cpu2, i)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(2)]
     assert binds == ["|".join(str(cores[c % len(cores)]) for c in (0, 1)),
                      "|".join(str(cores[c % len(cores)]) for c in (2, 3))]
     if len(cores) >= 2:
-        assert server_env(cpu, 0) != server_env(cpu, 1)
+        assert server_variables(cpu, 0) != server_variables(cpu, 1)
         # the trainer starts one server per replica, offset by the replica's first local rank
         one = dataclasses.replace(cpu, base_gpu_id=1)
-        assert server_env(one)["SGLANG_CPU_OMP_THREADS_BIND"] == str(cores[1])
+        assert server_variables(one)["SGLANG_CPU_OMP_THREADS_BIND"] == str(cores[1])
     # overlap scheduling: kept for one server (tp1, tp2), dropped when several servers share
     # too few cores (its second busy thread per rank made dp2 8x slower on 2 cores)
     assert "--disable-overlap-schedule" not in server_command(cpu, 0, 1, "/m")
@@ -81,11 +82,11 @@ def test_server_command_cpu_and_gpu():
         dataclasses.replace(gpu, overlap_schedule=False), 0, 1, "/m")
     with pytest.raises(ValueError, match="host_servers"):
         SGLangConfig(python="p", model_path="m", num_servers=2, host_servers=1)
-    assert server_env(gpu) == {}
+    assert server_variables(gpu) == {}
     # under torchrun the servers must not see its agent-store flag (the weight group hung)
     parent = {"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True",
               "TORCHELASTIC_RUN_ID": "x", "RANK": "1"}
-    assert server_environ(parent, gpu) == {"PATH": "/bin", "RANK": "1"}
+    assert server_environment(parent, gpu) == {"PATH": "/bin", "RANK": "1"}
     with pytest.raises(ValueError, match="one port per server"):
         SGLangConfig(python="p", model_path="m", num_servers=2, ports=(1,))
 
@@ -123,10 +124,10 @@ def test_missing_venv_gives_a_clear_error(tmp_path):
 
 
 def test_free_ports_are_distinct_and_bindable():
-    from earl_megatron.rollout.sglang_engine import _free_ports, _port_free
+    from earl_megatron.rollout.sglang_engine import free_ports, port_is_free
 
-    ports = _free_ports("127.0.0.1", 8)
-    assert len(set(ports)) == 8 and all(_port_free("127.0.0.1", p) for p in ports)
+    ports = free_ports("127.0.0.1", 8)
+    assert len(set(ports)) == 8 and all(port_is_free("127.0.0.1", p) for p in ports)
 
 
 def test_busy_port_is_refused_before_launch(tmp_path):

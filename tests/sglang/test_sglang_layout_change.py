@@ -24,14 +24,15 @@ def _play_in_two_layouts(python: str, out: str):
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.sglang_server import _port_free
+    from earl_megatron.rollout.sglang_server import port_is_free
     from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer
     from earl_megatron.runtime.build import OptimizerSpec
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.trainer.models import build_models
+    from earl_megatron.trainer.model_pair import build_model_pair
     from earl_megatron.trainer.old_logprobs import rescore
     from earl_megatron.trainer.record import gather_by_sample
-    from earl_megatron.trainer.rollout import EpisodeSpec, make_rollout
+    from earl_megatron.trainer.rollout import EpisodeSpec
+    from earl_megatron.trainer.rollout_engines import make_rollout
     from earl_megatron.trainer.stages import BatchShape
 
     torch.set_num_threads(1)
@@ -42,8 +43,8 @@ def _play_in_two_layouts(python: str, out: str):
     seeds = [11, 12, 13, 14]
     found = []
     with cpu_backend():
-        models = build_models(model, ParallelLayout(dp=2), None, optimizer=OptimizerSpec(lr=1e-3),
-                              seed=0)
+        models = build_model_pair(model, ParallelLayout(dp=2), None,
+                                  optimizer=OptimizerSpec(lr=1e-3), seed=0)
         rollout = make_rollout("sglang", spec, tok, model=model, python=python, device="cpu",
                                out_dir=out)
         try:
@@ -59,7 +60,7 @@ def _play_in_two_layouts(python: str, out: str):
                 return {int(e.split()[0].split(":")[1]) for e in ends}
             # the servers of the first two layouts are stopped (ports the third reused aside)
             old_ports = (ports(found[0][4]) | ports(found[1][4])) - ports(found[2][4])
-            freed = bool(old_ports) and all(_port_free("127.0.0.1", p) for p in old_ports)
+            freed = bool(old_ports) and all(port_is_free("127.0.0.1", p) for p in old_ports)
             starts = rollout.take_starts()
         finally:
             rollout.close()

@@ -87,7 +87,7 @@ def _strike(points: Path, plan: list, done: threading.Event, struck: list, error
 def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang_python,
                                                                           run_dir, group_gone,
                                                                           monkeypatch):
-    from earl_megatron.rollout.sglang_server import _port_free
+    from earl_megatron.rollout.sglang_server import port_is_free
 
     out = run_dir / "run"
     points = run_dir / "fault-points"
@@ -163,7 +163,7 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     assert any("timed out" in r for r in reasons), reasons  # the stall
     assert lines[-1]["rollout_servers_died"] >= 4
     ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
-    assert all(_port_free("127.0.0.1", p) for p in ports)
+    assert all(port_is_free("127.0.0.1", p) for p in ports)
     for p in out.glob("sglang/logs-*/server-*.log"):  # every server of the run has exited
         for pid in map(int, re.findall(r"=== pid (\d+)", p.read_text())):
             assert group_gone(pid), (p, pid)

@@ -15,7 +15,7 @@ from earl_megatron.envs import make_env
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, RolloutAbandoned,
                                               run_episodes, summarize)
 from earl_megatron.rollout.engine import SamplingParams
-from earl_megatron.rollout.hf_engine import HFEngine
+from earl_megatron.testing.hf_engine import HFEngine
 from earl_megatron.rollout.tokenizer import (chat_format, char_tokenizer, render_next_turn,
                                              render_prompt)
 
@@ -242,3 +242,78 @@ def test_hf_engine_sampling_contract():
     engine.resume_memory()
     engine.update_weights(tiny_llama(7))
     assert engine.generate(prompts, params) != first
+
+
+def _scripted_calculator(tok, plans, question, count_turns):
+    """A ScriptedEngine playing ``plans[expr]`` (one reply per turn) on calculator episodes."""
+    import re
+
+    from earl_megatron.testing.chat_check import ScriptedEngine
+
+    def reply(text):
+        expr = re.search(question, text).group(1)
+        return plans[expr][count_turns(text) - 1]
+
+    return ScriptedEngine(tok, reply)
+
+
+@pytest.mark.parametrize("tool_format", ["json", "tags"])
+def test_tool_turns_are_token_in_token_out(tool_format):
+    """The invariant of tests/real/test_real_chat.py (SmolLM2's ChatML) with the project's own
+    templates: trained ids are the sampled ids, the rest the template's (tool results in the
+    role the environment names: "tool" in the JSON format, "user" in the tags format), and the
+    decoded episode is the template over the whole conversation; cut turns mid-episode and last."""
+    from earl_megatron.envs.tool_calls import tool_call_text
+    from earl_megatron.envs.tool_env import CalculatorEnv, make_question
+    from earl_megatron.rollout.tokenizer import tool_tokenizer
+    from earl_megatron.testing.chat_check import check_episode
+
+    if tool_format == "json":
+        tok, budget, call, question = TOK, 120, tool_call_text, r"What is (.*?)\?<\|end\|>"
+    else:
+        tok, budget, question = tool_tokenizer(), 16, r"compute (.*?)<\|end\|>"
+        call = lambda e: f"<calc>{e}</calc>"  # noqa: E731
+    long = " please wait while the calculator works" * 4
+    exprs = [make_question(s)[0] for s in range(3)]
+    value = [str(make_question(s)[1]) for s in range(3)]
+    plans = {exprs[0]: [call(exprs[0]), call(exprs[0]), f"<answer>{value[0]}</answer>"],
+             exprs[1]: [call(exprs[1]) + long, f"<answer>{value[1]}</answer>"],
+             exprs[2]: [call(exprs[2]), f"<answer>{value[2]}</answer>" + long]}
+    engine = _scripted_calculator(tok, plans, question,
+                                  lambda text: text.count("<|assistant|>"))
+    envs = [CalculatorEnv(tool_format=tool_format) for _ in range(3)]
+    cfg = AgentLoopConfig(max_turns=4, max_context_tokens=4096, max_action_tokens=budget)
+    episodes = run_episodes(engine, envs, [0, 1, 2], tok, cfg)
+    role = "tool" if tool_format == "json" else "user"
+    assert [(e.turns, e.reward, e.observation_roles[1]) for e in episodes] == \
+        [(3, 1.0, role), (2, 1.0, role), (2, 1.0, role)]
+    for ep in episodes:
+        check_episode(ep, tok, envs[0].system_prompt, engine)
+    cut_mid, cut_last = episodes[1], episodes[2]
+    assert cut_mid.loss_mask[cut_mid.prompt_length + budget] == 0  # the closing <|end|>
+    assert cut_mid.token_ids[cut_mid.prompt_length + budget] == END
+    assert cut_last.token_ids[-1] != END and cut_last.loss_mask[-budget:] == (1,) * budget
+    if tool_format == "json":
+        assert f"<|tool|>{value[0]}<|end|><|assistant|>" in TOK.decode(list(episodes[0].token_ids))
+
+
+@pytest.mark.parametrize("template, why", [
+    ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+     "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+     "{% if add_generation_prompt %}<|assistant|>{% endif %}", "refuses a 'tool' message"),
+    ("{% for m in messages %}{% if m['role'] != 'tool' %}<|{{ m['role'] }}|>{{ m['content'] }}"
+     "<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+     "does not render a 'tool' message's content"),
+])
+def test_a_template_without_a_tool_role_is_a_clear_error(template, why):
+    from earl_megatron.envs.tool_calls import tool_call_text
+    from earl_megatron.envs.tool_env import CalculatorEnv, make_question
+
+    tok = char_tokenizer()
+    tok.chat_template = template
+    expr = make_question(0)[0]
+    engine = _scripted_calculator(tok, {expr: [tool_call_text(expr)]}, r"What is (.*?)\?<\|end",
+                                  lambda text: text.count("<|assistant|>"))
+    with pytest.raises(ValueError, match=why + ".*tool_format='tags'"):
+        run_episodes(engine, [CalculatorEnv(tool_format="json")], [0], tok,
+                     AgentLoopConfig(max_context_tokens=4096, max_action_tokens=120))

@@ -86,7 +86,7 @@ BAD = [  # (overrides, the whole message)
     ({"rollout": {"temperature": NAN}}, "rollout.temperature=nan must be a finite number"),
     ({"algorithm": {"tis_cap": INF, "old_logprobs": "recompute"}},
      "algorithm.tis_cap=inf must be a finite number"),
-    ({"run": {"iterations": 0}}, "run.iterations=0 must be >= 1"),
+    ({"run": {"iterations": -1}}, "run.iterations=-1 must be >= 0"),
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
 ]
 
@@ -170,8 +170,8 @@ def test_validate_names_missing_and_bad_input_files(tmp_path, monkeypatch):
                      "Qwen2ForCausalLM with mixture of experts is not supported"),
         "init_other_model": ({"run": {"init": _hf_dir(tmp_path / "llama", "LlamaForCausalLM",
                                                      num_hidden_layers=2)}},
-                             f"run.init={tmp_path}/llama holds ModelConfig(family='llama', "
-                             "num_layers=2"),
+                             f"model.num_layers=4 does not match run.init={tmp_path}/llama, "
+                             "whose model has num_layers=2: drop model.num_layers"),
     }
     for name, (overrides, says) in cases.items():
         got = _validate(overrides)

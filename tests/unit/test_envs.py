@@ -1,5 +1,6 @@
 """Environments: game outcomes from known move sequences, bad actions, MCTS, the calculator."""
 
+import json
 import threading
 
 import pyspiel
@@ -330,3 +331,104 @@ def test_tool_metrics():
             (True, 1, False, False, 2)]
     assert tool_metrics(rows) == {"accuracy": 0.5, "tool_calls": 1.0, "tool_error_rate": 0.25,
                                   "unparsable_turn_rate": 1 / 8}
+
+
+# --- the JSON tool-call format (tool_format="json", envs/tool_calls.py) ---------------------
+
+def test_json_format_episode_tool_messages_and_answer():
+    from earl_megatron.envs.tool_calls import CALCULATOR_SCHEMA, parse_json_action, tool_call_text
+
+    env = CalculatorEnv(tool_format="json")
+    expr, value = make_question(7)
+    assert env.reset(7) == f"What is {expr}?"
+    prompt = env.system_prompt
+    assert f"<tools>\n{json.dumps(CALCULATOR_SCHEMA)}\n</tools>" in prompt
+    assert "<answer>391</answer>" in prompt and tool_call_text("17*23") in prompt
+    assert parse_json_action(tool_call_text("17*23")) == ("call", "17*23")  # a valid example
+    res = env.step("Let me check.\n" + tool_call_text(expr))
+    assert (res.observation, res.reward, res.done, res.info, res.role) == \
+        (str(value), 0.0, False, {"tool_calls": 1}, "tool")
+    # forgiving of whitespace: around the tags, inside the JSON, around the expression
+    res = env.step(' <tool_call> \n{ "arguments" : {"expression": " 1/0 "},\n"name":"calculator"}'
+                   '  </tool_call> and more')
+    assert (res.observation, res.reward, res.done, res.role) == \
+        ("error: division by zero", 0.0, False, "tool")
+    assert res.info == {"tool_error": True, "tool_calls": 2}
+    res = env.step(f"<answer> {value} </answer>")
+    assert (res.reward, res.done, res.info["correct"], res.role) == (1.0, True, True, "user")
+    env.reset(7)
+    assert env.step(f"<answer>{value + 1}</answer>").reward == 0.0
+
+
+@pytest.mark.parametrize("call, why", [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}</tool_call>',
+     "not valid JSON"),
+    ("<tool_call>calculator(1+1)</tool_call>", "not valid JSON"),
+    ('<tool_call>["calculator", "1+1"]</tool_call>', 'exactly "name" and "arguments"'),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}, "id": 1}'
+     '</tool_call>', 'exactly "name" and "arguments"'),
+    ('<tool_call>{"name": "calc", "arguments": {"expression": "1+1"}}</tool_call>',
+     "unknown tool 'calc'"),
+    ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}'
+     '</tool_call>', "arguments are exactly"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": 2}}</tool_call>',
+     "arguments are exactly"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>',
+     "arguments are exactly"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1", "x": 1}}'
+     '</tool_call>', "arguments are exactly"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}', "not closed"),
+    ('<tool_call>{"name": "calculator" <answer>2</answer>', "not closed"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}'
+     '</tool_call>', "is not allowed"),
+])
+def test_json_malformed_call_is_a_tool_error_never_a_crash(call, why):
+    env = CalculatorEnv(tool_format="json", invalid_penalty=-0.25)
+    env.reset(1)
+    res = env.step(call)
+    assert (res.reward, res.done, res.role) == (-0.25, True, "tool")
+    assert res.info["tool_error"] and res.info["malformed_call"] and "unparsable" not in res.info
+    assert res.observation.startswith("error: ") and why in res.observation
+
+
+@pytest.mark.parametrize("text", ["391", "<calc>1+1</calc>", "<answer>eighty</answer>", ""])
+def test_json_format_no_action_is_unparsable(text):
+    env = CalculatorEnv(tool_format="json", invalid_penalty=-0.5)
+    env.reset(2)
+    res = env.step(text)
+    assert (res.reward, res.done, res.info["unparsable"], res.role) == (-0.5, True, True, "user")
+
+
+def test_json_expert_writes_the_json_format():
+    from earl_megatron.envs.tool_calls import parse_json_action, tool_call_text
+    from earl_megatron.rollout.trajectories import expert_trajectories
+
+    expr, value = make_question(5)
+    assert CalculatorEnv(tool_format="json", expert_tool_rate=1.0).expert(5) == \
+        [tool_call_text(expr), f"<answer>{value}</answer>"]
+    assert parse_json_action(tool_call_text(expr)) == ("call", expr)
+    traces = expert_trajectories(lambda: CalculatorEnv(tool_format="json"), range(40))
+    tool = [t for t in traces if t.meta["info"]["tool_calls"] == 1]
+    assert 10 <= len(tool) <= 30 and all(t.meta["reward"] == 1.0 for t in tool)
+    for t in tool:  # system (the tools), the question, the call, the tool's result, the answer
+        assert [r for r, _ in t.messages] == ["system", "user", "assistant", "tool", "assistant"]
+        _, value = make_question(t.meta["seed"])
+        assert t.messages[3][1] == str(value)
+    # the same seeds in the tags format: same choices, tags, results as user turns
+    tags = expert_trajectories(lambda: CalculatorEnv(), range(40))
+    assert [t.meta["reward"] for t in tags] == [t.meta["reward"] for t in traces]
+    assert {t.messages[3][0] for t in tags if len(t.messages) > 3} == {"user"}
+
+
+def test_tool_format_and_role_are_checked():
+    from earl_megatron.envs import StepResult
+
+    with pytest.raises(ValueError, match="tool_format='xml'.*'tags', 'json'"):
+        CalculatorEnv(tool_format="xml")
+    for role in ("assistant", "system", ""):
+        with pytest.raises(ValueError, match="StepResult.role"):
+            StepResult("obs", 0.0, False, role=role)
+    assert StepResult("obs", 0.0, False).role == "user"
+    env = CalculatorEnv()  # the tags format is unchanged: results are user turns
+    env.reset(0)
+    assert env.step("<calc>1+1</calc>").role == "user"

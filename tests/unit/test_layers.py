@@ -60,3 +60,44 @@ def test_the_walk_sees_function_local_imports():
     """Guard against a parser that misses imports inside functions (most upward imports were)."""
     path = PACKAGE / "runtime" / "build.py"
     assert "earl_megatron.models.provider" in set(_imports("earl_megatron.runtime.build", path))
+
+
+
+def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): the import loops."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on_stack.discard(comp[-1])
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_loops():
+    """No two modules import each other, directly or around a loop (function-local imports
+    count). A module importing its own package (``earl_megatron.envs.registry`` imports
+    ``earl_megatron.envs`` to run its registrations) is not a loop: Python runs the package's
+    ``__init__`` before any of its modules anyway."""
+    assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    mods = dict(_modules())
+    graph = {m: {i for i in _imports(m, p) if i in mods and i != m and not m.startswith(i + ".")}
+             for m, p in mods.items()}
+    assert not _loops(graph), f"import loops: {_loops(graph)}"

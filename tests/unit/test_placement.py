@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, strategies as st
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.placement import (RL_TENSORS, Piece, Placement, TensorSpec,
+from earl_megatron.plan.placement import (Piece, Placement, TensorSpec,
                                           assign_samples, consumer_placement, cp_chunks,
                                           merge_intervals, producer_placement,
                                           subtract_intervals)
+from earl_megatron.testing.varied_tensors import VARIED_TENSORS
 
 
 def test_cp_chunks_match_megatron_load_balanced_split():
@@ -66,12 +67,12 @@ def test_assignment_is_a_token_balanced_partition(lengths, dp, mbs):
 
 def test_consumer_tp2_pp2_replication_and_pp_stage_needs():
     lengths = {0: 6, 1: 4}
-    c = consumer_placement(ParallelLayout(tp=2, pp=2), lengths)
+    c = consumer_placement(ParallelLayout(tp=2, pp=2), lengths, VARIED_TENSORS)
     # pp_stage 0 (ranks 0, 1) holds only token ids; pp_stage 1 (ranks 2, 3) holds everything
     for r in (0, 1):
         assert c.pieces_of(r) == [Piece(r, "tokens", 0, 0, 6), Piece(r, "tokens", 1, 0, 4)]
     for r in (2, 3):
-        assert {p.tensor for p in c.pieces_of(r)} == {t.name for t in RL_TENSORS}
+        assert {p.tensor for p in c.pieces_of(r)} == {t.name for t in VARIED_TENSORS}
         assert c.intervals(r, "rewards", 1) == [(0, 1)]          # per-sample tensor
         assert c.intervals(r, "old_logprobs", 0) == [(0, 6)]
     assert c.micro_batches == (((0, 1),),)
@@ -81,7 +82,7 @@ def test_consumer_tp2_pp2_replication_and_pp_stage_needs():
 
 
 def test_consumer_cp2_dp2_split():
-    c = consumer_placement(ParallelLayout(cp=2, dp=2), {0: 8, 1: 8, 2: 4}, RL_TENSORS[:1])
+    c = consumer_placement(ParallelLayout(cp=2, dp=2), {0: 8, 1: 8, 2: 4}, VARIED_TENSORS[:1])
     # dp0 gets 0 and 2 (8 + 4 tokens), dp1 gets 1; rank = cp + 2*dp
     assert c.micro_batches == (((0, 2),), ((1,),))
     assert c.intervals(0, "tokens", 0) == [(0, 2), (6, 8)]
@@ -92,7 +93,7 @@ def test_consumer_cp2_dp2_split():
 
 def test_canonical_form_ignores_order_and_duplicates():
     lengths = {s: 10 + s for s in range(6)}
-    c = consumer_placement(ParallelLayout(tp=2, cp=2, dp=2), lengths)
+    c = consumer_placement(ParallelLayout(tp=2, cp=2, dp=2), lengths, VARIED_TENSORS)
     pieces = list(c.pieces) + random.Random(0).sample(list(c.pieces), 20)
     random.Random(1).shuffle(pieces)
     lens = list(c.lengths) * 2
@@ -102,33 +103,33 @@ def test_canonical_form_ignores_order_and_duplicates():
     assert again == c and hash(again) == hash(c)
     # split pieces merge back
     split = [Piece(0, "tokens", 0, 0, 3), Piece(0, "tokens", 0, 3, 10)]
-    p = Placement(1, RL_TENSORS[:1], ((0, 10),), tuple(split))
+    p = Placement(1, VARIED_TENSORS[:1], ((0, 10),), tuple(split))
     assert p.pieces == (Piece(0, "tokens", 0, 0, 10),)
 
 
 def test_producer_placement_from_reports():
     layout = ParallelLayout(tp=2, dp=2)  # ranks 0,1 = dp0; 2,3 = dp1
     reports = [[(0, 5), (2, 7)], [(2, 7)], [(1, 3)], []]
-    p = producer_placement(layout, reports, RL_TENSORS[:2])
+    p = producer_placement(layout, reports, VARIED_TENSORS[:2])
     # union per DP replica, replicated on both tp ranks
     assert p.local_samples(1, "tokens") == [0, 2] and p.local_samples(3, "tokens") == [1]
     shuffled = [list(reversed(r)) * 2 for r in reports]
-    assert producer_placement(layout, shuffled, RL_TENSORS[:2]) == p
+    assert producer_placement(layout, shuffled, VARIED_TENSORS[:2]) == p
     with pytest.raises(ValueError, match="lengths 5 and 6"):
-        producer_placement(layout, [[(0, 5)], [(0, 6)], [], []])
+        producer_placement(layout, [[(0, 5)], [(0, 6)], [], []], VARIED_TENSORS)
     with pytest.raises(ValueError, match="DP ranks 0 and 1"):
-        producer_placement(layout, [[(0, 5)], [], [(0, 5)], []])
+        producer_placement(layout, [[(0, 5)], [], [(0, 5)], []], VARIED_TENSORS)
     with pytest.raises(ValueError, match="one \\(possibly empty\\) report per rank"):
-        producer_placement(layout, [[]])
+        producer_placement(layout, [[]], VARIED_TENSORS)
     # a producer that holds tokens on every pp_stage (a rollout broadcasts its output)
-    pp = producer_placement(ParallelLayout(pp=2), [[(0, 4)], [(0, 4)]], RL_TENSORS[:2],
+    pp = producer_placement(ParallelLayout(pp=2), [[(0, 4)], [(0, 4)]], VARIED_TENSORS[:2],
                             pp_stages={"tokens": "all"})
     assert pp.intervals(0, "tokens", 0) == pp.intervals(1, "tokens", 0) == [(0, 4)]
     assert pp.intervals(0, "loss_mask", 0) == [] and pp.intervals(1, "loss_mask", 0) == [(0, 4)]
 
 
 def test_owned_intervals_count_each_element_once():
-    c = consumer_placement(ParallelLayout(tp=2, cp=2), {0: 8})
+    c = consumer_placement(ParallelLayout(tp=2, cp=2), {0: 8}, VARIED_TENSORS)
     # ranks 0,1 = cp0 (tp replicas), ranks 2,3 = cp1: the lower tp rank owns
     assert c.owned_intervals(0, "old_logprobs", 0) == [(0, 2), (6, 8)]
     assert c.owned_intervals(1, "old_logprobs", 0) == []
@@ -153,7 +154,7 @@ def test_validation_errors_name_the_problem():
         Placement(2, spec, ((0, 4), (0, 5)), ())
     with pytest.raises(ValueError, match="has dp=2"):
         from earl_megatron.plan.placement import placement_from_assignment
-        placement_from_assignment(ParallelLayout(dp=2), [[[0]]], {0: 3})
+        placement_from_assignment(ParallelLayout(dp=2), [[[0]]], {0: 3}, VARIED_TENSORS)
 
 
 def test_planning_modules_import_neither_torch_nor_megatron():
@@ -169,8 +170,9 @@ def test_locality_preference_never_costs_balance():
     # Producer DP2 holds 0, 1 on dp0 and 2, 3 on dp1: given the producer, nothing moves.
     lengths = {s: 10 for s in range(4)}
     assert assign_samples(lengths, 2) == (((0, 2),), ((1, 3),))
-    producer = producer_placement(ParallelLayout(dp=2), [[(0, 10), (1, 10)], [(2, 10), (3, 10)]])
-    c = consumer_placement(ParallelLayout(dp=2), lengths, producer=producer)
+    producer = producer_placement(ParallelLayout(dp=2), [[(0, 10), (1, 10)], [(2, 10), (3, 10)]],
+                                  VARIED_TENSORS)
+    c = consumer_placement(ParallelLayout(dp=2), lengths, VARIED_TENSORS, producer=producer)
     assert c.micro_batches == (((0, 1),), ((2, 3),))
     assert c.pieces == producer.pieces
     # plain greedy's busiest DP rank has 11 tokens; sample 1 on dp0 (after 0) would make it 20,

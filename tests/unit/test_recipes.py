@@ -1,5 +1,8 @@
 """Every Hydra recipe composes and converts to a TrainConfig (every key a dataclass field)."""
 
+import dataclasses
+import pathlib
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -24,8 +27,23 @@ def test_cpu_default():
                                       "layout=static", "rollout=sglang", "cluster=h100",
                                       "model=qwen2.5-7b", "model=qwen3-8b"])
 def test_every_group_option(override):
+    """Each option takes effect: every key of its YAML file has that value in the composed
+    TrainConfig (unless config.yaml's own section, composed after it, or the command line sets
+    the key), and the composition differs from the default in that group."""
+    group, option = override.split("=")
     extra = ["algorithm.group_size=4"] if override == "algorithm=grpo" else []
-    _load("config", [override, *extra])
+    cfg, default = _load("config", [override, *extra]), _load("config")
+    recipes = pathlib.Path(RECIPES)
+    own = OmegaConf.load(recipes / "config.yaml").get(group, {})
+    file = OmegaConf.load(recipes / group / f"{option}.yaml")
+    cli = OmegaConf.from_dotlist(extra).get(group, {})
+    want = OmegaConf.to_container(OmegaConf.merge(file, own, cli), resolve=True)
+    section = getattr(cfg, group)
+    # replace() re-runs the section's validation and canonical form (a kv_channels equal to
+    # hidden / heads is stored as None): taking the file's values changes nothing
+    want = {k: tuple(v) if isinstance(v, list) else v for k, v in want.items()}
+    assert dataclasses.replace(section, **want) == section
+    assert section != getattr(default, group)
 
 
 def test_tiny_model_of_every_family():

@@ -7,11 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from earl_megatron.rl.advantages import (grpo_advantage, local_moments, moment_sums,
-                                         moments_from, normalize, squared_deviations,
-                                         token_returns, truncated_is_weights, turn_ids,
-                                         turn_returns)
-from earl_megatron.rl.losses import PolicyLossConfig, clipped_surrogate, k3_kl, policy_loss
+from earl_megatron.rl.advantages import (grpo_advantage, kl_penalized_reward, local_moments,
+                                         moment_sums, moments_from, normalize,
+                                         squared_deviations, tis_weighted, token_returns,
+                                         truncated_is_weights, turn_ids, turn_returns)
+from earl_megatron.rl.losses import (PolicyLossConfig, clipped_surrogate, k1_kl, k3_kl,
+                                     masked_sums, policy_loss, ratio_sums)
 
 # two turns: tokens 1-2 (reward 0.5 at 2) and 4-5 (reward 1 at 5); 0, 3 are env tokens
 MASK = torch.tensor([0., 1., 1., 0., 1., 1.])
@@ -124,20 +125,43 @@ def test_k3_kl_nonnegative_and_zero_at_equality():
 def test_on_policy_surrogate_gradient_is_reinforce():
     logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     adv = torch.tensor([1.0, -2.0, 0.5])
-    loss, clipped = clipped_surrogate(logp, logp.detach(), adv, PolicyLossConfig())
+    loss = clipped_surrogate(logp, logp.detach(), adv, PolicyLossConfig())
     loss.sum().backward()
     assert torch.allclose(logp.grad, -adv)
-    assert clipped.sum() == 0
+    assert ratio_sums(logp, logp.detach(), torch.ones(3), PolicyLossConfig()).tolist() == \
+        [3.0, 0.0, 3.0]
 
 
 def test_clipping_stops_gradient_beyond_trust_region():
     old = torch.tensor([-1.0])
     logp = torch.tensor([-1.0 + math.log(1.5)], requires_grad=True)  # ratio 1.5 > 1.2
-    loss, clipped = clipped_surrogate(logp, old, torch.tensor([1.0]), PolicyLossConfig())
+    loss = clipped_surrogate(logp, old, torch.tensor([1.0]), PolicyLossConfig())
     loss.sum().backward()
-    assert clipped.item() == 1.0
     assert logp.grad.item() == 0.0
     assert loss.item() == pytest.approx(-1.2)
+
+
+def test_clip_fraction_counts_ratios_outside_the_range_whatever_the_sign_of_a():
+    # ratios 0.5, 0.9, 1.0, 1.3, 2.0 on policy tokens, one more (3.0) off them; eps 0.2 / 0.25
+    old = torch.zeros(6, dtype=torch.float64)
+    logp = torch.log(torch.tensor([0.5, 0.9, 1.0, 1.3, 2.0, 3.0], dtype=torch.float64))
+    mask = torch.tensor([1., 1., 1., 1., 1., 0.])
+    got = ratio_sums(logp, old, mask, PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.25))
+    assert got.tolist() == pytest.approx([5.7, 3.0, 5.0])  # 0.5, 1.3 and 2.0 left [0.8, 1.25]
+    assert masked_sums(torch.arange(6.0), mask).tolist() == [10.0, 5.0]
+
+
+def test_kl_estimators_and_kl_in_grpo_reward():
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert k1_kl(lp, ref).tolist() == [0.5, -1.0]
+    assert kl_penalized_reward(1.0, k1_kl(lp, ref), 0.1) == pytest.approx(1.05)
+    assert kl_penalized_reward(1.0, None, 0.1) == 1.0 == kl_penalized_reward(1.0, lp, 0.0)
+
+
+def test_tis_weighted_pads_with_one():
+    adv = torch.tensor([1.0, -2.0, 3.0, 0.0])
+    assert tis_weighted(adv, torch.tensor([0.5, 2.0], dtype=torch.float64)).tolist() == \
+        [0.5, -4.0, 3.0, 0.0]
 
 
 def test_tis_weights_by_hand():
@@ -161,8 +185,8 @@ def test_tis_weighted_advantages_are_the_weighted_surrogate(ratio_cap):
     adv = torch.randn(64, dtype=torch.float64) * 2
     w = torch.rand(64, dtype=torch.float64) * 2 + 0.01
     cfg = PolicyLossConfig(ratio_cap=ratio_cap)
-    folded = clipped_surrogate(logp, old, adv * w, cfg)[0]
-    weighted = w * clipped_surrogate(logp, old, adv, cfg)[0]
+    folded = clipped_surrogate(logp, old, adv * w, cfg)
+    weighted = w * clipped_surrogate(logp, old, adv, cfg)
     assert torch.allclose(folded, weighted, rtol=1e-12, atol=1e-12)
     g1, = torch.autograd.grad(folded.sum(), logp)
     g2, = torch.autograd.grad(weighted.sum(), logp)

@@ -9,12 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.placement import (RL_TENSORS, Piece, Placement, TensorSpec,
+from earl_megatron.plan.placement import (Piece, Placement, TensorSpec,
                                           consumer_placement, placement_from_assignment,
                                           producer_placement)
 from earl_megatron.plan.shard_map import (MissingDataError, Topology, Transfer,
                                           build_centralized_map, build_shard_map,
                                           check_shard_map)
+from earl_megatron.testing.varied_tensors import VARIED_TENSORS
 
 TOKENS = (TensorSpec("tokens", "int64", True, "first+last"),)
 
@@ -53,7 +54,7 @@ def cases(draw):
     ids = draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n, unique=True))
     lengths = {s: draw(st.integers(1, 40)) for s in ids}
     owner = {s: draw(st.integers(0, prod.dp - 1)) for s in ids}
-    tensors = tuple(t for t in RL_TENSORS if draw(st.booleans())) or RL_TENSORS[:1]
+    tensors = tuple(t for t in VARIED_TENSORS if draw(st.booleans())) or VARIED_TENSORS[:1]
     pp_stages = draw(st.sampled_from([None, {"tokens": "all"}, {"tokens": "first"}]))
     rpn = draw(st.sampled_from([0] + [d for d in range(1, world) if world % d == 0]))
     topo = Topology(ranks_per_node=rpn, latency_s=draw(st.sampled_from([0.0, 1e-5, 1.0])))
@@ -156,7 +157,7 @@ def test_fan_out_crosses_nodes_once():
 
 def test_nothing_moves_when_layouts_match():
     lengths = {s: 7 + s for s in range(6)}
-    c = consumer_placement(ParallelLayout(tp=2, cp=2, dp=2), lengths)
+    c = consumer_placement(ParallelLayout(tp=2, cp=2, dp=2), lengths, VARIED_TENSORS)
     smap = build_shard_map(c, c)
     assert smap.transfers == () and smap.min_bytes == 0 and smap.busiest_rank_bytes == 0
 
@@ -166,7 +167,7 @@ def test_errors_name_missing_data():
     consumer = consumer_placement(ParallelLayout(dp=2), {0: 5, 1: 5, 2: 5}, TOKENS)
     with pytest.raises(MissingDataError, match="sample 2 .*no such sample"):
         build_shard_map(producer, consumer)
-    consumer = consumer_placement(ParallelLayout(dp=2), {0: 5, 1: 5}, RL_TENSORS[:2])
+    consumer = consumer_placement(ParallelLayout(dp=2), {0: 5, 1: 5}, VARIED_TENSORS[:2])
     with pytest.raises(MissingDataError, match="'loss_mask'"):
         build_shard_map(producer, consumer)
     # a producer pp_stage without the tensor: tokens only on pp_stage 0, consumer needs pp 1

@@ -27,7 +27,7 @@ from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_l
 from earl_megatron.runtime.switcher import switch_layout
 
 
-class Models:
+class ModelPair:
     def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout]):
         self.policy = policy
         self.reference = reference
@@ -49,16 +49,16 @@ class Models:
         return model
 
 
-def build_models(model: ModelConfig, policy_layout: ParallelLayout,
-                 reference_layout: Optional[ParallelLayout], *, optimizer: OptimizerSpec,
-                 seed: int, init: Optional[str] = None) -> Models:
+def build_model_pair(model: ModelConfig, policy_layout: ParallelLayout,
+                     reference_layout: Optional[ParallelLayout], *, optimizer: OptimizerSpec,
+                     seed: int, init: Optional[str] = None) -> ModelPair:
     """The policy (from ``init``, an HF directory or converted checkpoint, or Megatron's seeded
     init) and the reference in its own layout (None: KL off). The reference is built first: the
     model built last owns the live process groups."""
     reference = None
     if reference_layout is not None:
         reference = _initial(model, reference_layout, None, seed, init)
-    return Models(_initial(model, policy_layout, optimizer, seed, init), reference)
+    return ModelPair(_initial(model, policy_layout, optimizer, seed, init), reference)
 
 
 def _initial(model: ModelConfig, layout: ParallelLayout, optimizer: Optional[OptimizerSpec],

@@ -1,0 +1,75 @@
+"""The calculator's JSON tool-call format (``CalculatorEnv(tool_format="json")``), for a real
+instruct model: the Hermes/Qwen convention of a tool schema inside <tools></tools> in the system
+prompt and calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+Invariants: ``parse_json_action`` never raises on model output; it returns what the first tag
+of the text is (an answer, a valid calculator call, a malformed call, or nothing), forgiving of
+whitespace and strict about content (module docstring of envs/tool_env.py; docs/envs.md).
+``tool_call_text`` (what the system prompt shows and the expert writes) parses back to its
+expression: ``parse_json_action(tool_call_text(e)) == ("call", e)``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_JSON_TAG = re.compile(r"<(tool_call|answer)>(.*?)</\1>", re.DOTALL)
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression: integers and decimals, + - * / // % "
+                       "** and parentheses.",
+        "parameters": {"type": "object",
+                       "properties": {"expression": {"type": "string",
+                                                     "description": "e.g. 17*23"}},
+                       "required": ["expression"]}}}
+"""The calculator as a tool schema, the form Qwen's and Hermes' chat templates list tools in."""
+
+
+def tool_call_text(expression: str) -> str:
+    """A calculator call in the JSON format, as the system prompt shows it and the expert writes
+    it."""
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def json_system_prompt() -> str:
+    """The JSON format's task description: the tool schema, how to call it, how to answer."""
+    return ("You are a helpful assistant. Answer the user's arithmetic question exactly. You "
+            "can call a calculator.\n\n# Tools\n\nYou are provided with function signatures "
+            "within <tools></tools> XML tags:\n<tools>\n" + json.dumps(CALCULATOR_SCHEMA) +
+            "\n</tools>\n\nTo call the calculator, reply with only a JSON object with the "
+            "function name and arguments within <tool_call></tool_call> XML tags:\n" +
+            tool_call_text("17*23") + "\nIts result comes back in a tool message. When you "
+            "know the answer, reply with only the number within <answer></answer> XML tags, "
+            "for example <answer>391</answer>.")
+
+
+def parse_json_action(text: str) -> tuple[str, str]:
+    """The first action of a turn in the JSON format: ("answer", body), ("call", expression),
+    ("malformed", why) for a <tool_call> that is not a valid calculator call, or ("none", why)."""
+    match = _JSON_TAG.search(text)
+    opened = text.find("<tool_call>")
+    if 0 <= opened and (match is None or opened < match.start()):
+        return "malformed", "<tool_call> is not closed with </tool_call>"
+    if match is None:
+        return "none", "no <tool_call> or <answer> tag"
+    if match.group(1) == "answer":
+        return "answer", match.group(2).strip()
+    try:
+        call = json.loads(match.group(2))
+    except json.JSONDecodeError as e:
+        return "malformed", f"the tool call is not valid JSON ({e.msg} at character {e.pos})"
+    if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+        return "malformed", 'a tool call is an object with exactly "name" and "arguments"'
+    if call["name"] != "calculator":
+        return "malformed", f"unknown tool {str(call['name'])[:40]!r}; the only tool is " \
+                            "calculator"
+    args = call["arguments"]
+    if not isinstance(args, dict) or set(args) != {"expression"} \
+            or not isinstance(args["expression"], str):
+        return "malformed", 'the arguments are exactly {"expression": "<a string>"}'
+    return "call", args["expression"].strip()
