@@ -374,15 +374,16 @@ def test_restarts_are_bounded_with_a_clear_error(engine):
 
 
 def test_a_server_dies_with_its_owner():
-    # _owned: SIGKILL of the owning process (no close(), no atexit) still ends the server group
+    # _watched_by_owner: SIGKILL of the owning process (no close(), no atexit) still ends the
+    # server group
     import signal
     import subprocess
     import sys
     import time
 
     code = ("import subprocess, time\n"
-            "from earl_megatron.rollout.sglang_server import _owned\n"
-            "p = subprocess.Popen(_owned(['sleep', '300']), start_new_session=True)\n"
+            "from earl_megatron.rollout.sglang_server import _watched_by_owner\n"
+            "p = subprocess.Popen(_watched_by_owner(['sleep', '300']), start_new_session=True)\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(60)\n")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
