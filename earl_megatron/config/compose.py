@@ -15,6 +15,11 @@ it (srun starts torchrun in the batch script's directory). A composition error (
 missing recipe, another Hydra flag) is one line on stderr, ``configuration error: ...``, and exit
 status 2.
 
+The recipes' one resolver, ``${earl.if_moe:${.family},VALUE}``, is VALUE for a
+mixture-of-experts family and null for a dense one: the tiny model's expert keys, so that
+``model.family=qwen3_moe`` alone turns the tiny model into a tiny MoE (config/model.py). It is
+registered when this module is imported (the trainer and the launchers import it).
+
 ``command_line_keys`` says which keys a command line's overrides set, so the trainer can tell
 the user's values from the recipe's defaults (train.py ``apply_run_init``: run.init's model and
 tokenizer replace the recipe's, never the user's).
@@ -30,6 +35,19 @@ from typing import Sequence
 RECIPES = os.environ.get("EARL_RECIPES", str(Path(__file__).resolve().parents[2] / "recipes"))
 """The Hydra config directory (``$EARL_RECIPES`` overrides it): the trainer's and the launchers'."""
 
+
+def _if_moe(family, value):
+    from earl_megatron.config.model import MOE_FAMILIES
+    return value if family in MOE_FAMILIES else None
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+    if not OmegaConf.has_resolver("earl.if_moe"):
+        OmegaConf.register_new_resolver("earl.if_moe", _if_moe)
+
+
+_register_resolvers()
 
 FLAGS = {"--config-name": "name", "-cn": "name", "--config-path": "path", "-cp": "path"}
 TRAINER_DIR = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Model architecture config for the Llama / Qwen2 / Qwen3 family: one frozen value, no torch.
+"""Model architecture config for the Llama / Qwen2 / Qwen3 / Qwen3-MoE family: one frozen value,
+no torch.
 
 ``ModelConfig`` describes a decoder-only transformer with RMSNorm, SwiGLU, rotary embeddings and
 grouped-query attention, optionally with a qkv bias (Qwen2), RMSNorm on queries and keys per head
@@ -11,7 +12,16 @@ finite and > 0, checked before any division by them (config/checks.py: one ``Con
 naming ``model.<key>``); ``num_attention_heads % num_query_groups == 0``;
 ``kv_channels`` defaults to ``hidden_size // num_attention_heads`` (Qwen3 sets it: its head_dim
 is independent of hidden_size / heads); ``add_qkv_bias`` and ``qk_layernorm`` left None take the
-family's value (qwen2: bias; qwen3: q/k norms), so ``model.family=qwen3`` alone switches a recipe.
+family's value (qwen2: bias; qwen3 and qwen3_moe: q/k norms), so ``model.family=qwen3`` alone
+switches a recipe.
+
+Mixture of experts (``family="qwen3_moe"``, HF ``Qwen3MoeForCausalLM``): every layer's MLP is
+``num_experts`` SwiGLU experts of width ``moe_ffn_hidden_size`` behind a top-k router
+(``moe_router_topk``: softmax over all experts, top k, renormalised when ``moe_norm_topk_prob``,
+as Qwen3-MoE does), no shared experts, with Switch-style auxiliary load-balancing loss
+(``moe_aux_loss_coeff``). A qwen3_moe config must set ``num_experts`` (>= 2) and
+``moe_ffn_hidden_size``; a dense family must leave ``num_experts`` None. ``ffn_hidden_size`` is
+kept (HF ``intermediate_size``) but no tensor of an all-MoE model has that width.
 
 Starting from a checkpoint (``run.init``): its config is the model; a field set on the command
 line must equal the checkpoint's (floats within a relative 1e-6, so a typed ``1e-5`` matches a
@@ -26,11 +36,13 @@ from typing import Optional
 
 from earl_megatron.config.checks import ConfigError, at_least, require_finite
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # What each family's HF architecture always has (the values None resolves to).
 FAMILY_FEATURES = {"llama": {"add_qkv_bias": False, "qk_layernorm": False},
                    "qwen2": {"add_qkv_bias": True, "qk_layernorm": False},
-                   "qwen3": {"add_qkv_bias": False, "qk_layernorm": True}}
+                   "qwen3": {"add_qkv_bias": False, "qk_layernorm": True},
+                   "qwen3_moe": {"add_qkv_bias": False, "qk_layernorm": True}}
+MOE_FAMILIES = ("qwen3_moe",)
 INIT_MAY_DIFFER = ("max_position_embeddings",)
 """Fields a run may set apart from its ``run.init`` checkpoint. max_position_embeddings: rotary
 embeddings have no learned positions, so the value only bounds the run's contexts (the rollout's
@@ -64,6 +76,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     params_dtype: str = "float32"
     """"float32" or "bfloat16"."""
+    num_experts: Optional[int] = None
+    """Routed experts per layer (qwen3_moe only; HF ``num_experts``); None: a dense model."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each expert's SwiGLU width (HF ``moe_intermediate_size``)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (HF ``norm_topk_prob``)."""
+    moe_aux_loss_coeff: float = 0.001
+    """Weight of the auxiliary load-balancing loss in training (HF ``router_aux_loss_coef``);
+    0 turns it off."""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -72,7 +95,9 @@ class ModelConfig:
         require_finite(self, "model")
         at_least(self, "model", 1, "num_layers", "hidden_size", "ffn_hidden_size",
                  "num_attention_heads", "num_query_groups", "vocab_size",
-                 "max_position_embeddings", "kv_channels")
+                 "max_position_embeddings", "kv_channels", "moe_ffn_hidden_size",
+                 "moe_router_topk")
+        self._check_moe()
         for key in ("rotary_base", "norm_epsilon"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
@@ -94,6 +119,29 @@ class ModelConfig:
             raise ConfigError(f"model.params_dtype={self.params_dtype!r}: use float32, bfloat16 "
                               "or float16")
 
+    def _check_moe(self) -> None:
+        if self.family not in MOE_FAMILIES:
+            if self.num_experts is not None:
+                raise ConfigError(f"model.num_experts={self.num_experts} but model.family="
+                                  f"{self.family!r} is dense; use model.family=qwen3_moe or "
+                                  "leave num_experts null")
+            return
+        if self.num_experts is None or self.num_experts < 2:
+            raise ConfigError(f"model.family={self.family} needs model.num_experts >= 2 (got "
+                              f"{self.num_experts})")
+        if self.moe_ffn_hidden_size is None:
+            raise ConfigError(f"model.family={self.family} needs model.moe_ffn_hidden_size "
+                              "(HF moe_intermediate_size)")
+        if self.moe_router_topk > self.num_experts:
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk} exceeds "
+                              f"model.num_experts={self.num_experts}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -106,5 +154,8 @@ class ModelConfig:
     @classmethod
     def tiny(cls, family: str = "llama", **overrides) -> "ModelConfig":
         """The test/demo model: 4 layers, d=64, 8 heads, 4 KV groups, vocab 128 (~0.2M params),
-        with the family's qkv bias / q-k norms."""
+        with the family's qkv bias / q-k norms; qwen3_moe: 4 experts of width 32, top 2."""
+        if family in MOE_FAMILIES:
+            overrides = {"num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2,
+                         **overrides}
         return cls(family=family, **overrides)

@@ -1,4 +1,4 @@
-"""Megatron-Core GPTModel for the Llama / Qwen2 / Qwen3 family, built for a given layout.
+"""Megatron-Core GPTModel for the Llama / Qwen2 / Qwen3 / Qwen3-MoE family, built for a layout.
 
 ``build_gpt_model(cfg, layout)`` returns Megatron-Core's own ``GPTModel`` for this rank's
 pp_stage (pre_process on the first, post_process on the last), with:
@@ -13,6 +13,18 @@ pp_stage (pre_process on the first, post_process on the last), with:
   DotProductAttention refuses CP without TE) and ``InferenceAttention`` at cp = 1 (Megatron's
   DotProductAttention, with fused GQA decode and SDPA prefill in eval mode with a mask:
   inference_attention.py);
+- mixture of experts (``cfg.is_moe``): Megatron-Core's MoELayer in every layer: its TopKRouter
+  (softmax scores; top-k then softmax over the k, which is Qwen3's renormalised top-k, or
+  softmax then top-k when ``moe_norm_topk_prob`` is off; fp32 router logits; Switch aux loss
+  with ``moe_aux_loss_coeff``), its all-to-all token dispatcher (dropless: no capacity factor),
+  and its experts: TEGroupedMLP (grouped GEMM) with the TE spec, SequentialMLP (one MLP per
+  local expert) with the local spec. EP / expert-TP sizes come from the layout. Megatron-Core
+  0.16's moe_utils names ``te_general_gemm`` only when TE imports (the router's gating GEMM then
+  raises NameError); ``_bind_missing_te_names`` binds the None that megatron.core.extensions
+  itself uses without TE, so the router takes its torch.mm path. The CPU-only parts of MoE
+  (split sizes kept on the host, the all-to-all backward's buffers) are in runtime/cpu_backend.py.
+  With tp > 1 Megatron trains MoE only with sequence parallelism (MoELayer refuses otherwise), so
+  an MoE layout with tp > 1 turns it on (``sequence_parallel_for``);
 - no dropout, no fused kernels that need CUDA, ``use_cpu_initialization`` on CPU;
 - with ``perform_initialization=False`` (weights about to be overwritten: a layout switch, a
   load) parameters are left as ``torch.empty`` and ``set_tensor_parallel_attributes`` marks the
@@ -50,10 +62,30 @@ def te_available() -> bool:
     return True
 
 
+def sequence_parallel_for(cfg: ModelConfig, layout: ParallelLayout) -> bool:
+    """Whether ``layout`` runs ``cfg`` with sequence parallelism: MoE with tp > 1 (Megatron's
+    MoELayer requires it in training)."""
+    return cfg.is_moe and layout.tp > 1
+
+
+def _bind_missing_te_names() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dtype=None,
                        calculate_per_token_loss: bool = True, recompute: Optional[str] = None,
-                       sequence_parallel: bool = False, perform_initialization: bool = True):
+                       sequence_parallel: Optional[bool] = None,
+                       perform_initialization: bool = True, routing_replay: bool = False):
+    """Megatron-Core's TransformerConfig for ``cfg`` on ``layout``. ``sequence_parallel``
+    None: ``sequence_parallel_for``. ``routing_replay``: MoE routers record and replay their
+    top-k choices (Megatron's RouterReplay; trainer/routing_replay.py drives it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if sequence_parallel is None:
+        sequence_parallel = sequence_parallel_for(cfg, layout)
 
     dtype = _DTYPES[cfg.params_dtype]
     on_cpu = not torch.cuda.is_available()
@@ -99,6 +131,24 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
         deallocate_pipeline_outputs=False,
         cross_entropy_loss_fusion=False,
     )
+    if cfg.is_moe:
+        _bind_missing_te_names()
+        kwargs.update(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_router_score_function="softmax",
+            # top-k of the logits then softmax over those k == Qwen3's softmax, top-k, renormalise
+            moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_grouped_gemm=te_available(),
+            moe_permute_fusion=False,
+            moe_enable_routing_replay=routing_replay,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+        )
     if recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
@@ -113,10 +163,19 @@ def layer_spec(layout: ParallelLayout, cfg: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
+    moe = dict(num_experts=cfg.num_experts, moe_grouped_gemm=te_available()) if cfg.is_moe \
+        else {}
     if te_available():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm, **moe)
     spec = copy.deepcopy(
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm))
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm, **moe))
+    if sequence_parallel_for(cfg, layout):   # the final norm: build_gpt_model
+        from earl_megatron.models.norms import SequenceParallelRMSNorm
+        spec.submodules.input_layernorm = SequenceParallelRMSNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if cfg.qk_layernorm:   # WrappedTorchNorm refuses any config with sequence_parallel
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
     if layout.cp > 1:
         from earl_megatron.models.cp_attention import AllGatherKVAttention as core
     else:  # Megatron's DotProductAttention, fused where the embedded engine decodes
@@ -131,9 +190,17 @@ def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bo
     from megatron.core.models.gpt import GPTModel
 
     tcfg = config or transformer_config(cfg, layout)
+    spec = layer_spec(layout, cfg)
+    if tcfg.sequence_parallel and not te_available():
+        # the final norm too: Megatron's block spec would give it WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from earl_megatron.models.norms import SequenceParallelRMSNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * (cfg.num_layers // layout.pp),
+                                          layer_norm=SequenceParallelRMSNorm)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(layout, cfg),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

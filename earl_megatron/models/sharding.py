@@ -9,7 +9,9 @@ indices local to its pp_stage) map onto them with ``TensorTable.source_of``.
 - linear_qkv rows are grouped per KV group, so a contiguous dim-0 split hands each tp rank
   whole groups;
 - SwiGLU linear_fc1 is stored in full as ``[gate; up]`` and has partition stride 2: tp rank r
-  holds ``[gate_r; up_r]`` (``TensorRow.tp_rows``).
+  holds ``[gate_r; up_r]`` (``TensorRow.tp_rows``);
+- an expert's fc1 / fc2 is on its ep rank only and split by the expert-TP rank (``etp``), not
+  the attention's tp rank (``TensorRow.tp_of`` / ``tp_rank_of``).
 
 Invariant: ``unshard(row, [shard(row, full, r, tp) for r in range(tp)]) == full`` bit-exact.
 """
@@ -59,16 +61,17 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor], cfg
                       layout: ParallelLayout, coords: Coords) -> None:
     """Copy this rank's shard of ``full`` into a (possibly DDP-wrapped) GPTModel pp_stage."""
     table = tensor_table(cfg)
+    rank = layout.rank(coords)
     missing = []
     for lname, p in _unwrap(model).named_parameters():
-        row = table.source_of(lname, coords.pp, layout.pp)
+        row = table.source_on(lname, layout, rank)
         if row.name not in full:
             missing.append(row.name)
             continue
-        src = shard(row, full[row.name], coords.tp, layout.tp)
+        src = shard(row, full[row.name], row.tp_rank_of(layout, rank), row.tp_of(layout))
         if src.shape != p.shape:
             raise ValueError(f"{lname}: checkpoint shard {tuple(src.shape)} != parameter "
-                             f"{tuple(p.shape)} (tp={layout.tp}); the model config does not match")
+                             f"{tuple(p.shape)} ({layout}); the model config does not match")
         with torch.no_grad():
             p.copy_(src.to(p.dtype))
     if missing:

@@ -34,6 +34,15 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=32, num_query_groups=8, kv_channels=128, vocab_size=151936,
         max_position_embeddings=40960, rotary_base=1e6, norm_epsilon=1e-6,
         tie_word_embeddings=False, params_dtype="bfloat16"),
+    # Qwen/Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active per token (128 experts
+    # of width 768 in each of 48 layers, top 8; q/k norms; head_dim 128).
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+        num_attention_heads=32, num_query_groups=4, kv_channels=128, vocab_size=151936,
+        max_position_embeddings=40960, rotary_base=1e6, norm_epsilon=1e-6,
+        tie_word_embeddings=False, params_dtype="bfloat16", num_experts=128,
+        moe_ffn_hidden_size=768, moe_router_topk=8, moe_norm_topk_prob=True,
+        moe_aux_loss_coeff=0.001),
     # The repository's test model (ModelConfig.tiny): 164,416 parameters.
     "tiny": ModelConfig.tiny(),
 }

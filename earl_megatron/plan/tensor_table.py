@@ -20,6 +20,20 @@ Llama / Qwen2 / Qwen3 GPTModel (layer i)::
     decoder.final_layernorm.weight                        -     1   model.norm
     output_layer.weight                                   0     1   lm_head (untied only)
 
+For a mixture-of-experts layer (qwen3_moe: every layer) the two MLP rows are replaced by the
+router and, for each expert e = 0..E-1 (global index; TE grouped-GEMM name in brackets)::
+
+    decoder.layers.i.mlp.router.weight                    -     1   mlp.gate ([E, hidden])
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight   0  2   experts.e.gate, up
+      (TE: decoder.layers.i.mlp.experts.linear_fc1.weight<e>)
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight   1  1   experts.e.down_proj
+      (TE: decoder.layers.i.mlp.experts.linear_fc2.weight<e>)
+
+- Expert rows (``TensorRow.expert`` set) are split over the expert grid, not the dense one: ep
+  rank ``e // (E / ep)`` holds expert e under the local index ``e % (E / ep)``, tensor-split
+  ``etp`` ways by its expert-TP rank (plan/layout.py ``expert_coords``); every other row ignores
+  ep. The router is replicated on every rank, like a norm.
+
 - TransformerEngine fuses the two pre-norms into linear_qkv / linear_fc1 (``layer_norm_weight``);
   the tensor, its shape and its placement are the same, so a TE name and a local name of one row
   describe the same bytes and switch and convert alike (``TensorTable.row`` accepts either).
@@ -36,7 +50,8 @@ Llama / Qwen2 / Qwen3 GPTModel (layer i)::
   holds a replica under ``output_layer.weight`` that Megatron keeps equal.
 
 Invariant: ``sum(row.numel for row in table.full_rows)`` is the model's parameter count; the
-local elements of every (layout, rank) are ``elements_on(layout, pp_rank)``.
+local elements of every (layout, rank) are ``elements_on(pp_rank, tp, pp, ep, etp)``, and
+``held_on(layout, rank)`` are the rows that rank's model has as parameters.
 """
 
 from __future__ import annotations
@@ -52,6 +67,8 @@ EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(?:local_experts\.(\d+)\.(linear_fc[12]\.weight)|"
+                     r"(linear_fc[12]\.weight)(\d+))$")
 # The TE spec's names for the local spec's two pre-norms (the same rename Megatron's local spec
 # declares in ``sharded_state_dict_keys_map`` so that checkpoints of both specs agree).
 TE_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -79,6 +96,8 @@ class TensorRow:
     """HF tensors it is built from ((q, k, v), (gate, up) or one); () when tied."""
     combine: str
     """How the HF tensors combine: "copy", "qkv" (grouped per KV group) or "fc1" ([gate; up])."""
+    expert: Optional[int] = None
+    """Global expert index of an expert's fc1 / fc2 (split over the expert grid); else None."""
 
     @property
     def numel(self) -> int:
@@ -90,18 +109,39 @@ class TensorRow:
     def local_numel(self, tp: int) -> int:
         return self.numel if self.split_dim is None else self.numel // tp
 
+    def tp_of(self, layout) -> int:
+        """The tensor-parallel size that splits this row in ``layout`` (etp for experts)."""
+        return layout.expert_tp if self.expert is not None else layout.tp
+
+    def tp_rank_of(self, layout, rank: int) -> int:
+        """``rank``'s coordinate along that axis."""
+        return layout.expert_coords(rank).etp if self.expert is not None \
+            else layout.coords(rank).tp
+
+    def local_rows(self, layout, rank: int) -> tuple[tuple[int, int], ...]:
+        """``tp_rows`` for ``rank`` of ``layout``, along the axis that splits this row."""
+        return self.tp_rows(self.tp_rank_of(layout, rank), self.tp_of(layout))
+
     def pp_stage(self, pp: int, num_layers: int) -> int:
         if self.layer is not None:
             return self.layer // (num_layers // pp)
         return 0 if self.name == EMBEDDING else pp - 1
 
-    def local_name(self, pp: int, num_layers: int, *, te: bool = False) -> str:
-        """The name its pp_stage's GPTModel gives it (layer index local to the pp_stage)."""
+    def local_name(self, pp: int, num_layers: int, *, te: bool = False, ep: int = 1,
+                   num_experts: Optional[int] = None) -> str:
+        """The name its pp_stage's GPTModel gives it (layer index local to the pp_stage; an
+        expert's index local to its ep rank)."""
         name = self.te_name if te else self.name
         if self.layer is None:
             return name
         per = num_layers // pp
-        return f"decoder.layers.{self.layer % per}." + _LAYER.match(name).group(2)
+        name = f"decoder.layers.{self.layer % per}." + _LAYER.match(name).group(2)
+        if self.expert is not None and ep > 1:
+            local = self.expert % (num_experts // ep)
+            m = _EXPERT.match(name)
+            name = f"{m.group(1)}local_experts.{local}.{m.group(3)}" if m.group(2) is not None \
+                else f"{m.group(1)}{m.group(4)}{local}"
+        return name
 
     def tp_rows(self, tp_rank: int, tp: int) -> tuple[tuple[int, int], ...]:
         """Row ranges [start, stop) along ``split_dim`` (dim 0 if replicated) that tp rank
@@ -141,43 +181,99 @@ class TensorTable:
             raise KeyError(f"{name!r} is not a tensor of this {self.cfg.family} model (local or "
                            "TransformerEngine spec); add it to plan/tensor_table.py") from None
 
-    def global_name(self, local: str, pp_rank: int, pp: int) -> str:
-        """A pp_stage's parameter name (either spec) -> the row's full local-spec name."""
+    def global_name(self, local: str, pp_rank: int, pp: int, ep_rank: int = 0,
+                    ep: int = 1) -> str:
+        """A rank's parameter name (either spec) -> the row's full local-spec name (global layer
+        index; for an expert, the global expert index of ep rank ``ep_rank``'s local one)."""
         m = _LAYER.match(local)
         if m:
             local = f"decoder.layers.{int(m.group(1)) + pp_rank * self.cfg.num_layers // pp}." \
                     + m.group(2)
+        e = _EXPERT.match(local)
+        if e:
+            per = (self.cfg.num_experts or 1) // ep
+            idx = int(e.group(2) if e.group(2) is not None else e.group(5)) + ep_rank * per
+            local = f"{e.group(1)}local_experts.{idx}.{e.group(3) or e.group(4)}"
         return self.row(local).name
 
-    def source_of(self, local: str, pp_rank: int, pp: int) -> TensorRow:
+    def name_on(self, row: TensorRow, layout, *, te: bool = False) -> str:
+        """The parameter name ``row`` has on the ranks of ``layout`` that hold it."""
+        return row.local_name(layout.pp, self.cfg.num_layers, te=te, ep=layout.ep,
+                              num_experts=self.cfg.num_experts)
+
+    def global_name_on(self, local: str, layout, rank: int) -> str:
+        """``global_name`` for a parameter of ``rank`` in ``layout``."""
+        return self.global_name(local, layout.coords(rank).pp, layout.pp,
+                                layout.expert_coords(rank).ep, layout.ep)
+
+    def source_of(self, local: str, pp_rank: int, pp: int, ep_rank: int = 0,
+                  ep: int = 1) -> TensorRow:
         """The full tensor a live parameter holds (a tied output layer: the embedding)."""
-        r = self.row(self.global_name(local, pp_rank, pp))
+        r = self.row(self.global_name(local, pp_rank, pp, ep_rank, ep))
+        return self.row(r.tied_to) if r.tied_to else r
+
+    def source_on(self, local: str, layout, rank: int) -> TensorRow:
+        """``source_of`` for a parameter of ``rank`` in ``layout``."""
+        r = self.row(self.global_name_on(local, layout, rank))
         return self.row(r.tied_to) if r.tied_to else r
 
     def on_pp_stage(self, pp_rank: int, pp: int) -> tuple[TensorRow, ...]:
-        """Rows that are parameters of pp_stage ``pp_rank`` (tied output only if pp > 1)."""
+        """Rows that are parameters of pp_stage ``pp_rank`` (tied output only if pp > 1), every
+        expert included: ``held_on`` is one rank's subset."""
         n = self.cfg.num_layers
         return tuple(r for r in self.rows if r.pp_stage(pp, n) == pp_rank
                      and not (r.tied_to and pp == 1))
 
-    def elements_on(self, pp_rank: int, tp: int, pp: int) -> int:
-        """Parameter elements one rank of ``pp_rank`` holds (every tp/cp/dp rank alike).
+    def held_on(self, layout, rank: int) -> tuple[TensorRow, ...]:
+        """Rows that are parameters of ``rank``'s model in ``layout`` (its pp_stage's, and of
+        the experts only its ep rank's)."""
+        c = layout.coords(rank)
+        if not self.cfg.is_moe:
+            return self.on_pp_stage(c.pp, layout.pp)
+        mine = layout.experts_of(layout.expert_coords(rank).ep, self.cfg.num_experts)
+        return tuple(r for r in self.on_pp_stage(c.pp, layout.pp)
+                     if r.expert is None or r.expert in mine)
+
+    def elements_on(self, pp_rank: int, tp: int, pp: int, ep: int = 1,
+                    etp: Optional[int] = None) -> int:
+        """Parameter elements one rank of ``pp_rank`` holds (every tp/cp/dp/ep rank alike: an
+        ep rank holds E / ep experts, each split ``etp`` ways, default tp).
         Memoised: the selector's memory model asks for thousands of layouts per plan."""
-        key = (pp_rank, tp, pp)
+        etp = tp if etp is None else etp
+        key = (pp_rank, tp, pp, ep, etp)
         if key not in self._elements:
-            self._elements[key] = sum(r.local_numel(tp) for r in self.on_pp_stage(pp_rank, pp))
+            self._elements[key] = sum(
+                r.local_numel(tp) if r.expert is None else r.local_numel(etp) / ep
+                for r in self.on_pp_stage(pp_rank, pp))
+            self._elements[key] = int(round(self._elements[key]))
         return self._elements[key]
+
+    def expert_elements(self) -> int:
+        """Elements of every expert's fc1 and fc2 (the part of the model EP divides)."""
+        return sum(r.numel for r in self.rows if r.expert is not None)
+
+    def active_elements(self) -> int:
+        """Elements one token's forward reads: the dense rows plus top-k of E experts."""
+        cfg = self.cfg
+        dense = sum(r.numel for r in self.full_rows if r.expert is None)
+        if not cfg.is_moe:
+            return dense
+        return dense + self.expert_elements() * cfg.moe_router_topk // cfg.num_experts
 
     @functools.cached_property
     def _elements(self) -> dict[tuple[int, int, int], int]:
         return {}
 
 
-def _row(name, shape, split_dim, stride, layer, hf, combine, tied_to=None) -> TensorRow:
+def _row(name, shape, split_dim, stride, layer, hf, combine, tied_to=None,
+         expert=None) -> TensorRow:
     m = _LAYER.match(name)
     te = name if not m or m.group(2) not in TE_RENAMES else \
         f"decoder.layers.{m.group(1)}." + TE_RENAMES[m.group(2)]
-    return TensorRow(name, te, shape, split_dim, stride, layer, tied_to, hf, combine)
+    if expert is not None:   # TEGroupedMLP: one parameter per expert, index suffixed
+        e = _EXPERT.match(name)
+        te = f"{e.group(1)}{e.group(3)}{e.group(2)}"
+    return TensorRow(name, te, shape, split_dim, stride, layer, tied_to, hf, combine, expert)
 
 
 @functools.lru_cache(maxsize=64)
@@ -207,6 +303,9 @@ def tensor_table(cfg: ModelConfig) -> TensorTable:
                          (attn + "o_proj.weight",), "copy"))
         rows.append(_row(m + "pre_mlp_layernorm.weight", (h,), None, 1, i,
                          (p + "post_attention_layernorm.weight",), "copy"))
+        if cfg.is_moe:
+            rows.extend(_moe_rows(cfg, i))
+            continue
         rows.append(_row(m + "mlp.linear_fc1.weight", (2 * f, h), 0, 2, i,
                          (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"))
         rows.append(_row(m + "mlp.linear_fc2.weight", (h, f), 1, 1, i,
@@ -217,6 +316,21 @@ def tensor_table(cfg: ModelConfig) -> TensorTable:
     else:
         rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, ("lm_head.weight",), "copy"))
     return TensorTable(cfg, tuple(rows))
+
+
+def _moe_rows(cfg: ModelConfig, i: int) -> list[TensorRow]:
+    """Layer i's router and experts, in the order Megatron's MoELayer builds them."""
+    h, mf = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    m, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    rows = [_row(m + "router.weight", (cfg.num_experts, h), None, 1, i, (p + "gate.weight",),
+                 "copy")]
+    for e in range(cfg.num_experts):
+        x, hx = f"{m}experts.local_experts.{e}.", f"{p}experts.{e}."
+        rows.append(_row(x + "linear_fc1.weight", (2 * mf, h), 0, 2, i,
+                         (hx + "gate_proj.weight", hx + "up_proj.weight"), "fc1", expert=e))
+        rows.append(_row(x + "linear_fc2.weight", (h, mf), 1, 1, i, (hx + "down_proj.weight",),
+                         "copy", expert=e))
+    return rows
 
 
 def num_parameters(cfg: ModelConfig) -> int:

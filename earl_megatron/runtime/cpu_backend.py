@@ -14,7 +14,12 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
 - ``torch.cuda`` entry points Megatron calls unconditionally (current_device, synchronize,
   streams, events, memory queries, manual_seed) answered as a single "device 0" host;
 - a CPU RNG tracker installed in place of Megatron's CUDA one, so ``fork()`` swaps CPU generator
-  states and TP-split init stays reproducible.
+  states and TP-split init stays reproducible;
+- mixture of experts: the all-to-all token dispatcher keeps its split sizes as host numpy arrays
+  (what ``maybe_move_tensor_to_cpu`` returns for a CUDA tensor; for a CPU tensor it returns the
+  tensor, which gloo's ``all_to_all_single`` rejects as split sizes), and the all-to-all's
+  backward runs inside the mode (autograd calls a custom Function's backward with no torch
+  function mode active, and ``_AllToAll`` allocates its output on ``current_device()``).
 
 ``unredirected()`` scopes a hot region (the embedded engine's whole generate call) out of the
 mode.
@@ -159,6 +164,26 @@ class _HostEvent:
         return True
 
 
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``maybe_move_tensor_to_cpu`` for tensors already on the host: numpy when asked for."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _moe_patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, CPU value) for the MoE sites above."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
+    backward = mappings._AllToAll.backward
+
+    def backward_on_host(ctx, *grad_output):
+        with _CudaToCpuMode():
+            return backward(ctx, *grad_output)
+
+    return [(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
+            (mappings._AllToAll, "backward", staticmethod(backward_on_host))]
+
+
 def _cuda_patches() -> dict[str, Any]:
     stream = _HostStream()
     return {
@@ -212,11 +237,15 @@ def cpu_backend() -> Iterator[None]:
     missing = [k for k in _cuda_patches() if not hasattr(torch.cuda, k)]
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     saved_tracker_cls = mrandom.CudaRNGStatesTracker
+    moe = _moe_patches()
+    saved_moe = [(owner, name, owner.__dict__[name]) for owner, name, _ in moe]
     mode = _CudaToCpuMode()
     _ACTIVE = True
     try:
         for k, v in _cuda_patches().items():
             setattr(torch.cuda, k, v)
+        for owner, name, value in moe:
+            setattr(owner, name, value)
         # Megatron's initialize_rng_tracker() instantiates CudaRNGStatesTracker: route it here.
         mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
         mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
@@ -230,6 +259,8 @@ def cpu_backend() -> Iterator[None]:
         for k in missing:
             if hasattr(torch.cuda, k):
                 delattr(torch.cuda, k)
+        for owner, name, value in saved_moe:
+            setattr(owner, name, value)
         mrandom.CudaRNGStatesTracker = saved_tracker_cls
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
 

@@ -163,6 +163,8 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
                 tensor_model_parallel_size=layout.tp,
                 pipeline_model_parallel_size=layout.pp,
                 context_parallel_size=layout.cp,
+                expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.expert_tp,
                 distributed_timeout_minutes=timeout_s / 60.0,
                 order="tp-cp-ep-dp-pp",
                 # On a CPU-only world the regular groups are gloo already; Megatron's extra

@@ -33,8 +33,9 @@ def test_product_mismatch_and_vocab():
     assert e.value.axis == "tp"
     with pytest.raises(InvalidLayoutError, match="not a positive integer"):
         ParallelLayout(tp=0)
-    with pytest.raises(InvalidLayoutError, match="ep=1"):
-        ParallelLayout(ep=2)
+    with pytest.raises(InvalidLayoutError, match="has no experts") as e:
+        ParallelLayout(ep=2, dp=2).check(2, TINY)
+    assert e.value.axis == "ep"
 
 
 def test_parse_and_str():
@@ -79,3 +80,54 @@ def test_enumerate_respects_model():
     assert all(l.tp <= 4 and l.pp <= 4 for l in layouts)
     assert all(l.world_size == 8 for l in layouts)
     assert layouts == sorted(set(layouts))
+
+
+MOE = ModelConfig.tiny("qwen3_moe")   # 4 experts of width 32
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_expert_groups_match_megatron_rank_generator(world):
+    """The expert grid (etp x ep x edp per pp_stage) lists the ranks Megatron-Core's expert
+    RankGenerator makes, for every MoE layout and both expert-TP choices."""
+    from megatron.core.parallel_state import RankGenerator
+    layouts = enumerate_layouts(world, MOE, expert_tp="both")
+    assert any(lay.ep > 1 for lay in layouts) or world == 1
+    for lay in layouts:
+        dense = RankGenerator(tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp,
+                              order="tp-cp-ep-dp-pp")
+        expert = RankGenerator(tp=lay.expert_tp, ep=lay.ep, dp=lay.edp, pp=lay.pp, cp=1,
+                               order="tp-cp-ep-dp-pp", rank_offset=0)
+        for axis in ("tp", "dp-cp", "tp-cp"):
+            assert sorted(map(sorted, dense.get_ranks(axis))) == lay.group_ranks(axis)
+        for ours, theirs in (("etp", "tp"), ("ep", "ep"), ("edp", "dp"), ("etp-ep", "tp-ep")):
+            assert sorted(map(sorted, expert.get_ranks(theirs))) == \
+                lay.expert_group_ranks(ours), (lay, ours)
+        for r in range(world):
+            c = lay.expert_coords(r)
+            assert lay.coords(r).pp == c.pp
+            assert lay.experts_of(c.ep, MOE.num_experts) == range(
+                c.ep * 4 // lay.ep, (c.ep + 1) * 4 // lay.ep)
+
+
+def test_expert_layouts_parse_print_and_refuse():
+    lay = ParallelLayout.parse("EP4xTP2", 8, MOE)
+    assert (lay.tp, lay.dp, lay.ep, lay.expert_tp, lay.edp) == (2, 4, 4, 2, 1)
+    assert str(lay) == "EP4xTP2xDP4"
+    assert ParallelLayout.parse(str(lay), 8, MOE) == lay
+    one = ParallelLayout.parse("ep2,etp1,tp2", 4, MOE)
+    assert str(one) == "EP2xTP2xDP2xETP1" and one.edp == 2
+    assert ParallelLayout.parse(str(one), 4, MOE) == one
+    assert ParallelLayout(tp=2, etp=2) == ParallelLayout(tp=2)   # etp = tp is the default
+    with pytest.raises(InvalidLayoutError, match="does not divide num_experts=4") as e:
+        ParallelLayout.parse("ep8", 8, MOE)
+    assert e.value.axis == "ep" and "use ep in [1, 2, 4]" in str(e.value)
+    with pytest.raises(InvalidLayoutError, match="does not divide tp\\*cp\\*dp") as e:
+        ParallelLayout.parse("ep4xpp2", 4, MOE)      # a pp_stage has 2 ranks, not 4
+    assert e.value.axis == "ep"
+    with pytest.raises(InvalidLayoutError, match="moe_ffn_hidden_size=36") as e:
+        ParallelLayout.parse("tp8", 8, ModelConfig.tiny("qwen3_moe", moe_ffn_hidden_size=36,
+                                                        num_attention_heads=8,
+                                                        num_query_groups=8, vocab_size=128))
+    assert e.value.axis == "etp"
+    assert all(l.ep == 1 for l in enumerate_layouts(8, TINY))
+    assert {str(l) for l in enumerate_layouts(4, MOE)} >= {"EP2xDP4", "EP4xDP4", "EP2xTP2xDP2"}

@@ -92,3 +92,31 @@ def test_tool_use_recipe():
     make_env(cfg.env.name, **cfg.env.kwargs).expert(0)
     with pytest.raises(Exception, match="kl_mode"):
         _load("tool_use", ["algorithm.kl_mode=loss", "algorithm.kl_coef=0.1"])
+
+
+def test_qwen3_30b_a3b_recipe_is_the_preset_and_its_size():
+    """recipes/model/qwen3-30b-a3b.yaml is the planning preset, with Qwen3-30B-A3B's published
+    size: 30.5B parameters, 3.3B active (8 of 128 experts)."""
+    from earl_megatron.config.compose import compose
+    from earl_megatron.config.train import TrainConfig
+    from earl_megatron.plan.presets import PRESETS
+    from earl_megatron.plan.tensor_table import num_parameters, tensor_table
+
+    model = TrainConfig.from_dict(OmegaConf.to_container(
+        compose(["model=qwen3-30b-a3b"]), resolve=True)).model
+    assert model == PRESETS["qwen3-30b-a3b"] and model.is_moe
+    assert num_parameters(model) == 30_532_122_624
+    assert tensor_table(model).active_elements() == 3_353_032_704
+    assert tensor_table(model).expert_elements() == 48 * 128 * 3 * 2048 * 768
+
+
+def test_tiny_model_becomes_a_tiny_moe_with_the_family_alone():
+    from earl_megatron.config.compose import compose
+    from earl_megatron.config.train import TrainConfig
+
+    def model(*args):
+        return TrainConfig.from_dict(OmegaConf.to_container(compose(list(args)),
+                                                            resolve=True)).model
+    moe = model("model.family=qwen3_moe")
+    assert (moe.num_experts, moe.moe_ffn_hidden_size, moe.qk_layernorm) == (4, 32, True)
+    assert model().num_experts is None and model("model.family=qwen3").num_experts is None

@@ -98,4 +98,5 @@ def test_preset_parameter_counts_are_the_published_ones():
 
     assert {n: num_parameters(m) for n, m in PRESETS.items()} == {
         "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
-        "llama3-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "tiny": 164_416}
+        "llama3-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "tiny": 164_416,
+        "qwen3-30b-a3b": 30_532_122_624}
