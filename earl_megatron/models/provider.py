@@ -63,9 +63,9 @@ def te_available() -> bool:
 
 
 def sequence_parallel_for(cfg: ModelConfig, layout: ParallelLayout) -> bool:
-    """Whether ``layout`` runs ``cfg`` with sequence parallelism: MoE with tp > 1 (Megatron's
-    MoELayer requires it in training)."""
-    return cfg.is_moe and layout.tp > 1
+    """Whether ``layout`` runs ``cfg`` with sequence parallelism (plan/layout.py: MoE with
+    tp > 1, which Megatron's MoELayer requires in training)."""
+    return layout.sequence_parallel(cfg)
 
 
 def _bind_missing_te_names() -> None:

@@ -194,6 +194,17 @@ class ParallelLayout:
         return self
 
     # ----------------------------------------------------------------- rank arithmetic
+    def sequence_parallel(self, model: Optional[ModelConfig]) -> bool:
+        """Whether ``model`` runs with sequence parallelism on this layout: an MoE model with
+        tp > 1 (Megatron-Core's MoELayer trains with tp > 1 only under sequence parallelism)."""
+        return model is not None and model.is_moe and self.tp > 1
+
+    def length_multiple(self, model: Optional[ModelConfig] = None) -> int:
+        """What every micro-batch's sequence length must be a multiple of: 2 * cp with CP (the
+        load-balanced split), times tp under sequence parallelism (each tp rank a slice)."""
+        m = 2 * self.cp if self.cp > 1 else 1
+        return m * self.tp if self.sequence_parallel(model) else m
+
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp

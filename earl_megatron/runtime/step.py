@@ -68,9 +68,10 @@ def random_batch(num_samples: int, seq_len: int, vocab: int, seed: int) -> Token
 
 
 def local_microbatches(batch: TokenBatch, layout: ParallelLayout, coords: Coords,
-                       micro_batch_size: int, device=None) -> list[dict]:
+                       micro_batch_size: int, device=None, model=None) -> list[dict]:
     """This rank's micro-batches of a global batch: dp block of samples, cp zigzag of tokens,
-    stacked by ``step_inputs.microbatches`` (the trainer's builder)."""
+    stacked by ``step_inputs.microbatches`` (the trainer's builder). ``model`` (a ModelConfig)
+    says whether sequence parallelism also constrains the length."""
     if batch.num_samples % layout.dp:
         raise ValueError(f"global batch of {batch.num_samples} samples does not divide by "
                          f"dp={layout.dp}; pad the batch or change the layout")
@@ -78,9 +79,10 @@ def local_microbatches(batch: TokenBatch, layout: ParallelLayout, coords: Coords
     if per_dp % micro_batch_size:
         raise ValueError(f"{per_dp} samples per dp rank do not divide by micro_batch_size="
                          f"{micro_batch_size}")
-    if layout.cp > 1 and batch.seq_len % (2 * layout.cp):
-        raise ValueError(f"sequence length {batch.seq_len} must be divisible by 2*cp = "
-                         f"{2 * layout.cp} (pad the batch to a multiple of 2*cp)")
+    multiple = layout.length_multiple(model)
+    if batch.seq_len % multiple:
+        raise ValueError(f"sequence length {batch.seq_len} must be divisible by {multiple} "
+                         f"(2*cp, times tp under sequence parallelism) on {layout}; pad the batch")
     rows = list(range(coords.dp * per_dp, (coords.dp + 1) * per_dp))
     pos = zigzag_positions(batch.seq_len, layout.cp, coords.cp)
     columns = {"input_ids": batch.tokens[:, :-1], "labels": batch.tokens[:, 1:],

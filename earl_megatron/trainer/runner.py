@@ -160,7 +160,7 @@ class Trainer:
                     models.reference_in(layouts["logprob"]), policy.layout, ids,
                     {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
                     self.tok.pad_token_id, self.batch)
-        train_plan = micro_batch_plan(layouts["train"], tokens, self.batch)
+        train_plan = micro_batch_plan(layouts["train"], tokens, self.batch, cfg.model)
         samples = {s: episode_tensors(e.token_ids, e.loss_mask, e.logprobs, e.reward,
                                       train_plan.length_of[s], self.tok.pad_token_id,
                                       e.turn_rewards, ref_logprobs=ref_lp.get(s))

@@ -116,7 +116,8 @@ def sft_step(on_layout, samples: Sequence[Sample], batch: Sequence[int], *, lr: 
 
     world, rank = dist.get_world_size(), dist.get_rank()
     lay = on_layout.layout
-    plan = micro_batch_plan(lay, {s: len(samples[i][0]) for s, i in enumerate(batch)}, shape)
+    plan = micro_batch_plan(lay, {s: len(samples[i][0]) for s, i in enumerate(batch)}, shape,
+                            on_layout.cfg)
     length_of = plan.length_of
     producer = ParallelLayout(dp=world)
     mine = split_evenly(len(batch), world)[rank]

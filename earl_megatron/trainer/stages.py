@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rl.losses import PolicyLossConfig, masked_sums, policy_loss, ratio_sums
@@ -45,11 +46,12 @@ class BatchShape:
     """Padded tokens per micro-batch at most (None: no limit)."""
 
 
-def micro_batch_plan(layout: ParallelLayout, tokens: dict[int, int],
-                     shape: BatchShape) -> MicroBatchPlan:
+def micro_batch_plan(layout: ParallelLayout, tokens: dict[int, int], shape: BatchShape,
+                     model: Optional[ModelConfig] = None) -> MicroBatchPlan:
     """Length-grouped micro-batches of ``layout`` for episodes of ``tokens`` tokens each (one
-    prediction fewer than tokens), padded to a multiple of 2 * cp."""
-    multiple = 2 * layout.cp if layout.cp > 1 else 1
+    prediction fewer than tokens), padded to ``layout.length_multiple(model)`` (2 * cp with CP,
+    times tp under sequence parallelism)."""
+    multiple = layout.length_multiple(model)
     return plan_micro_batches({s: n - 1 for s, n in tokens.items()}, layout.dp,
                               shape.micro_batch_size, multiple, shape.micro_batch_tokens)
 
@@ -92,7 +94,7 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
         raise ValueError(f"rollout layout {producer} has cp={producer.cp}; the engine decodes "
                          "with cp=1 and replicas hold whole episodes")
     lay = ref.layout
-    plan = micro_batch_plan(lay, tokens, shape)
+    plan = micro_batch_plan(lay, tokens, shape, ref.cfg)
     length_of = plan.length_of
     local: dict[str, dict] = {spec.name: {} for spec in LOGPROB_TENSORS}
     for s in ids:
