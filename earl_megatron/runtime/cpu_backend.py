@@ -19,7 +19,11 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
   (what ``maybe_move_tensor_to_cpu`` returns for a CUDA tensor; for a CPU tensor it returns the
   tensor, which gloo's ``all_to_all_single`` rejects as split sizes), and the all-to-all's
   backward runs inside the mode (autograd calls a custom Function's backward with no torch
-  function mode active, and ``_AllToAll`` allocates its output on ``current_device()``).
+  function mode active, and ``_AllToAll`` allocates its output on ``current_device()``); with
+  expert TP > 1 the dispatcher all-gathers / reduce-scatters tokens over the expert-TP group in
+  uneven splits, which gloo refuses (it has no all-gather-v or reduce-scatter-v: "invalid tensor
+  size"), so Megatron's two helpers run uneven splits as even collectives of the largest split,
+  zero-padded, and cut the padding off (the same sums; equal splits go to Megatron's own code).
 
 ``unredirected()`` scopes a hot region (the embedded engine's whole generate call) out of the
 mode.
@@ -180,8 +184,33 @@ def _moe_patches() -> list[tuple[Any, str, Any]]:
         with _CudaToCpuMode():
             return backward(ctx, *grad_output)
 
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_v(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        n, tail = max(output_split_sizes), tuple(input_.shape[1:])
+        padded = input_.new_zeros((n, *tail))
+        padded[:input_.shape[0]] = input_
+        out = input_.new_empty((n * group.size(), *tail))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * n:i * n + s] for i, s in enumerate(output_split_sizes)])
+
+    def reduce_scatter_v(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or len(set(input_split_sizes)) == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        n, tail = max(input_split_sizes), tuple(input_.shape[1:])
+        stacked = input_.new_zeros((n * group.size(), *tail))
+        for i, part in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
+            stacked[i * n:i * n + part.shape[0]] = part
+        out = input_.new_empty((n, *tail))
+        torch.distributed.reduce_scatter_tensor(out, stacked, group=group)
+        return out[:input_split_sizes[group.rank()]].clone()
+
     return [(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
-            (mappings._AllToAll, "backward", staticmethod(backward_on_host))]
+            (mappings._AllToAll, "backward", staticmethod(backward_on_host)),
+            (mappings, "_gather_along_first_dim", gather_v),
+            (mappings, "_reduce_scatter_along_first_dim", reduce_scatter_v)]
 
 
 def _cuda_patches() -> dict[str, Any]:

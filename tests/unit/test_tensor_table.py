@@ -100,3 +100,58 @@ def test_preset_parameter_counts_are_the_published_ones():
         "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
         "llama3-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360, "tiny": 164_416,
         "qwen3-30b-a3b": 30_532_122_624}
+
+
+MOE = ModelConfig.tiny("qwen3_moe")    # h=64, 4 experts of width 32, top 2, q/k norms
+
+
+def test_moe_rows_by_hand():
+    t = tensor_table(MOE)
+    router = t.row("decoder.layers.1.mlp.router.weight")
+    assert (router.shape, router.split_dim, router.expert, router.hf) == (
+        (4, 64), None, None, ("model.layers.1.mlp.gate.weight",))
+    fc1 = t.row("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight")
+    assert (fc1.shape, fc1.split_dim, fc1.stride, fc1.expert, fc1.combine) == (
+        (64, 64), 0, 2, 3, "fc1")
+    assert fc1.hf == ("model.layers.1.mlp.experts.3.gate_proj.weight",
+                      "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert fc1.te_name == "decoder.layers.1.mlp.experts.linear_fc1.weight3"
+    assert t.row(fc1.te_name) is fc1
+    fc2 = t.row("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert (fc2.shape, fc2.split_dim, fc2.hf) == (
+        (64, 32), 1, ("model.layers.1.mlp.experts.3.down_proj.weight",))
+    with pytest.raises(KeyError):
+        t.row("decoder.layers.0.mlp.linear_fc1.weight")      # no dense MLP in an MoE layer
+    attn = 128 * 64 + 64 * 64 + 2 * 8 + 2 * 64               # qkv, proj, q/k norms, 2 norms
+    experts = 4 * (64 * 64 + 64 * 32)
+    assert num_parameters(MOE) == 4 * (attn + 4 * 64 + experts) + 64 + 2 * 128 * 64
+    assert t.expert_elements() == 4 * experts
+    assert t.active_elements() == num_parameters(MOE) - 4 * experts // 2   # top 2 of 4
+
+
+def test_moe_rows_held_named_and_counted_per_rank():
+    """Every rank of every MoE layout holds its pp_stage's dense rows and its ep rank's experts,
+    under local names that map back to the global rows; the per-rank element count is
+    ``elements_on``'s; each expert is held by exactly etp x edp ranks of its pp_stage."""
+    from earl_megatron.plan.layout import ParallelLayout
+
+    t = tensor_table(MOE)
+    layouts = enumerate_layouts(8, MOE, expert_tp="both")
+    assert ParallelLayout(ep=4, tp=2, dp=4) in layouts
+    for lay in layouts:
+        holders: dict[str, int] = {}
+        for r in range(lay.world_size):
+            rows = t.held_on(lay, r)
+            names = [t.name_on(row, lay) for row in rows]
+            assert len(set(names)) == len(names)
+            assert [t.source_on(n, lay, r) for n in names] == [
+                t.row(row.tied_to) if row.tied_to else row for row in rows]
+            mine = lay.experts_of(lay.expert_coords(r).ep, 4)
+            assert {row.expert for row in rows if row.expert is not None} <= set(mine)
+            assert sum(row.local_numel(row.tp_of(lay)) for row in rows) == t.elements_on(
+                lay.coords(r).pp, lay.tp, lay.pp, lay.ep, lay.expert_tp)
+            for row in rows:
+                holders[row.name] = holders.get(row.name, 0) + 1
+        for row in t.full_rows:
+            if row.expert is not None:
+                assert holders[row.name] == lay.world_size // lay.pp // lay.ep, (lay, row.name)
