@@ -16,7 +16,9 @@ For each layout pair (on 4 and 8 gloo ranks, one launch per world size) on a mod
 - minimum     the bytes any plan must move (plan/reshard_plan.py).
 
 Every path is checked: the sum of squares of all weights (double) is the same after the switch.
-Run:  python benchmarks/reshard.py [--worlds 4 8] [--layers 8 --hidden 512 ...]
+Run:  python benchmarks/reshard.py [--worlds 4 8] [--layers 8 --hidden 512 ...] [--experts 8]
+(``--experts``: a mixture-of-experts model and EP / ETP pairs; Megatron's refit is skipped there,
+its HyperCommGrid groups have no expert axes.)
 Fixed costs (regroup + model construction) are printed apart from data movement.
 """
 
@@ -35,11 +37,21 @@ PAIRS = {
     4: [("tp2-pp2", "tp4"), ("pp4", "tp2-dp2"), ("tp4", "pp2-dp2")],
     8: [("tp2-pp2-dp2", "tp4-pp2"), ("pp4-dp2", "tp4-dp2")],
 }
+MOE_PAIRS = {   # --experts E: a qwen3_moe model; experts move between EP / ETP layouts
+    4: [("dp4", "ep4"), ("ep2", "ep2xtp2"), ("ep4", "ep2,tp2,etp1")],
+    8: [("ep2xdp8", "ep8"), ("ep4xtp2", "ep2xtp4,etp1")],
+}
 
 
 def _cfg(args):
     from earl_megatron.config.model import ModelConfig
 
+    if getattr(args, "experts", 0):
+        return ModelConfig(family="qwen3_moe", num_layers=args.layers, hidden_size=args.hidden,
+                           ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+                           num_query_groups=args.groups, vocab_size=args.vocab,
+                           num_experts=args.experts, moe_ffn_hidden_size=args.ffn // 2,
+                           moe_router_topk=2)
     return ModelConfig(family="llama", num_layers=args.layers, hidden_size=args.hidden,
                        ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
                        num_query_groups=args.groups, vocab_size=args.vocab)
@@ -54,12 +66,15 @@ def _sumsq(module, cfg, layout, coords) -> float:
 
     table = tensor_table(cfg)
     local = torch.zeros(1, dtype=torch.float64)
-    if coords.dp == 0 and coords.cp == 0:
-        for name, p in module.named_parameters():
-            row = table.row(table.global_name(name, coords.pp, layout.pp))
-            # a tied output layer repeats the embedding; replicated rows repeat over tp
-            if not row.tied_to and (row.split_dim is not None or coords.tp == 0):
-                local += p.detach().double().pow(2).sum()
+    rank = dist.get_rank()
+    dense = coords.dp == 0 and coords.cp == 0
+    expert = layout.expert_coords(rank).edp == 0     # an expert's replicas are its edp ranks
+    for name, p in module.named_parameters():
+        row = table.row(table.global_name_on(name, layout, rank))
+        # a tied output layer repeats the embedding; replicated rows repeat over tp
+        if not row.tied_to and (expert if row.expert is not None else dense) \
+                and (row.split_dim is not None or row.tp_rank_of(layout, rank) == 0):
+            local += p.detach().double().pow(2).sum()
     dist.all_reduce(local)
     return local.item()
 
@@ -150,6 +165,7 @@ def _dir_bytes(path: str) -> int:
 def _job(pairs, args_dict, tmp_root):
     import torch.distributed as dist
 
+    from earl_megatron.models.sharding import reference_weights
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import build_on_layout
@@ -161,25 +177,28 @@ def _job(pairs, args_dict, tmp_root):
     cfg = _cfg(args)
     groups.set_group_cache_size(args.group_cache)
     world, rank = dist.get_world_size(), dist.get_rank()
-    lay = lambda s: ParallelLayout.parse(s, world, cfg)  # noqa: E731
+    lay = lambda s: ParallelLayout.parse(s, world, cfg)
     rows = []
     with cpu_backend():
         for n, (a_name, b_name) in enumerate(pairs):
             a, b = lay(a_name), lay(b_name)
             row = dict(world=world, src=str(a), dst=str(b))
             t = time.perf_counter()
-            mol = build_on_layout(cfg, a, ddp=False)
-            _sync_replicas(mol)
+            if cfg.is_moe:   # replicas of an expert are its edp ranks: load equal weights
+                mol = build_on_layout(cfg, a, ddp=False, weights=reference_weights(cfg))
+            else:
+                mol = build_on_layout(cfg, a, ddp=False)
+                _sync_replicas(mol)
             row["build_s"] = _maxed([time.perf_counter() - t])[0]
             ref = _sumsq(mol.module(), cfg, a, mol.coords)
-            if not args.skip_megatron:
+            if not args.skip_megatron and not cfg.is_moe:   # its refit has no EP groups
                 try:
                     m = _megatron_swap(mol, b, cfg)
                     m["ok"] = abs(m["sumsq"] - ref) <= 1e-9 * ref
                     for k in ("fixed_s", "first_s", "steady_s"):
                         m[k] = _maxed([m[k]])[0]
                     row["megatron"] = m
-                except Exception as e:  # noqa: BLE001 - a failing path is a result to report
+                except Exception as e:
                     row["megatron"] = dict(error=f"{type(e).__name__}: {str(e)[:160]}")
             # in-memory A -> B, then B -> A (the reverse pair, also reported)
             # first visit of B (its groups are created), back, then the steady state RL sees
@@ -304,6 +323,9 @@ def main(argv=None):
     p.add_argument("--group-cache", type=int, default=4,
                    help="layouts whose groups stay cached (runtime/groups.py); the steady "
                         "switches need both of a pair's")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a qwen3_moe model with this many experts per layer (expert width "
+                        "ffn / 2, top 2) and the EP layout pairs; 0: the dense Llama")
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", help="also write the rows to this file")
@@ -319,7 +341,8 @@ def main(argv=None):
     try:
         for world in args.worlds:
             t = time.time()
-            rows += run_distributed(_job, world, PAIRS[world], vars(args), tmp_root,
+            pairs = (MOE_PAIRS if args.experts else PAIRS)[world]
+            rows += run_distributed(_job, world, pairs, vars(args), tmp_root,
                                     timeout=args.timeout, collective_timeout_s=600)[0]
             print(f"[world {world}: {time.time() - t:.0f}s including process start]",
                   file=sys.stderr)

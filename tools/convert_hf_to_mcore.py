@@ -6,8 +6,8 @@ The output loads under ANY layout (dist_checkpointing reshards on load): pass it
 (``earl_megatron.weights.convert.load_policy``) or convert it back with convert_mcore_to_hf.py.
 It holds the ModelConfig (earl_model_config.json) and the source config.json and tokenizer files
 (hf/). Runs in one process on CPU; memory stays near ``--part-mb`` plus the largest tensor.
-Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (dense; safetensors, one file or
-sharded with an index).
+Supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM (per-expert
+tensors, as the hub stores them; safetensors, one file or sharded with an index).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ runner-up with its margin; the legend under each table explains the cell and lis
 layouts ran out of memory. "OOM" alone means none fits. Within a cell the stages are planned in
 order (rollout -> logprob -> train), each costed with the switch from the previous one.
 
+A mixture-of-experts preset (``--model qwen3-30b-a3b``) plans every expert-parallel size too
+(``EP4xTP2xDP4``; ``ETP1``: experts not tensor-split); each plan's reason says what its EP
+holds per rank, what the token all-to-all costs, and what the same layout at EP1 would need.
+
 ``--compare tp4,tp8`` instead prices the named layouts side by side for one stage (``--stage``):
 for ROLLOUT, ``--responses`` then counts responses PER ROLLOUT REPLICA (as engine benchmarks and
 the EARL paper do: a TP4 layout runs twice the replicas of a TP8 one, so twice the responses),
@@ -38,7 +42,7 @@ from earl_megatron.plan.selector import (LayoutPlan, NoLayoutFitsError, Selector
 from earl_megatron.plan.specs import (CLUSTER_PRESETS, ClusterSpec, Recompute, Stage,
                                       StageWorkload, TrainOptions, cluster_spec, human_bytes)
 from earl_megatron.plan.time_model import decode_tokens, rollout_running_batch
-from earl_megatron.plan.tensor_table import num_parameters
+from earl_megatron.plan.tensor_table import num_parameters, tensor_table
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_LOADS = (8, 16, 32, 64, 128)
@@ -91,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--margin", type=float, default=0.1, help="memory safety margin (fraction)")
     w.add_argument("--max-tp", type=int)
     w.add_argument("--profile", help="profile table JSON (from tools/profile_layouts.py)")
+    p.add_argument("--reasons", action="store_true",
+                   help="under each table, print every cell's plan reason (the selector's words)")
     p.add_argument("--png", help="write a heatmap of the chosen layouts to this PNG file")
     return p
 
@@ -170,7 +176,8 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None) -> None:
+def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None,
+                 reasons: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
     console = Console(file=out or sys.stdout, width=max(160, 40 + 26 * len(loads)),
@@ -193,6 +200,11 @@ def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None) -> 
                     console.print(f"  {_k(ctx)} x {ld}: {len(r.oom)} of {r.num_valid} valid "
                                   f"layouts exceed the budget ({names})")
                     break
+            if reasons:
+                for ld in loads:
+                    r = grid[(stage, ctx, ld)]
+                    if isinstance(r, LayoutPlan):
+                        console.print(f"  {_k(ctx)} x {ld}: {r.reason}")
             errs = [grid[(stage, ctx, ld)] for ld in loads
                     if isinstance(grid[(stage, ctx, ld)], NoLayoutFitsError)]
             if errs:
@@ -313,8 +325,12 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
                         SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp), profile)
     stages = [Stage(s.strip()) for s in args.stages.split(",") if s.strip()]
     n = num_parameters(model)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    header = (f"{args.model}: {size} parameters on {cluster.name} "
+    size = (f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M") + " parameters"
+    if model.is_moe:        # MoE: layouts include every ep (and etp = tp or 1)
+        active = tensor_table(model).active_elements()
+        size += (f" ({active / 1e9:.2f}B active: {model.num_experts} experts, top "
+                 f"{model.moe_router_topk})")
+    header = (f"{args.model}: {size} on {cluster.name} "
               f"({cluster.world_size} devices, budget {human_bytes(selector.budget_bytes)} per "
               f"rank after a {args.margin:.0%} margin); recompute={args.recompute}, "
               f"micro-batch {args.micro_batch_tokens} tokens")
@@ -337,7 +353,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
         raise SystemExit("--json needs --compare (the grid is printed, or drawn with --png)")
     grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens,
                      args.decode_fraction)
-    print_tables(grid, stages, args.contexts, args.in_flight, header, out)
+    print_tables(grid, stages, args.contexts, args.in_flight, header, out, args.reasons)
     if args.png:
         write_png(grid, stages, args.contexts, args.in_flight, args.png, header)
         print(f"wrote {args.png}", file=stream)

@@ -172,6 +172,11 @@ class AlgorithmConfig:
     """Truncated importance sampling of the rollout/train mismatch: each sampled token's policy
     gradient weighted by min(pi_old / pi_rollout, tis_cap) (verl, slime; 2.0 is their usual
     value). None: off. Needs old_logprobs=recompute (pi_old is the trainer's re-scoring)."""
+    routing_replay: bool = False
+    """Mixture-of-experts only: the rollout records the experts each token was routed to and
+    the LOGPROB (old / reference) and TRAIN forwards reuse them (Megatron-Core's RouterReplay;
+    rollout/routing_replay.py), so a token near a routing tie cannot land on other experts in
+    training than it did when sampled. Embedded engine only."""
 
     def __post_init__(self):
         if self.old_logprobs not in ("rollout", "recompute"):
@@ -338,6 +343,15 @@ class TrainConfig:
                 "the reference policy would be the initial one, not the warmed one. Set "
                 "algorithm.kl_mode=off, or warm start in one run and pass its checkpoint as "
                 "run.init to an RL run with the KL")
+        if self.algorithm.routing_replay and not self.model.is_moe:
+            raise ConfigError(
+                f"algorithm.routing_replay=true needs a mixture-of-experts model (model.family="
+                f"{self.model.family!r} has no router); set it false or use model.family=qwen3_moe")
+        if self.algorithm.routing_replay and self.rollout.engine != "embedded":
+            raise ConfigError(
+                f"algorithm.routing_replay=true records the experts in the embedded engine; "
+                f"rollout.engine={self.rollout.engine!r} does not return them: use "
+                "rollout.engine=embedded or routing_replay=false")
         if self.algorithm.name == "grpo" and \
                 self.rollout.episodes_per_iteration % self.algorithm.group_size:
             raise ConfigError(

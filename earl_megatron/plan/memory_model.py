@@ -6,13 +6,20 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   (plan/tensor_table.py). EXACT for Megatron-Core 0.16 ``GPTModel`` with the local layer spec
   (checked against live models in tests/unit/test_memory_model.py); the TE spec has the same
   counts (the same rows: its norm weights live in linear_qkv / linear_fc1 as layer_norm_weight).
-- grads (TRAIN): the DDP ``main_grad`` buffer, one element per local parameter in ``grad_dtype``.
+  Mixture of experts: an expert's rows are on its ep rank only, split ``etp`` ways
+  (``tensor_table.elements_on(pp_rank, tp, pp, ep, etp)``): expert bytes per rank are the
+  model's expert bytes / (ep x etp) exactly; the router and every dense row as for a dense model.
+- grads (TRAIN): the DDP ``main_grad`` buffer, one element per local parameter in ``grad_dtype``
+  (experts' in Megatron's expert-parallel buffers, the same count).
   Megatron pads each bucket to a multiple of lcm(dp*cp, 128) elements; that padding is ignored.
 - optimizer (TRAIN): Adam moments (8 B/param) plus an fp32 master copy (4 B) for bf16 params,
-  divided by dp*cp under the distributed optimizer (Megatron shards over the dp-with-cp group).
+  divided under the distributed optimizer by dp*cp for dense params (Megatron shards over the
+  dp-with-cp group) and by ``edp`` for expert params (the expert data-parallel group, over which
+  their grads are reduced): ``train_state_split``.
 - activations: the Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", Sec. 4) per-layer accounting, redone for this architecture (RMSNorm,
-  GQA, SwiGLU, no dropout), sequence parallel off, in two variants (``layer_activation_bytes``):
+  GQA, SwiGLU, no dropout), sequence parallel off (dense models), in two variants
+  (``layer_activation_bytes``):
   the TransformerEngine path (fused attention: norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU
   4f/t per token, in activation bytes) and Megatron's local spec in eager torch (the CPU path),
   whose saved tensors were counted with autograd saved-tensor hooks and match the formula
@@ -23,6 +30,16 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   TransformerEngine keeps the gathered K and V (x cp). 1F1B keeps pp - pp_rank micro-batches in
   flight on pp_rank (Narayanan et al. 2021). Selective recompute drops the scores term; full
   recompute keeps only each layer's input (h) plus one layer's full set.
+- MoE layer (``moe_layer_activation_bytes``; modelled, not measured): the MLP term is replaced
+  by the router (fp32 logits and softmax, E each, and the top-k probs per token), the top-k
+  copies of every token the all-to-all dispatcher permutes to the experts (each expert's fc1
+  input, h per copy) and their outputs kept for the weighted combine (h per copy), and SwiGLU
+  at width moe_ffn/etp per copy (4 or 5 x mf/etp as for the dense MLP). Under sequence
+  parallelism (MoE with tp > 1, which Megatron requires) a rank's MoE layer and norms see
+  tokens/tp; the dispatcher all-gathers over the expert-TP group, so a rank's experts see
+  tokens/tp x etp x topk copies (an even routing: dropless, no capacity factor; a skewed router
+  puts more on some ranks). The dispatch send and receive buffers of one layer are in
+  comm_buffers.
 - logits (last pp_stage): vocab/tp per token in activation dtype plus two fp32 working copies
   (upcast and the saved softmax for the backward), plus the logits' gradient in TRAIN.
 - kv_cache (ROLLOUT): 2 x (g/t) x head_dim x b per token per local layer, for the responses one
@@ -39,8 +56,9 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   responses need; a pool smaller than one sequence does not fit (``server_pool_fits``).
 - server_weights (ROLLOUT on servers): the server's own copy, weights / tp (pp = cp = 1).
 - comm_buffers: pipeline p2p send/recv tensors (two each way in TRAIN) and the transient gathered
-  K/V of one layer for CP outside TRAIN. TP all-reduces run in place; DDP and the distributed
-  optimizer communicate inside their own buffers.
+  K/V of one layer for CP outside TRAIN; with ep > 1 one MoE layer's all-to-all send and
+  receive buffers (``moe_dispatch_buffer_bytes``). TP all-reduces run in place; DDP and the
+  distributed optimizer communicate inside their own buffers.
 - reserved: ``ClusterSpec.reserved_bytes`` (CUDA context, NCCL, allocator slack).
 - resident: bytes other stages leave on the device (e.g. optimizer state kept during rollout),
   passed in by the caller.
@@ -53,6 +71,7 @@ keeping the total at the engine's memory fraction).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -66,11 +85,44 @@ from earl_megatron.plan.tensor_table import tensor_table
 
 def param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
     """Exact parameter elements of one rank of ``pp_rank`` (the tensor table's rows there; every
-    tp/cp/dp rank of a pp_stage holds the same count)."""
+    tp/cp/dp/ep rank of a pp_stage holds the same count: an ep rank E/ep experts, etp-split)."""
     layout.check(layout.world_size, model)
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} out of range for pp={layout.pp}")
-    return tensor_table(model).elements_on(pp_rank, layout.tp, layout.pp)
+    return tensor_table(model).elements_on(pp_rank, layout.tp, layout.pp, layout.ep,
+                                           layout.expert_tp)
+
+
+def expert_param_count_per_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int) -> int:
+    """The expert part of ``param_count_per_rank`` (0 for a dense model): the pp_stage's expert
+    elements / (ep x etp), exactly (E divides by ep and moe_ffn, hence every expert row, by etp:
+    checked by the layout)."""
+    if not model.is_moe:
+        return 0
+    layout.check(layout.world_size, model)
+    return _pp_stage_expert_elements(model, pp_rank, layout.pp) \
+        // (layout.expert_tp * layout.ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pp_stage_expert_elements(model: ModelConfig, pp_rank: int, pp: int) -> int:
+    return sum(r.numel for r in tensor_table(model).on_pp_stage(pp_rank, pp)
+               if r.expert is not None)
+
+
+def train_state_split(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
+                      opts: TrainOptions) -> tuple[int, int]:
+    """(grad bytes, optimizer bytes) of one rank of ``pp_rank``: the distributed optimizer
+    shards dense params over dp x cp and expert params over the expert-dp group (edp)."""
+    params = param_count_per_rank(model, layout, pp_rank)
+    experts = expert_param_count_per_rank(model, layout, pp_rank)
+    obpp = opts.optimizer_bytes_per_param(model)
+    dense_shard = layout.dp * layout.cp if opts.distributed_optimizer else 1
+    expert_shard = layout.edp if opts.distributed_optimizer else 1
+    optimizer = math.ceil((params - experts) * obpp / dense_shard)
+    if experts:
+        optimizer += math.ceil(experts * obpp / expert_shard)
+    return params * opts.grad_bytes, optimizer
 
 
 @dataclass(frozen=True)
@@ -137,16 +189,58 @@ def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: i
     # q/k norms (Qwen3): their elements and their rows (one 1/rms per head) on this tp rank
     qk, qk_rows = ((q + kv) // t, (a + model.num_query_groups) // t) if model.qk_layernorm \
         else (0, 0)
+    # MoE: the MLP is the router and experts (moe_layer_activation_bytes); with tp > 1 it runs
+    # under sequence parallelism, where the norms keep tokens/tp (dense models: never here)
+    sp = layout.sequence_parallel(model)
+    mlp = 0 if model.is_moe else (4 if fused_attention else 5) * f // t
+    norms = 4 * h if fused_attention else 2 * (3 * h + 1)
+    extra = 0
+    if model.is_moe:
+        moe_tokens = math.ceil(local / t) if sp else local
+        extra = moe_layer_activation_bytes(model, layout, moe_tokens, act_bytes,
+                                           fused_attention=fused_attention)
+        if sp:
+            extra += moe_tokens * norms * act_bytes
     if fused_attention:
-        per_token = act_bytes * (4 * h + (q + 2 * kv) // t + q // t + 4 * f // t + qk)
-        return local * (per_token + (a // t + qk_rows) * 4)  # + fp32 log-sum-exp, 1/rms
+        per_token = act_bytes * ((0 if sp else norms) + (q + 2 * kv) // t + q // t + mlp + qk)
+        return local * (per_token + (a // t + qk_rows) * 4) + extra  # + fp32 lse, 1/rms
     kv_mult = c                 # the all-gather CP attention keeps the gathered K and V
-    per_token = act_bytes * (2 * (3 * h + 1) + 2 * (q // t) * kv_mult + 2 * (q // t)
-                             + 5 * f // t + 4 * d + 3 * qk + qk_rows)
-    total = local * per_token
+    per_token = act_bytes * ((0 if sp else norms) + 2 * (q // t) * kv_mult + 2 * (q // t)
+                             + mlp + 4 * d + 3 * qk + qk_rows)
+    total = local * per_token + extra
     if keep_scores:
         total += scores * ((a // t) * act_bytes + 1)
     return total
+
+
+def moe_routed_tokens(model: ModelConfig, layout: ParallelLayout, moe_tokens: int) -> int:
+    """Token copies one rank's experts process when ``moe_tokens`` tokens enter its MoE layer:
+    top-k copies of each, all-gathered over the expert-TP group (an even routing)."""
+    return moe_tokens * layout.expert_tp * model.moe_router_topk
+
+
+def moe_layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, moe_tokens: int,
+                               act_bytes: int, *, fused_attention: bool) -> int:
+    """What one MoE layer's router and experts keep for the backward when ``moe_tokens`` tokens
+    enter it on this rank (module docstring): fp32 router logits and softmax (2E) and top-k
+    probs per token; per routed copy the permuted input and the expert output (2h, for the
+    weighted combine) and SwiGLU at width moe_ffn/etp."""
+    routed = moe_routed_tokens(model, layout, moe_tokens)
+    mf = model.moe_ffn_hidden_size // layout.expert_tp
+    router = moe_tokens * 4 * (2 * model.num_experts + model.moe_router_topk)
+    swiglu = (4 if fused_attention else 5) * mf
+    return router + routed * act_bytes * (2 * model.hidden_size + swiglu)
+
+
+def moe_dispatch_buffer_bytes(model: ModelConfig, layout: ParallelLayout, tokens: int,
+                              act_bytes: int) -> int:
+    """The all-to-all send and receive buffers of one MoE layer (comm_buffers) for a micro-batch
+    of ``tokens`` (before the cp split); 0 for a dense model or ep = 1."""
+    if not model.is_moe or layout.ep == 1:
+        return 0
+    local = math.ceil(tokens / layout.cp)
+    moe_tokens = math.ceil(local / layout.tp) if layout.sequence_parallel(model) else local
+    return 2 * moe_tokens * model.moe_router_topk * model.hidden_size * act_bytes
 
 
 @dataclass(frozen=True)
@@ -213,10 +307,9 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
 
     grads = optimizer = kv_cache = server_weights = 0
     layer_full = layer_activation_bytes(model, layout, mb, longest, b, fused_attention=fused)
+    dispatch = moe_dispatch_buffer_bytes(model, layout, mb, b)
     if stage is Stage.TRAIN:
-        grads = params * opts.grad_bytes
-        shard = layout.dp * layout.cp if opts.distributed_optimizer else 1
-        optimizer = math.ceil(params * opts.optimizer_bytes_per_param(model) / shard)
+        grads, optimizer = train_state_split(model, layout, pp_rank, opts)
         in_flight = min(pp - pp_rank, _micro_batches_per_replica(workload, layout))
         if opts.recompute is Recompute.FULL:
             stored, transient = local_mb * h * b, layer_full
@@ -228,11 +321,11 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
             stored, transient = layer_full, 0
         activations = in_flight * layers * stored + transient
         logits = local_mb * vocab_local * (2 * b + 8) if last else 0
-        comm = 4 * local_mb * h * b if pp > 1 else 0
+        comm = (4 * local_mb * h * b if pp > 1 else 0) + dispatch
     elif stage is Stage.LOGPROB:
         activations = layer_full                # forward only: one layer alive at a time
         logits = local_mb * vocab_local * (b + 8) if last else 0
-        comm = 2 * local_mb * h * b if pp > 1 else 0
+        comm = (2 * local_mb * h * b if pp > 1 else 0) + dispatch
         if c > 1:
             comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
     else:
@@ -244,7 +337,7 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
             decode += seqs * (model.num_attention_heads // t) * math.ceil(longest / c) * b
         activations = max(layer_full, decode)
         logits = max(local_mb * vocab_local * (b + 4), seqs * vocab_local * 4) if last else 0
-        comm = 2 * local_mb * h * b if pp > 1 else 0
+        comm = (2 * local_mb * h * b if pp > 1 else 0) + dispatch
         if c > 1:
             comm += mb * 2 * model.num_query_groups * model.head_dim // t * b
         engine = cluster.decode_engine if cluster is not None else DecodeEngine.embedded()
@@ -307,8 +400,4 @@ def train_state_bytes(model: ModelConfig, layout: ParallelLayout,
                       train_opts: TrainOptions = TrainOptions()) -> int:
     """Grads + optimizer state per rank of the most loaded pp_stage: what stays resident outside
     TRAIN when the training state is not offloaded (pass it as ``resident_bytes``)."""
-    shard = layout.dp * layout.cp if train_opts.distributed_optimizer else 1
-    return max(param_count_per_rank(model, layout, r) * train_opts.grad_bytes
-               + math.ceil(param_count_per_rank(model, layout, r)
-                           * train_opts.optimizer_bytes_per_param(model) / shard)
-               for r in range(layout.pp))
+    return max(sum(train_state_split(model, layout, r, train_opts)) for r in range(layout.pp))

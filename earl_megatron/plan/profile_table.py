@@ -25,7 +25,8 @@ layouts (the hardware's overall offset from the model), or 1.0 when the stage ha
 Invariants: a table is a frozen value (``record`` returns a new one); entries are kept sorted and
 a (stage, layout, context_bucket, load) key appears once (the latest record wins); ``load`` of a
 file whose ``schema_version`` differs, or that is malformed, raises ``ProfileTableError`` saying
-which field is wrong.
+which field is wrong. A layout is stored as {tp, cp, pp, dp} plus ep and etp when an MoE layout
+sets them (files of dense layouts are unchanged, and load as before).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.specs import Stage
 
 SCHEMA_VERSION = 1
+
+
+def _layout_json(layout: ParallelLayout) -> dict:
+    """A layout's axes; ep and etp only when set (a dense table's file is unchanged)."""
+    out = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
+    if layout.ep > 1:
+        out["ep"] = layout.ep
+    if layout.etp is not None:
+        out["etp"] = layout.etp
+    return out
 
 
 class ProfileTableError(ValueError):
@@ -170,8 +181,7 @@ class ProfileTable:
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "meta": dict(self.meta),
-                "entries": [{"stage": e.stage, "layout": {"tp": e.layout.tp, "cp": e.layout.cp,
-                                                          "pp": e.layout.pp, "dp": e.layout.dp},
+                "entries": [{"stage": e.stage, "layout": _layout_json(e.layout),
                              "context_bucket": e.context_bucket, "load": e.load,
                              "seconds": e.seconds} for e in self.entries],
                 "restarts": [{"model": r.model, "tp": r.tp, "seconds": r.seconds}
@@ -196,11 +206,13 @@ class ProfileTable:
         for i, e in enumerate(entries):
             try:
                 stage = stages[e["stage"]]
-                layout = ParallelLayout(**{a: e["layout"][a] for a in ("tp", "cp", "pp", "dp")})
+                layout = ParallelLayout(**{a: e["layout"][a] for a in ("tp", "cp", "pp", "dp")},
+                                        **{a: e["layout"][a] for a in ("ep", "etp")
+                                           if a in e["layout"]})
                 table = table.record(stage, layout, e["context_bucket"], e["load"], e["seconds"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise bad(f"entry {i} is malformed ({type(exc).__name__}: {exc}); expected keys "
-                          "stage, layout{tp,cp,pp,dp}, context_bucket, load, seconds") from None
+                          "stage, layout{tp,cp,pp,dp[,ep,etp]}, context_bucket, load, seconds") from None
         restarts = data.get("restarts", [])
         if not isinstance(restarts, list):
             raise bad("'restarts' must be a list")

@@ -13,6 +13,10 @@ the switcher maps a TE-spec model's parameters onto them through the same table:
   replicated norms, one range covering it), concatenated in order to form the rank's local
   tensor: two ranges (``gate[r]``, ``up[r]``) for SwiGLU fc1's partition stride 2;
 - dp and cp: every rank with the same (tp, pp) coordinates holds the same slices (replicas);
+- experts (mixture-of-experts layers): a rank holds only its ep rank's experts
+  (``table.held_on``), under their local index (``table.name_on``), split by the expert-TP
+  rank (``row.local_rows``); the edp ranks of one (etp, ep) are the replicas. Moving an expert
+  between EP layouts is ordinary traffic of whole rows, planned like any other tensor;
 - a tied output layer on the last pp_stage (pp > 1) is a holding of the embedding under the
   local name ``output_layer.weight``.
 
@@ -34,6 +38,7 @@ is split along its dim first), which bounds transient memory during execution.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,22 +81,38 @@ class Holding:
 
 
 def placement(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, tuple[Holding, ...]]:
-    """Every full tensor -> the holdings of every rank that has part of it (ascending rank)."""
+    """Every full tensor -> the holdings of every rank that has part of it (ascending rank).
+
+    A rank holds ``table.held_on(layout, rank)`` (its pp_stage's rows; of the experts only its
+    ep rank's), under ``table.name_on`` (local layer and expert index), rows
+    ``row.local_rows`` (split by tp, or by etp and the expert-TP rank for experts)."""
     layout.check(layout.world_size, cfg)
     table = tensor_table(cfg)
-    coords = [layout.coords(r) for r in range(layout.world_size)]
     out: dict[str, list[Holding]] = {}
-    for row in table.rows:
-        if row.tied_to and layout.pp == 1:
-            continue        # the output layer is the embedding itself
-        full = table.row(row.tied_to) if row.tied_to else row
-        dim = row.split_dim or 0
-        pp_rank = row.pp_stage(layout.pp, cfg.num_layers)
-        local = row.local_name(layout.pp, cfg.num_layers)
-        out.setdefault(full.name, []).extend(
-            Holding(r, local, tuple(RowRange(dim, a, b) for a, b in row.tp_rows(c.tp, layout.tp)))
-            for r, c in enumerate(coords) if c.pp == pp_rank)
+    for r, rows in _held(table, layout):
+        for row in rows:
+            full = table.row(row.tied_to) if row.tied_to else row
+            dim = row.split_dim or 0
+            out.setdefault(full.name, []).append(Holding(
+                r, table.name_on(row, layout),
+                tuple(RowRange(dim, a, b) for a, b in row.local_rows(layout, r))))
     return {n: tuple(sorted(h, key=lambda h: (h.rank, h.local_name))) for n, h in out.items()}
+
+
+def _held(table, layout: ParallelLayout):
+    """(rank, rows its model has) for every rank; ranks of one (pp, ep) share the row list."""
+    memo: dict[tuple[int, int], tuple] = {}
+    for r in range(layout.world_size):
+        key = (layout.coords(r).pp, layout.expert_coords(r).ep)
+        if key not in memo:
+            memo[key] = table.held_on(layout, r)
+        yield r, memo[key]
+
+
+def _rank_class(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
+    """What decides the rows ``rank`` holds: (tp, pp) and, for experts, (etp, ep) coordinates."""
+    c, e = layout.coords(rank), layout.expert_coords(rank)
+    return c.tp, c.pp, e.etp, e.ep
 
 
 def receive_bytes(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
@@ -99,25 +120,24 @@ def receive_bytes(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
     """Bytes each rank must receive to switch from ``src`` to ``dst``: the rows it holds under
     ``dst`` and did not hold, under any local name, under ``src``. The plan moves exactly these
     (its ``recv_bytes()``; ``min_bytes`` is their sum), so the selector prices a switch with
-    them without building the transfers (ranks with the same tp and pp coordinates in both
-    layouts need the same, so each such class is counted once)."""
+    them without building the transfers (ranks with the same tp, pp, expert-TP and ep
+    coordinates in both layouts need the same, so each such class is counted once)."""
     eb = DTYPE_BYTES[cfg.params_dtype] if element_bytes is None else element_bytes
     table = tensor_table(cfg)
-    memo: dict[tuple[int, int, int, int], int] = {}
+    memo: dict[tuple[int, ...], int] = {}
     out = []
     for r in range(dst.world_size):
-        a, b = src.coords(r), dst.coords(r)
-        key = (a.tp, a.pp, b.tp, b.pp)
+        key = _rank_class(src, r) + _rank_class(dst, r)
         if key not in memo:
             held: dict[str, list[tuple[int, int]]] = {}
-            for row in table.on_pp_stage(a.pp, src.pp):
+            for row in table.held_on(src, r):
                 full = table.row(row.tied_to) if row.tied_to else row
-                held.setdefault(full.name, []).extend(row.tp_rows(a.tp, src.tp))
+                held.setdefault(full.name, []).extend(row.local_rows(src, r))
             missing = 0
-            for row in table.on_pp_stage(b.pp, dst.pp):
+            for row in table.held_on(dst, r):
                 full = table.row(row.tied_to) if row.tied_to else row
                 per_row = full.numel // full.shape[row.split_dim or 0]
-                need = list(row.tp_rows(b.tp, dst.tp))
+                need = list(row.local_rows(dst, r))
                 missing += per_row * sum(y - x for x, y in _subtract(need, held.get(full.name, [])))
             memo[key] = missing
         out.append(memo[key] * eb)
@@ -161,6 +181,17 @@ class ReshardPlan:
     (the sum of ``receive_bytes``)."""
     unit_elements: tuple[tuple[str, int], ...]
     """Elements per row along the split dim, per tensor (to split transfers into buckets)."""
+    replicas: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    """Per full tensor, the groups of ``src`` ranks holding identical slices of it (a dense
+    tensor's dp x cp replicas; an expert's edp replicas), each ascending."""
+
+    @functools.cached_property
+    def _replica_of(self) -> dict[tuple[str, int], tuple[int, ...]]:
+        return {(name, r): g for name, groups in self.replicas for g in groups for r in g}
+
+    def replicas_of(self, name: str, rank: int) -> tuple[int, ...]:
+        """The ``src`` ranks (``rank`` included) holding what ``rank`` holds of ``name``."""
+        return self._replica_of.get((name, rank), (rank,))
 
     @property
     def bytes_moved(self) -> int:
@@ -285,7 +316,18 @@ def plan_reshard(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
     return ReshardPlan(src=src, dst=dst, element_bytes=eb, transfers=tuple(sorted(transfers)),
                        local_copies=tuple(sorted(local_copies)),
                        min_bytes=sum(receive_bytes(cfg, src, dst, element_bytes=eb)),
-                       unit_elements=tuple(unit))
+                       unit_elements=tuple(unit), replicas=_replica_groups(before))
+
+
+def _replica_groups(held: dict[str, tuple[Holding, ...]]
+                    ) -> tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]:
+    out = []
+    for name in sorted(held):
+        groups: dict[tuple, list[int]] = {}
+        for h in held[name]:
+            groups.setdefault((h.local_name, h.pieces), []).append(h.rank)
+        out.append((name, tuple(sorted(tuple(g) for g in groups.values()))))
+    return tuple(out)
 
 
 def _cover(name: str, dim: int, per_row: int, a0: int, b0: int, want: Holding,

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 from earl_megatron.plan.memory_model import (MemoryEstimate, memory_breakdown,
-                                             param_count_per_rank, server_pool_fits)
+                                             server_pool_fits, train_state_split)
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.server_restart import server_switch_seconds
@@ -174,11 +174,10 @@ def switch_seconds(model: ModelConfig, cluster: ClusterSpec, src: Optional[Paral
         shard_dst = dst.dp * dst.cp if train_opts.distributed_optimizer else 1
         weights = receive_bytes(model, optimizer_src, dst, element_bytes=obpp)
         for r in range(dst.world_size):
-            if shard_src == shard_dst:
+            if shard_src == shard_dst and (not model.is_moe or optimizer_src.edp == dst.edp):
                 recv[r] += math.ceil(weights[r] / shard_dst)
             else:                       # shard boundaries move: assume the whole shard does
-                p = param_count_per_rank(model, dst, dst.coords(r).pp)
-                recv[r] += math.ceil(p * obpp / shard_dst)
+                recv[r] += train_state_split(model, dst, dst.coords(r).pp, train_opts)[1]
         moved = True
     if not moved:
         return 0.0
@@ -220,10 +219,15 @@ class Selector:
         max_pp = c.max_pp
         if stage is Stage.ROLLOUT and c.rollout_max_pp is not None:
             max_pp = min(c.rollout_max_pp, max_pp or c.rollout_max_pp)
-        if stage is Stage.ROLLOUT and self.cluster.decode_engine.servers:
+        servers = stage is Stage.ROLLOUT and self.cluster.decode_engine.servers
+        if servers:
             max_cp = max_pp = 1             # SGLang servers: tp x dp only
-        return enumerate_layouts(self.cluster.world_size, self.model, max_tp=c.max_tp,
-                                 max_cp=max_cp, max_pp=max_pp)
+        # MoE: every ep, with experts tensor-split like the rest (etp = tp) or not at all (etp 1)
+        layouts = enumerate_layouts(self.cluster.world_size, self.model, max_tp=c.max_tp,
+                                    max_cp=max_cp, max_pp=max_pp, expert_tp="both")
+        if servers:     # the trainer starts its servers with tp and dp only (no ep flag)
+            layouts = [lay for lay in layouts if lay.ep == 1 and lay.etp is None]
+        return layouts
 
     def memory(self, layout: ParallelLayout, workload: StageWorkload,
                resident_bytes: int = 0) -> MemoryEstimate:
@@ -296,6 +300,8 @@ class Selector:
             if runner_up is not None:
                 reason += f" ({best.cost:.3g} s vs {runner_up.cost:.3g} s for {runner_up.layout})"
         reason += f"; {human_bytes(chosen.memory.total)} of {human_bytes(budget)}"
+        if self.model.is_moe:
+            reason += "; " + self._expert_reason(chosen, valid, workload, resident_bytes)
         plan = LayoutPlan(workload.stage, chosen, runner_up, reason, len(valid), tuple(oom),
                           budget)
         return plan, state.with_choice(workload.stage, chosen.layout)
@@ -311,6 +317,23 @@ class Selector:
             plans.append(plan)
             current = plan.layout
         return tuple(plans), state
+
+    def _expert_reason(self, chosen: Candidate, valid: Sequence[ParallelLayout],
+                       workload: StageWorkload, resident_bytes: int) -> str:
+        """What EP buys and costs in the chosen layout: experts and weights per rank against
+        the same layout at ep = 1, and the all-to-all's seconds."""
+        lay, e = chosen.layout, self.model.num_experts
+        text = (f"EP{lay.ep}: {e // lay.ep} of {e} experts per rank"
+                + (f" (expert TP {lay.expert_tp})" if lay.expert_tp != lay.tp else ""))
+        if lay.ep > 1:
+            text += f", all-to-all {chosen.time.ep_comm * chosen.scale:.3g} s"
+            ep1 = replace(lay, ep=1, etp=None)
+            if ep1 in valid:
+                m1 = self.memory(ep1, workload, resident_bytes)
+                text += (f"; {ep1} (EP1) would need {human_bytes(m1.total)}, weights "
+                         f"{human_bytes(m1.weights)} vs {human_bytes(chosen.memory.weights)}"
+                         + ("" if self.fits(m1) else ", over the budget"))
+        return text
 
     # -------------------------------------------------------------- what would fit
     def fits_somewhere(self, workload: StageWorkload, resident_bytes: int = 0) -> \

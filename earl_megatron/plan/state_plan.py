@@ -15,8 +15,11 @@ to the local tensor's flat index is increasing on both sides (source and destina
 tensors), so a flat range of either local tensor is one *interval* of box indices. A state
 segment is therefore ``(box, [u, v))``: the part of the box that the destination owns under
 the new layout and one source replica owned under the old. For each box the source replicas are
-tried in order (the weight plan's sender first, then the others by rank), each taking what is
-still unassigned; with the plain optimizer the first covers everything.
+tried in order (the weight plan's sender first, then the others by rank: ``plan.replicas_of``,
+the dp x cp replicas of a dense tensor, the edp replicas of an expert), each taking what is
+still unassigned; with the plain optimizer the first covers everything. Megatron's distributed
+optimizer shards an expert's state over its expert-data-parallel group (edp ranks), a dense
+tensor's over dp x cp: the ranges say which, the plan needs no other rule.
 
 Invariants (tests/unit/test_state_plan.py, against element-by-element enumeration):
 - every element a destination owns is written exactly once, by a segment whose source owned it;
@@ -145,8 +148,6 @@ LayoutStateRanges = dict[int, StateRanges]
 def plan_state_segments(plan: ReshardPlan, old: LayoutStateRanges,
                         new: LayoutStateRanges) -> tuple[StateSegment, ...]:
     """Segments that give every new rank its state range, each element from one old owner."""
-    # every rank -> the ranks holding the same weights (same tp and pp coordinates)
-    replicas = {r: g for g in plan.src.group_ranks("dp-cp") for r in g}
     out = []
     for t in sorted(plan.local_copies + plan.transfers):
         dst_shape, c, d = new[t.dst].get(t.dst_local, ((), 0, 0))
@@ -154,7 +155,7 @@ def plan_state_segments(plan: ReshardPlan, old: LayoutStateRanges,
             continue
         dst_box = _box(t, dst_shape, t.dst_offset)
         todo = [iv for iv in [dst_box.interval(c, d)] if iv[0] < iv[1]]
-        for s in [t.src] + [r for r in replicas[t.src] if r != t.src]:
+        for s in [t.src] + [r for r in plan.replicas_of(t.name, t.src) if r != t.src]:
             if not todo:
                 break
             shape, a, b = old[s].get(t.src_local, ((), 0, 0))

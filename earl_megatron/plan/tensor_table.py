@@ -219,10 +219,14 @@ class TensorTable:
 
     def on_pp_stage(self, pp_rank: int, pp: int) -> tuple[TensorRow, ...]:
         """Rows that are parameters of pp_stage ``pp_rank`` (tied output only if pp > 1), every
-        expert included: ``held_on`` is one rank's subset."""
-        n = self.cfg.num_layers
-        return tuple(r for r in self.rows if r.pp_stage(pp, n) == pp_rank
-                     and not (r.tied_to and pp == 1))
+        expert included: ``held_on`` is one rank's subset. Memoised (an MoE table has ~10^4
+        rows and the selector asks per layout)."""
+        key = (pp_rank, pp)
+        if key not in self._stages:
+            n = self.cfg.num_layers
+            self._stages[key] = tuple(r for r in self.rows if r.pp_stage(pp, n) == pp_rank
+                                      and not (r.tied_to and pp == 1))
+        return self._stages[key]
 
     def held_on(self, layout, rank: int) -> tuple[TensorRow, ...]:
         """Rows that are parameters of ``rank``'s model in ``layout`` (its pp_stage's, and of
@@ -262,6 +266,10 @@ class TensorTable:
 
     @functools.cached_property
     def _elements(self) -> dict[tuple[int, int, int], int]:
+        return {}
+
+    @functools.cached_property
+    def _stages(self) -> dict[tuple[int, int], tuple[TensorRow, ...]]:
         return {}
 
 

@@ -30,12 +30,27 @@ An analytic roofline, meant to rank layouts, not to promise wall-clock time; the
 - pp_bubble: compute x (pp-1)/m for m micro-batches per replica (1F1B; bubble fraction
   (pp-1)/(m+pp-1) of the pipelined time).
 - dp_comm (TRAIN): grad all-reduce over dp x cp, or reduce-scatter of grads + all-gather of
-  params under the distributed optimizer; not assumed overlapped.
+  params under the distributed optimizer; not assumed overlapped. Expert params: the same over
+  the expert-dp group (edp), on its own link.
 - optimizer_step (TRAIN): the Adam update is memory bound: ~28 B per local shard element.
+- ep_comm (MoE, ep > 1): the token all-to-all of every MoE layer, dispatch and combine, forward
+  (LOGPROB, ROLLOUT: prefill chunks and every decode step) and backward too in TRAIN (and the
+  recomputed forward under full recompute). One all-to-all sends tokens x topk x hidden x b x
+  (ep-1)/ep bytes per rank (``tokens``: what enters the rank's MoE layer, tokens/tp under
+  sequence parallelism): ``alltoall_seconds`` (the part to ranks in the same node over the
+  intra-node link, the rest through the node's share of the inter-node bandwidth, which every
+  rank of the node uses at once). The expert-TP all-gather of the dispatched tokens is not
+  priced separately (it takes the place of the dense MLP's tp all-reduce, kept in tp_comm).
+- MoE compute: FLOPs from the active parameters (``matmul_params``: attention, router and
+  top-k of the E experts per token; ``tensor_table.active_elements``), not the total. Decode
+  reads the dense weights and the experts a step's routed tokens touch: E x (1 - (1 - k/E)^B)
+  of E for a running batch of B (uniform routing), each rank its E/ep.
 
 Links: a group is intra-node when all its ranks share a node (rank // devices_per_node); else it
 runs at inter-node latency and gets the node's inter-node bandwidth divided by the number of such
-groups with a member on that node (they communicate at the same time).
+groups with a member on that node (they communicate at the same time). Expert-grid axes ("ep",
+"edp", "etp") are placed by ``ParallelLayout.expert_group_ranks``, the dense ones by
+``group_ranks``.
 
 Invariants: every term is finite and >= 0; nothing here imports torch.
 """
@@ -47,8 +62,9 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.memory_model import (RolloutKV, memory_breakdown, param_count_per_rank,
+from earl_megatron.plan.layout import EXPERT_AXES, ParallelLayout
+from earl_megatron.plan.memory_model import (RolloutKV, expert_param_count_per_rank,
+                                             memory_breakdown, param_count_per_rank,
                                              pool_held_bytes, rollout_kv)
 from earl_megatron.plan.specs import ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions
 
@@ -61,12 +77,21 @@ class Link:
     crosses_nodes: bool
 
 
+def _groups(layout: ParallelLayout, axis: str) -> list[list[int]]:
+    """The rank groups along ``axis``: the expert grid's for "ep", "edp", "etp" (or a '-'-join
+    of them), the dense grid's otherwise."""
+    if set(axis.split("-")) <= set(EXPERT_AXES):
+        return layout.expert_group_ranks(axis)
+    return layout.group_ranks(axis)
+
+
 @lru_cache(maxsize=4096)
 def group_link(cluster: ClusterSpec, layout: ParallelLayout, axis: str) -> Link:
-    """The link the groups along ``axis`` (e.g. "tp", "dp-cp") run over in this placement."""
+    """The link the groups along ``axis`` (e.g. "tp", "dp-cp", "ep") run over in this
+    placement."""
     dpn = cluster.devices_per_node
     crossing_per_node: dict[int, int] = {}
-    for group in layout.group_ranks(axis):
+    for group in _groups(layout, axis):
         nodes = {r // dpn for r in group}
         if len(nodes) > 1:
             for n in nodes:
@@ -91,6 +116,50 @@ def allgather_seconds(gathered_bytes: float, n: int, link: Link) -> float:
     return (n - 1) / n * gathered_bytes / link.bandwidth + (n - 1) * link.latency_s
 
 
+@lru_cache(maxsize=4096)
+def alltoall_seconds(cluster: ClusterSpec, layout: ParallelLayout, nbytes: float) -> float:
+    """One all-to-all over every ep group at once, each rank holding ``nbytes`` (1/ep of it
+    stays): the slowest of the intra-node part (to ep peers in the rank's node, over the
+    intra-node link) and each node's outgoing inter-node bytes (every rank of the node sends at
+    once, so they share the node's inter-node bandwidth), plus (ep - 1) latencies."""
+    n = layout.ep
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    dpn = cluster.devices_per_node
+    per_peer = nbytes / n
+    intra = 0.0
+    inter_by_node: dict[int, float] = {}
+    crosses = False
+    for group in layout.expert_group_ranks("ep"):
+        on_node: dict[int, int] = {}
+        for r in group:
+            on_node[r // dpn] = on_node.get(r // dpn, 0) + 1
+        crosses |= len(on_node) > 1
+        for node, m in on_node.items():
+            intra = max(intra, (m - 1) * per_peer / cluster.intra_node_bandwidth)
+            inter_by_node[node] = inter_by_node.get(node, 0.0) + m * (n - m) * per_peer
+    inter = max(inter_by_node.values()) / cluster.inter_node_bandwidth
+    latency = cluster.inter_node_latency_s if crosses else cluster.intra_node_latency_s
+    return max(intra, inter) + (n - 1) * latency
+
+
+def moe_tokens_per_rank(model: ModelConfig, layout: ParallelLayout, tokens: float) -> float:
+    """Tokens entering one rank's MoE layer when ``tokens`` reach its pp_stage's cp rank (the
+    tp ranks split them under sequence parallelism)."""
+    return tokens / layout.tp if layout.sequence_parallel(model) else tokens
+
+
+def ep_alltoall_seconds(model: ModelConfig, layout: ParallelLayout, cluster: ClusterSpec,
+                        tokens: float, b: int) -> float:
+    """One dispatch (or combine) all-to-all of one MoE layer for ``tokens`` on this cp rank:
+    top-k copies of hidden x b bytes each; 0 for a dense model or ep = 1."""
+    if not model.is_moe or layout.ep == 1:
+        return 0.0
+    nbytes = moe_tokens_per_rank(model, layout, tokens) * model.moe_router_topk \
+        * model.hidden_size * b
+    return alltoall_seconds(cluster, layout, nbytes)
+
+
 @dataclass(frozen=True)
 class StageTime:
     """Predicted seconds of one stage by term (busiest rank)."""
@@ -105,6 +174,8 @@ class StageTime:
     pp_bubble: float
     dp_comm: float
     optimizer_step: float
+    ep_comm: float = 0.0
+    """MoE token all-to-all (dispatch + combine); 0 for dense models and ep = 1."""
 
     @property
     def total(self) -> float:
@@ -121,10 +192,22 @@ class StageTime:
 
 def matmul_params(model: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all layers' linears and the output
-    layer (the embedding is a lookup; norms and biases are negligible)."""
+    layer (the embedding is a lookup; norms and biases are negligible). MoE: the ACTIVE ones,
+    the router (E x h) and top-k experts' SwiGLU (k x 3 h mf) in place of the dense MLP."""
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    if model.is_moe:
+        mlp = model.num_experts * h + model.moe_router_topk * 3 * h * model.moe_ffn_hidden_size
+        return model.num_layers * (h * (q + 2 * kv) + q * h + mlp) + model.vocab_size * h
     return model.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + model.vocab_size * h
+
+
+def experts_touched_fraction(model: ModelConfig, tokens: int) -> float:
+    """Expected fraction of a layer's experts that ``tokens`` tokens route to (uniform top-k
+    routing: 1 - (1 - k/E)^tokens); 1.0 for a dense model."""
+    if not model.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - model.moe_router_topk / model.num_experts) ** tokens
 
 
 def forward_flops(model: ModelConfig, workload: StageWorkload, *, fused_attention: bool) -> float:
@@ -183,18 +266,34 @@ def stage_time(model: ModelConfig, layout: ParallelLayout, workload: StageWorklo
     dp_comm = optimizer_step = 0.0
     if train:
         n = dp * c
-        params = max(param_count_per_rank(model, layout, r) for r in range(pp))
+        busiest = max(range(pp), key=lambda r: param_count_per_rank(model, layout, r))
+        experts = expert_param_count_per_rank(model, layout, busiest)
+        params = param_count_per_rank(model, layout, busiest) - experts
         link = group_link(cluster, layout, "dp-cp")
-        if train_opts.distributed_optimizer:
-            dp_comm = (allgather_seconds(params * train_opts.grad_bytes, n, link)
-                       + allgather_seconds(params * b, n, link))
-        else:
-            dp_comm = allreduce_seconds(params * train_opts.grad_bytes, n, link)
+        dp_comm = _grad_sync_seconds(params, n, link, train_opts, b)
         shard = n if train_opts.distributed_optimizer else 1
-        optimizer_step = params / shard * 28 / cluster.hbm_bandwidth
+        if experts:     # expert grads are reduced, and their state sharded, over edp
+            e, elink = layout.edp, group_link(cluster, layout, "edp")
+            dp_comm += _grad_sync_seconds(experts, e, elink, train_opts, b)
+            eshard = e if train_opts.distributed_optimizer else 1
+            optimizer_step = (params / shard + experts / eshard) * 28 / cluster.hbm_bandwidth
+        else:
+            optimizer_step = params / shard * 28 / cluster.hbm_bandwidth
+    # MoE: dispatch + combine per layer and pass (forward; + backward, + recompute in TRAIN)
+    ep_comm = m * 2 * passes * layers * ep_alltoall_seconds(model, layout, cluster,
+                                                            local_tokens / m, b)
     return StageTime(stage=workload.stage, layout=layout, compute=compute, decode_memory=0.0,
                      tp_comm=tp_comm, cp_comm=cp_comm, pp_comm=pp_comm, pp_bubble=pp_bubble,
-                     dp_comm=dp_comm, optimizer_step=optimizer_step)
+                     dp_comm=dp_comm, optimizer_step=optimizer_step, ep_comm=ep_comm)
+
+
+def _grad_sync_seconds(params: int, n: int, link: Link, opts: TrainOptions, b: int) -> float:
+    """Grad all-reduce of ``params`` over ``n`` ranks, or reduce-scatter of the grads and
+    all-gather of the params under the distributed optimizer."""
+    if opts.distributed_optimizer:
+        return (allgather_seconds(params * opts.grad_bytes, n, link)
+                + allgather_seconds(params * b, n, link))
+    return allreduce_seconds(params * opts.grad_bytes, n, link)
 
 
 def rollout_running_batch(model: ModelConfig, layout: ParallelLayout, workload: StageWorkload,
@@ -238,7 +337,13 @@ def _rollout_time(model: ModelConfig, layout: ParallelLayout, workload: StageWor
     step_flops = running * (2 * matmul_params(model)
                             + 4 * model.num_attention_heads * d * model.num_layers * avg_pos)
     step_compute = step_flops / model_ranks / rate
-    weight_bytes = max(param_count_per_rank(model, layout, r) for r in range(pp)) * b
+    # the rank's weights a decode step reads: the dense ones, and the experts its running
+    # batch's routed tokens touch (all of them for a dense model)
+    busiest = max(range(pp), key=lambda r: param_count_per_rank(model, layout, r))
+    experts = expert_param_count_per_rank(model, layout, busiest)
+    weight_bytes = (param_count_per_rank(model, layout, busiest) - experts) * b \
+        + experts * b * experts_touched_fraction(model, running) if experts \
+        else param_count_per_rank(model, layout, busiest) * b
     kv_read = running * avg_pos / c * layers * 2 * (model.num_query_groups // t) * d * b
     step_memory = (weight_bytes + kv_read) / cluster.hbm_bandwidth
     compute = prefill_s + steps * (step_compute + engine.step_overhead_s)
@@ -270,9 +375,14 @@ def _rollout_time(model: ModelConfig, layout: ParallelLayout, workload: StageWor
                                       step_compute / g)
                    for g in range(1, min(running, pp) + 1))
         pp_bubble = prefill_s * (pp - 1) / m_prefill + steps * (best - one_pass)
+    # MoE: dispatch + combine per layer, for each prefill chunk and each decode step
+    ep_comm = 2 * layers * (m_prefill * ep_alltoall_seconds(model, layout, cluster,
+                                                            prefill_tokens / m_prefill, b)
+                            + steps * ep_alltoall_seconds(model, layout, cluster, running, b))
     return StageTime(stage=Stage.ROLLOUT, layout=layout, compute=compute,
                      decode_memory=decode_memory, tp_comm=tp_comm, cp_comm=cp_comm,
-                     pp_comm=pp_comm, pp_bubble=pp_bubble, dp_comm=0.0, optimizer_step=0.0)
+                     pp_comm=pp_comm, pp_bubble=pp_bubble, dp_comm=0.0, optimizer_step=0.0,
+                     ep_comm=ep_comm)
 
 
 def decode_tokens(workload: StageWorkload) -> int:

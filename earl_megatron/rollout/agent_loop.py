@@ -104,6 +104,10 @@ class Episode:
     observation_roles: tuple[str, ...] = ()
     """The chat role of each observation ("user" for the reset observation, then each
     StepResult.role); ``len(observation_roles) == len(observations)``."""
+    routes: Any = field(default=None, compare=False)
+    """MoE routing replay: int16 [len(token_ids) - 1, layers, topk], the experts the rollout
+    routed each input token to (the last turn's Generation.routes: its prompt holds the whole
+    episode so far); None unless the engine records routes."""
 
     @property
     def num_policy_tokens(self) -> int:
@@ -126,6 +130,7 @@ class _Live:
     reward: float = 0.0
     turns: int = 0
     turn_rewards: list = field(default_factory=list)
+    routes: Any = None
 
     def append(self, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None):
         self.tokens.extend(tokens)
@@ -139,7 +144,7 @@ class _Live:
                        prompt_length=self.prompt_length, actions=tuple(self.actions),
                        observations=tuple(self.observations), info=dict(self.info),
                        turn_rewards=tuple(self.turn_rewards),
-                       observation_roles=tuple(self.roles))
+                       observation_roles=tuple(self.roles), routes=self.routes)
 
 
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
@@ -186,6 +191,7 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
         still = []
         for (i, live), gen in zip(active, generations):
             live.append(gen.token_ids, 1, gen.logprobs)
+            live.routes = gen.routes
             live.turns += 1
             action = tokenizer.decode(list(gen.token_ids), skip_special_tokens=True)
             result = live.env.step(action)

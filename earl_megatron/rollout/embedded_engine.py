@@ -30,7 +30,17 @@ samples and broadcasts (token, logprob) to the replica's other pp_stages; every 
 last pp_stage samples from bit-identical gathered logits with identical uniforms, so they draw
 the same token without another collective.
 
-Data parallelism: dp replicas are independent engines; no collective crosses dp while decoding.
+Data parallelism: dp replicas are independent engines; no collective crosses dp while decoding,
+except under expert parallelism (MoE, ep > 1), whose ep group spans replicas: every forward's
+all-to-all needs all of them, so they decode in lockstep. Before the prefill and before each
+decode step one all-reduce (MAX) over the ep group agrees on the forwards left; a replica with
+fewer (fewer or no prompts, every row stopped) runs one-pad-token forwards without a cache::
+
+    ep2, replica 0: prefill  step step step  (stopped)  idle idle
+         replica 1: prefill  step step step  step       step step   <- same 6 forwards each
+
+Sequence parallelism (MoE with tp > 1 trains under it) is off during a call, as in Megatron's
+own inference (megatron_decode.sequence_parallel_off): one token per row cannot be split.
 
     prompts="global" (default): every rank passes the SAME prompt list; replica r decodes the
         contiguous block r (sizes differ by at most one, the first replicas take the extra), and
@@ -57,6 +67,8 @@ model) need ``release_memory()`` or ``update_weights``, which forget the cached 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -67,7 +79,9 @@ from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
 from earl_megatron.rollout.megatron_decode import (Pipeline, host_scope, move_cached_rows,
-                                                   pad_key_mask, prefill_mask, reuse_plan)
+                                                   pad_key_mask, prefill_mask, reuse_plan,
+                                                   sequence_parallel_off)
+from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.rope_cache import forget_inference_tables
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
@@ -84,11 +98,14 @@ class EmbeddedEngine:
 
     def __init__(self, on_layout, *, pad_token_id: int = 0, seed: int = 0, prompts: str = "global",
                  kv_cache: bool = True, prefill_tokens: int = PREFILL_TOKENS,
-                 reuse_prefix: bool = False):
+                 reuse_prefix: bool = False, record_routes: bool = False):
         if on_layout.layout.cp != 1:
             raise ValueError(f"EmbeddedEngine needs cp=1 in the rollout layout, got "
                              f"{on_layout.layout}; decode with a layout whose cp is 1 (spend "
                              "those ranks on tp or dp)")
+        if record_routes and reuse_prefix:
+            raise ValueError("EmbeddedEngine: record_routes needs every prompt token's routes, "
+                             "which reuse_prefix does not recompute; use one or the other")
         if prompts not in ("global", "replica"):
             raise ValueError(f"prompts must be 'global' or 'replica', got {prompts!r}")
         self.on_layout = on_layout
@@ -101,11 +118,18 @@ class EmbeddedEngine:
         self.prefill_tokens = prefill_tokens
         # keep each row's cache between calls and prefill only what a new prompt adds to it
         self.reuse_prefix = reuse_prefix and kv_cache
+        # MoE routing replay: each Generation carries its tokens' experts (routing_replay.py)
+        self.record_routes = record_routes
+        if record_routes:
+            routing_replay.routers(self.model)  # refuses a dense model, attaches the recorders
         self._rows: list[tuple[list[int], int]] = []  # per cache row: (cached tokens, 1st slot)
         self.device = groups.device()
         self._pipe = Pipeline(self.model, on_layout.cfg.hidden_size, on_layout.tcfg.params_dtype,
                                self.device)
         self._dp_group = groups.dp_group()
+        # expert parallelism spans dp replicas: the MoE layer's all-to-all needs every rank of
+        # the ep group in the same forward, so its replicas decode in lockstep (_agree)
+        self._ep_group = groups.current_pg_collection().ep if on_layout.layout.ep > 1 else None
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ctx = None
         self._released = False
@@ -130,7 +154,9 @@ class EmbeddedEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with host_scope():
+            with host_scope(), sequence_parallel_off(self.model), (
+                    routing_replay.recording(self.model) if self.record_routes
+                    else contextlib.nullcontext()):
                 out = self._generate(prompts, params)
         finally:
             self.model.train(was_training)
@@ -149,14 +175,39 @@ class EmbeddedEngine:
         if self.prompts_mode == "global" and layout.dp > 1:
             block = split_over_dp(len(prompts), layout.dp)[dp_rank]
             mine = self._decode([prompts[i] for i in block], params,
-                                base, block.start) if len(block) else []
+                                base, block.start) if len(block) else self._idle()
             parts: list = [None] * layout.dp
             dist.all_gather_object(parts, mine, group=self._dp_group)
             out = [g for part in parts for g in part]
         else:
             first = dp_rank << 40 if self.prompts_mode == "replica" else 0
-            out = self._decode(list(prompts), params, base, first) if prompts else []
+            out = self._decode(list(prompts), params, base, first) if prompts else self._idle()
         return out
+
+    # --- lockstep over the ep group (MoE with ep > 1) ----------------------------------------
+    def _agree(self, n: int) -> int:
+        """The largest ``n`` over the ep group (n itself without expert parallelism): how many
+        prefill forwards, or whether any replica still decodes, so all run the same forwards."""
+        if self._ep_group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ep_group)
+        return int(t)
+
+    def _idle_forward(self) -> None:
+        """One forward of a single pad token (no cache): this replica's part of a peer's MoE
+        all-to-all while it has nothing (left) to decode."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        self._pipe.forward(ids, prefill_mask(torch.zeros(1, dtype=torch.long,
+                                                         device=self.device), 1), None)
+
+    def _idle(self) -> list[Generation]:
+        """A replica without prompts: it joins its ep peers' prefill and decode forwards."""
+        for _ in range(self._agree(0)):
+            self._idle_forward()
+        while self._agree(0):
+            self._idle_forward()
+        return []
 
     def _context(self, batch: int, length: int):
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -199,35 +250,53 @@ class EmbeddedEngine:
             self.stats["reused_tokens"] += sum(keep)
 
         if ctx is None:
+            for _ in range(self._agree(1) - 1):
+                self._idle_forward()
             logits = pipe.forward(ids, prefill_mask(pad, width), None)
+            routes = [self._grab(width, batch)] if self.record_routes else None
         else:  # prefill in row chunks: each writes its rows of the cache from first_slot
-            rows, parts = max(1, self.prefill_tokens // width), []
+            rows, parts, chunk_routes = max(1, self.prefill_tokens // width), [], []
+            chunks = -(-batch // rows)
+            for _ in range(self._agree(chunks) - chunks):
+                self._idle_forward()
             for r0 in range(0, batch, rows):
                 ctx.sequence_len_offset, ctx.batch_size_offset = first_slot, r0
                 parts.append(pipe.forward(
                     ids[r0:r0 + rows, first_slot:],
                     prefill_mask(pad[r0:r0 + rows], width, first_slot), ctx,
                     rotated=first_slot == 0))
+                if self.record_routes:
+                    chunk_routes.append(self._grab(width, min(rows, batch - r0)))
             ctx.batch_size_offset = 0
+            routes = [torch.cat(chunk_routes, dim=2)] if self.record_routes else None
             if first_slot:  # decode steps store roped keys: rope the prefilled slots once
                 pipe.rope.rotate_slots(ctx, width, batch)
             logits = torch.cat(parts) if pipe.last else None
             keys = pad_key_mask(pad, ctx.max_sequence_length)
         track = StopTracker(batch, params.stop_token_ids, dev)
+        done = False
         for step in range(params.max_new_tokens):
-            tok = lp = None
-            if pipe.last:
-                tok, lp = sample_next(logits, params,
-                                      None if uniforms is None else uniforms[step])
-            tok, lp = pipe.broadcast_from_last(tok, lp, batch)
-            if track.add(tok, lp) or track.steps == params.max_new_tokens:
+            if not done:
+                tok = lp = None
+                if pipe.last:
+                    tok, lp = sample_next(logits, params,
+                                          None if uniforms is None else uniforms[step])
+                tok, lp = pipe.broadcast_from_last(tok, lp, batch)
+                done = track.add(tok, lp) or track.steps == params.max_new_tokens
+            if not self._agree(int(not done)):
                 break
-            if ctx is not None:
+            if done:  # finished here, a peer of the ep group still decodes
+                self._idle_forward()
+            elif ctx is not None:
                 sk = ctx.sequence_len_offset + 1
                 logits = pipe.forward(tok[:, None], keys[..., :sk], ctx)
+                if self.record_routes:
+                    routes.append(self._grab(1, batch))
             else:  # recompute-all: the whole sequence again, no cache (reference, benchmark)
                 ids = torch.cat([ids, tok[:, None]], dim=1)
                 logits = pipe.forward(ids, prefill_mask(pad, ids.shape[1]), None)
+                if self.record_routes:
+                    routes.append(self._grab(ids.shape[1], batch)[:, -1:])
         if self.reuse_prefix:
             # the cache holds each row's prompt and every sampled token that was fed back (all
             # but the last step's), contiguous from its first real slot; junk after a stop
@@ -235,7 +304,29 @@ class EmbeddedEngine:
             fed, tokens = track.steps - 1, track.token_lists()
             self._rows = [(list(p) + tokens[i][:min(n, fed)], int(pad[i]))
                           for i, (p, n) in enumerate(zip(prompts, track.lengths.tolist()))]
-        return track.generations()
+        if not self.record_routes:
+            return track.generations()
+        return self._with_routes(track.generations(), torch.cat(routes, dim=1), pad, width)
+
+    # --- routing replay (MoE) ---------------------------------------------------------------
+    def _grab(self, s: int, b: int) -> torch.Tensor:
+        """The last forward's experts on this pp_stage: [local layers, s, b, topk] (the router
+        flattens its [s, b] input s-major)."""
+        got = routing_replay.recorded(self.model)
+        return torch.stack(got).view(len(got), s, b, -1).to(torch.int16)
+
+    def _with_routes(self, gens: list[Generation], routes: torch.Tensor, pad: torch.Tensor,
+                     width: int) -> list[Generation]:
+        """Each row's routes, [tokens fed, layers, topk]: slots pad_i .. width + n_i - 2 of
+        ``routes`` [local layers, slots, B, topk], all pp_stages' layers in order."""
+        if self._pipe.pp > 1:
+            parts: list = [None] * self._pipe.pp
+            dist.all_gather_object(parts, routes.cpu(), group=self._pipe.pp_group)
+            routes = torch.cat(parts)
+        routes = routes.permute(2, 1, 0, 3)  # [B, slots, layers, topk]
+        return [dataclasses.replace(g, routes=routes[i, int(pad[i]):width + len(g.token_ids) - 1]
+                                    .cpu().clone())
+                for i, g in enumerate(gens)]
 
     # --- weights and memory ---------------------------------------------------------------
     @torch.no_grad()

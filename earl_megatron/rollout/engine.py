@@ -45,6 +45,10 @@ class Generation:
     logprobs: tuple[float, ...]
     finish_reason: str
     """"stop" (hit a stop token) or "length" (hit max_new_tokens)."""
+    routes: Any = field(default=None, compare=False)
+    """MoE routing replay (rollout/routing_replay.py): int16 [len(prompt) + len(token_ids) - 1,
+    layers, topk], the experts each token fed to the model chose (the prompt's and every
+    sampled token's but the last), from an engine asked to record them; None otherwise."""
 
 
 @dataclass(frozen=True)

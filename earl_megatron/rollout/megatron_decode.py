@@ -47,6 +47,42 @@ def host_scope():
     return cpu_backend.unredirected()
 
 
+_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model):
+    """Decode without sequence parallelism (an MoE model with tp > 1 trains under it).
+
+    A decode step feeds one token per row, which cannot be split over tp. Megatron's own
+    inference does the same (text_generation_controller: ``set_model_to_sequence_parallel(model,
+    False, ...)`` for tp > 1 with ep > 1, refusing sequence parallelism otherwise): every module
+    flag and ``config.sequence_parallel`` off for the call, each restored to its own value
+    after. The MoE layer in eval mode accepts tp > 1 without it: its dispatcher gathers the
+    (then replicated) tokens over expert-tp and reduce-scatters them back, so each tp rank gets
+    the full result. No-op for a model that does not use it.
+    """
+    if not getattr(model.config, "sequence_parallel", False):
+        yield
+        return
+    saved = [(m, a, getattr(m, a)) for m in model.modules() for a in _SP_ATTRS
+             if isinstance(getattr(m, a, None), bool)]
+    configs = {id(c): (c, c.sequence_parallel)
+               for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "sequence_parallel")}
+    try:
+        for m, a, _ in saved:
+            setattr(m, a, False)
+        for c, _ in configs.values():
+            c.sequence_parallel = False
+        yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
+        for c, v in configs.values():
+            c.sequence_parallel = v
+
+
 def prefill_mask(pad: torch.Tensor, width: int, first_slot: int = 0) -> torch.Tensor:
     """[B, 1, width - first_slot, width] bool, True = hidden, for queries at slots first_slot..
     width-1: causal, pad keys hidden, a query's own slot always open."""

@@ -76,6 +76,9 @@ class SGLangConfig:
     """One server per rollout DP group."""
     tp_size: int = 1
     """Tensor-parallel size of each server (from the selector's rollout layout)."""
+    ep_size: int = 1
+    """Expert-parallel size inside each server (--ep-size, MoE models; must divide tp_size:
+    SGLang splits each server's tp ranks into ep x moe-tp). 1: every expert tp-split."""
     device: str = "cuda"
     """"cuda" (the cluster path) or "cpu" (tiny models, tests; adds CPU_FLAGS)."""
     host: str = "127.0.0.1"
@@ -132,6 +135,9 @@ class SGLangConfig:
         if self.num_servers < 1 or self.tp_size < 1:
             raise ValueError(f"num_servers and tp_size must be >= 1, got "
                              f"{self.num_servers}, {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): "
+                             "SGLang takes a server's expert parallelism from its tp ranks")
         if self.ports is not None and len(self.ports) != self.num_servers:
             raise ValueError(f"need one port per server: {len(self.ports)} ports for "
                              f"{self.num_servers} servers")
@@ -175,6 +181,8 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str,
             cmd += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if config.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+    if config.ep_size > 1:
+        cmd += ["--ep-size", str(config.ep_size)]
     if not overlap_schedule(config):
         cmd += ["--disable-overlap-schedule"]
     if config.sleep_on_idle or (config.sleep_on_idle is None and config.device == "cpu"):

@@ -28,7 +28,9 @@ Invariants:
   just saved and deletes the published ones older than those, oldest first; damaged ones
   between them and checkpoints newer than the one just saved are left alone.
 - ``load`` restores weights and optimizer state exactly (Adam moments, step): training resumed
-  from a checkpoint follows the same trajectory as one that never stopped (tested).
+  from a checkpoint follows the same trajectory as one that never stopped (tested), across ep
+  sizes too with the distributed optimizer (``_per_optimizer``; the plain optimizer's state is
+  refused across the ep = 1 / ep > 1 boundary, where Megatron's chaining of it changes).
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ import torch.distributed as dist
 
 from earl_megatron.runtime.io_errors import CheckpointError, reading
 
-_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# chained_optim_avoid_prefix: an MoE model with ep > 1 has two optimizers (dense and expert
+# parameters; Megatron chains them), with ep = 1 one; without a "chained_<i>." prefix the
+# per-parameter keys are the same either way, so a checkpoint moves between ep sizes
+_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable",
+             "chained_optim_avoid_prefix": True}
 CONFIG_JSON = "earl_model_config.json"
 HF_SUBDIR = "hf"
 """A checkpoint's HF side files: the tokenizer and the HF config.json it was made from."""
@@ -312,16 +318,63 @@ def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
     return loop
 
 
+def _per_optimizer(state: dict, n: int) -> list[dict]:
+    """The loaded optimizer state as one dict per target sub-optimizer (``n`` of them).
+
+    The per-parameter tensors (``param_state``) arrive where the target's own sharded state dict
+    asked for them (``state[i]`` when chained); the rest comes from the saved common state, whose
+    chaining may differ (EP checkpoint loaded at ep = 1 or back). Param groups are matched by
+    Megatron's identifier keys, so every target gets every saved group, and each also as the
+    other side of ``is_expert_parallel`` (the same hyperparameters on both sides)."""
+    saved = [state[k] for k in sorted(k for k in state if isinstance(k, int))
+             if "optimizer" in state[k]] or [state]
+    groups, seen = [], set()
+    for sub in saved:
+        for g in sub["optimizer"]["param_groups"]:
+            for flip in (False, True):
+                h = dict(g, is_expert_parallel=g.get("is_expert_parallel", False) ^ flip)
+                key = tuple(h.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel",
+                                               "is_decoupled_lr"))
+                if key not in seen and (not flip or "is_expert_parallel" in g):
+                    seen.add(key)
+                    groups.append(h)
+    out = []
+    for i in range(n):
+        own = state if n == 1 else state[i]
+        common = {k: v for k, v in saved[min(i, len(saved) - 1)].items()
+                  if not isinstance(k, int) and k != "param_state"}
+        common["optimizer"] = dict(common["optimizer"], param_groups=groups)
+        out.append(dict(common, param_state=own["param_state"]))
+    return out
+
+
 def _load_optimizer(optimizer, state: dict) -> None:
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(subs) != 1 or "param_state" not in state:
+    distributed = "param_state" in state or any(
+        isinstance(v, dict) and "param_state" in v for v in state.values())
+    if not distributed:
+        # Megatron's plain optimizer state holds param groups by position in each of the chained
+        # optimizers: it loads only where the chaining is the one saved
+        if (len(subs) == 1) == any(isinstance(k, int) for k in state) or (
+                len(subs) > 1 and any(not isinstance(k, int) for k in state)):
+            raise CheckpointError(
+                "the optimizer state was saved with a different number of chained optimizers "
+                "(expert and dense parameters get their own when ep > 1): resume at the saved "
+                "ep = 1 / ep > 1 side, or train with use_distributed_optimizer=true, whose "
+                "state moves between ep sizes")
         optimizer.load_state_dict(state)
         return
+    for opt, sub in zip(subs, _per_optimizer(state, len(subs))):
+        _load_distributed(opt, sub)
+    if len(subs) > 1:   # as ChainedOptimizer.load_state_dict ends
+        optimizer._synchronize_steps()
+
+
+def _load_distributed(opt, state: dict) -> None:
     # Megatron 0.16's DistributedOptimizer, without apex/TE, keeps torch Adam's per-parameter
     # "step" in its state, and load_parameter_state_from_fully_reshardable then copies into a
     # "step" the checkpoint does not carry (KeyError). Load in Megatron's own two phases and hold
     # "step" aside during the second.
-    opt = subs[0]
     opt.load_state_dict({k: v for k, v in state.items() if k != "param_state"})
     inner = opt.optimizer.state
     steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}

@@ -19,7 +19,9 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
   (what ``maybe_move_tensor_to_cpu`` returns for a CUDA tensor; for a CPU tensor it returns the
   tensor, which gloo's ``all_to_all_single`` rejects as split sizes), and the all-to-all's
   backward runs inside the mode (autograd calls a custom Function's backward with no torch
-  function mode active, and ``_AllToAll`` allocates its output on ``current_device()``); with
+  function mode active, and ``_AllToAll`` allocates its output on ``current_device()``; so do
+  the sequence-parallel gathers / reduce-scatters and linear layers that MoE with tp > 1 trains
+  through: every autograd Function of ``tensor_parallel.mappings`` and ``.layers``); with
   expert TP > 1 the dispatcher all-gathers / reduce-scatters tokens over the expert-TP group in
   uneven splits, which gloo refuses (it has no all-gather-v or reduce-scatter-v: "invalid tensor
   size"), so Megatron's two helpers run uneven splits as even collectives of the largest split,
@@ -175,14 +177,20 @@ def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 def _moe_patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU value) for the MoE sites above."""
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer.moe import token_dispatcher
 
-    backward = mappings._AllToAll.backward
+    def on_host(backward):
+        def backward_on_host(ctx, *grad_output):
+            with _CudaToCpuMode():
+                return backward(ctx, *grad_output)
+        return staticmethod(backward_on_host)
 
-    def backward_on_host(ctx, *grad_output):
-        with _CudaToCpuMode():
-            return backward(ctx, *grad_output)
+    # every tensor-parallel autograd Function (the all-to-all, and the sequence-parallel
+    # gathers / reduce-scatters and linear layers): their backwards allocate on current_device()
+    functions = [f for mod in (mappings, layers) for f in vars(mod).values()
+                 if isinstance(f, type) and issubclass(f, torch.autograd.Function)
+                 and f.__module__ == mod.__name__ and "backward" in f.__dict__]
 
     gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
 
@@ -208,7 +216,7 @@ def _moe_patches() -> list[tuple[Any, str, Any]]:
         return out[:input_split_sizes[group.rank()]].clone()
 
     return [(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
-            (mappings._AllToAll, "backward", staticmethod(backward_on_host)),
+            *[(f, "backward", on_host(f.backward)) for f in functions],
             (mappings, "_gather_along_first_dim", gather_v),
             (mappings, "_reduce_scatter_along_first_dim", reduce_scatter_v)]
 

@@ -8,6 +8,12 @@ Megatron-Core's Adam keeps, per parameter it steps, a fp32 *main* tensor and its
   parameter's row-major flattening (possibly empty), a view into the parameter for fp32
   weights, a separate fp32 master shard for bf16/fp16 weights.
 
+Mixture of experts: Megatron builds a separate optimizer for the expert parameters (their own
+DDP buffers, reduced over the expert-data-parallel group; the distributed optimizer shards them
+over edp rather than dp x cp) and chains it with the dense one. Every chained optimizer is read
+here and each parameter's range comes from the optimizer that steps it, so expert state needs
+no rule of its own.
+
 Both are described alike here: per local parameter name, ``(local shape, start, stop)`` and, per
 state kind, a contiguous 1-D fp32 tensor holding flat elements ``[start, stop)``
 (plan/state_plan.py plans the moves in those terms). Kinds: ``master`` (only for bf16/fp16

@@ -23,10 +23,25 @@ Two outputs of the model, two paths:
 The logits path serves losses that need the entropy (``entropy_coef > 0``) or a sampling
 temperature, and the LOGPROB stage (``forward_logprobs``: old and reference logprobs, no grad).
 On the same weights and data the two paths give the same logp (to rounding) in every layout.
+
+Mixture of experts (Megatron's router, load-balancing ``aux_loss`` when
+``moe_aux_loss_coeff > 0``): the aux loss never enters the reported loss (Megatron's router
+attaches it to the activations with ``MoEAuxLossAutoScaler``, whose backward adds its gradient,
+and logs it in its own tracker). Per micro-batch it is layout-invariant (token counts per
+expert summed over the tp x cp group: the whole micro-batch), but under
+``calculate_per_token_loss`` Megatron 0.16 multiplies each rank's part by the rank's *local*
+token count (seq / (tp * cp) with sequence parallelism) while finalize_model_grads divides by
+the global masked-token count, so its gradient would shrink by tp * cp (cp without SP).
+``_aux_loss_scale`` multiplies the scale the schedule sets (``set_loss_scale``, 1 or the grad
+scaler's) by that factor for the duration of the schedule call, so aux-loss gradients are the
+one-process run's in every layout (tests/distributed/test_moe_equivalence.py). Sequence
+parallelism (MoE with tp > 1) needs every sequence length divisible by tp (x 2 * cp):
+``local_microbatches(..., model=cfg)`` checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -152,11 +167,33 @@ def _run_schedule(model, tcfg, microbatches: list[dict], *, seq_len: int, micro_
     if not forward_only and hasattr(model, "zero_grad_buffer"):
         model.zero_grad_buffer()
     fb = get_forward_backward_func()
-    reduced = fb(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-                 num_microbatches=len(microbatches), seq_length=seq_len,
-                 micro_batch_size=micro_batch_size, forward_only=forward_only)
+    with _aux_loss_scale(tcfg):
+        reduced = fb(forward_step_func=forward_step, data_iterator=iter(microbatches),
+                     model=[model], num_microbatches=len(microbatches), seq_length=seq_len,
+                     micro_batch_size=micro_batch_size, forward_only=forward_only)
     seconds = time.perf_counter() - t0
     return ForwardBackwardResult(*_global_loss(reduced), seconds=seconds)
+
+
+@contextlib.contextmanager
+def _aux_loss_scale(tcfg):
+    """Within the schedule call, MoE aux-loss gradients scaled by tp * cp (cp without sequence
+    parallelism): Megatron scales each rank's aux loss by its local token count under
+    ``calculate_per_token_loss`` (module docstring). A no-op for dense models."""
+    factor = tcfg.context_parallel_size * (tcfg.tensor_model_parallel_size
+                                           if tcfg.sequence_parallel else 1)
+    if not tcfg.num_moe_experts or not tcfg.calculate_per_token_loss or factor == 1:
+        yield
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    original = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(
+        lambda scale: original.__func__(scale * factor))
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale = original
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ never separates an input from its label), the dispatcher moves them (default: ``
     old_logprobs  lp1 ... lp_n       0...
     advantages    a1  ... a_n        0...
     ref_logprobs  rlp1 ... rlp_n     0...          (only when the loss reads them: kl_mode=loss)
+    routes_<l>    e0  e1  ... e_{n-1} 0...         (int64, per layer l: the rollout's experts of
+                                                    each input token, algorithm.routing_replay;
+                                                    trainer/stages.with_routes adds them to the
+                                                    LOGPROB and TRAIN tensors, every pp_stage)
 """
 
 from __future__ import annotations

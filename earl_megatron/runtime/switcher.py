@@ -33,6 +33,12 @@ Peak memory per rank during a switch (documented in docs/switcher.md):
       the process keeps between switches (shm).
 Never a second copy of the whole model on one rank: each rank holds only its two shards.
 
+Mixture of experts: a rank's parameters are ``table.held_on(layout, rank)`` (only its ep rank's
+experts) named by ``plan_names`` with the rank's ep coordinate, so experts move between EP / ETP
+layouts as ordinary rows of the plan, and their Adam state (Megatron's expert optimizer in the
+chain, sharded over edp by the distributed optimizer) as ordinary flat ranges
+(tests/distributed/test_moe_switch.py: bit-exact weights and moments after every hop).
+
 The disk baseline (dist_checkpointing save and load) is ``testing/baselines.switch_via_checkpoint``.
 """
 
@@ -87,21 +93,25 @@ def spec_of(optimizer) -> OptimizerSpec:
 
 
 def plan_names(cfg: ModelConfig, layout: ParallelLayout, pp_rank: int,
-               names) -> dict[str, str]:
-    """{live parameter name: the reshard plan's local name} for one pp_stage's parameters.
+               names, ep_rank: int = 0) -> dict[str, str]:
+    """{live parameter name: the reshard plan's local name} for one rank's parameters
+    (pp_stage ``pp_rank``; of the experts, ep rank ``ep_rank``'s).
 
     The plan speaks the local spec; a TransformerEngine model names the pre-norms
-    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``. Both map to the same
-    row of the tensor table, so either model switches (a name in neither spec: KeyError)."""
+    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` and its grouped-GEMM
+    experts ``experts.linear_fc1.weight<e>``. Both map to the same row of the tensor table, so
+    either model switches (a name in neither spec: KeyError)."""
     table = tensor_table(cfg)
-    return {n: table.row(table.global_name(n, pp_rank, layout.pp)).local_name(
-        layout.pp, cfg.num_layers) for n in names}
+    return {n: table.name_on(table.row(table.global_name(n, pp_rank, layout.pp, ep_rank,
+                                                         layout.ep)), layout) for n in names}
 
 
 def _params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(live name -> plan name, {plan name: parameter}) of this rank's pp_stage."""
+    """(live name -> plan name, {plan name: parameter}) of this rank's model."""
     live = dict(on_layout.module().named_parameters())
-    names = plan_names(on_layout.cfg, on_layout.layout, on_layout.coords.pp, live)
+    lay = on_layout.layout
+    names = plan_names(on_layout.cfg, lay, on_layout.coords.pp, live,
+                       lay.expert_coords(dist.get_rank()).ep)
     return names, {names[n]: p.detach() for n, p in live.items()}
 
 

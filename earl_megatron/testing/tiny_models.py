@@ -4,6 +4,7 @@
     llama   ModelConfig.tiny("llama")                     (base: untied, head_dim 8 = 64 / 8)
     qwen2   tiny("qwen2", tie_word_embeddings=True)       qkv bias, tied embeddings
     qwen3   tiny("qwen3", kv_channels=12)                 q/k norms, head_dim 12 != 64 / 8
+    qwen3_moe  tiny("qwen3_moe")                          4 experts of width 32, top 2
 
 ``tied`` overrides the tying (a tied Qwen3, an untied Qwen2).
 """
@@ -14,7 +15,8 @@ from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
 
-_EXTRA = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "qwen3": {"kv_channels": 12}}
+_EXTRA = {"llama": {}, "qwen2": {"tie_word_embeddings": True}, "qwen3": {"kv_channels": 12},
+          "qwen3_moe": {}}
 
 
 def tiny_model(family: str, *, tied: Optional[bool] = None, **overrides) -> ModelConfig:

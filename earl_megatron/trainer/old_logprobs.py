@@ -64,18 +64,19 @@ def recompute_logprobs(policy: ModelOnLayout, sequences: Sequence[Sequence[int]]
 
 def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
             tokens: dict[int, int], pad_id: int, batch: BatchShape, *, temperature: float,
-            replace: bool, tis_cap: Optional[float] = None
+            replace: bool, tis_cap: Optional[float] = None, routes: Optional[dict] = None
             ) -> tuple[list[Episode], dict, dict[int, torch.Tensor]]:
     """(episodes, metrics, tis): the policy's logprobs of this replica's episodes (in the layout
     it played in), their distance to the engine's, the episodes with the trainer's logprobs when
     ``replace``, and with ``tis_cap`` each sample's TIS weights (one per prediction, 1 off the
-    sampled tokens; empty without). Collective over the world."""
+    sampled tokens; empty without). ``routes``: routing replay's experts per sample (MoE).
+    Collective over the world."""
     if temperature <= 0:
         raise ValueError("re-scoring needs the sampling temperature > 0 (greedy rollouts have "
                          "no sampling distribution to compare)")
     recomputed, _ = reference_logprobs(policy, policy.layout, ids,
                                        {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
-                                       pad_id, batch, temperature=temperature)
+                                       pad_id, batch, temperature=temperature, routes=routes)
     # [sum |diff|, sampled tokens, sum of TIS weights, truncated tokens]
     total = torch.zeros(4, dtype=torch.float64)
     worst = torch.zeros(1, dtype=torch.float64)

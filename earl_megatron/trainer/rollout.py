@@ -45,6 +45,8 @@ class EpisodeSpec:
     max_context_tokens: int
     max_action_tokens: int
     top_p: float
+    routing_replay: bool = False
+    """MoE: the engine records each token's experts into Episode.routes (algorithm.routing_replay)."""
 
 
 class Rollout(Protocol):
@@ -72,7 +74,8 @@ class Rollout(Protocol):
 
 class EmbeddedRollout:
     """Episodes decoded by the policy itself (rollout/embedded_engine.py) in its current
-    layout; replicas never communicate while decoding."""
+    layout; replicas never communicate while decoding (except an MoE layout with ep > 1, whose
+    replicas decode in lockstep for the experts' all-to-all: rollout/embedded_engine.py)."""
 
     def __init__(self, spec: EpisodeSpec, tokenizer):
         self.spec = spec
@@ -90,8 +93,10 @@ class EmbeddedRollout:
         if opponent is not None:
             kwargs["opponent"] = opponent
         envs = [make_env(sp.env, **kwargs) for _ in block]
+        # routing replay needs every prompt token's experts: prefix reuse would skip them
         engine = EmbeddedEngine(policy, pad_token_id=self.tok.pad_token_id, prompts="replica",
-                                reuse_prefix=True)
+                                reuse_prefix=not sp.routing_replay,
+                                record_routes=sp.routing_replay)
         loop_cfg = AgentLoopConfig(max_turns=sp.max_turns,
                                    max_context_tokens=sp.max_context_tokens,
                                    max_action_tokens=sp.max_action_tokens,

@@ -95,7 +95,8 @@ class Trainer:
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
-            max_action_tokens=r.max_action_tokens, top_p=r.top_p), tokenizer, model=cfg.model,
+            max_action_tokens=r.max_action_tokens, top_p=r.top_p,
+            routing_replay=a.routing_replay), tokenizer, model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
             mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
@@ -140,13 +141,16 @@ class Trainer:
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         engine_metrics, tis = {"rollout_engine": cfg.rollout.engine}, {}
+        # routing replay (MoE): the rollout's experts, replayed in every later forward
+        routes = {s: e.routes for s, e in zip(ids, episodes)} \
+            if cfg.algorithm.routing_replay else None
         if self.rescore:
             with t("old_logprob"):
                 episodes, found, tis = rescore(
                     policy, ids, episodes, tokens, self.tok.pad_token_id, self.batch,
                     temperature=cfg.rollout.temperature,
                     replace=cfg.algorithm.old_logprobs == "recompute",
-                    tis_cap=cfg.algorithm.tis_cap)
+                    tis_cap=cfg.algorithm.tis_cap, routes=routes)
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
@@ -159,7 +163,7 @@ class Trainer:
                 ref_lp, moved_lp = reference_logprobs(
                     models.reference_in(layouts["logprob"]), policy.layout, ids,
                     {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
-                    self.tok.pad_token_id, self.batch)
+                    self.tok.pad_token_id, self.batch, routes=routes)
         train_plan = micro_batch_plan(layouts["train"], tokens, self.batch, cfg.model)
         samples = {s: episode_tensors(e.token_ids, e.loss_mask, e.logprobs, e.reward,
                                       train_plan.length_of[s], self.tok.pad_token_id,
@@ -178,7 +182,7 @@ class Trainer:
             trainee = models.policy_in(layouts["train"])
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
-                           cfg.algorithm.epochs)
+                           cfg.algorithm.epochs, routes=routes)
         with t("weight_sync"):
             self.rollout.sync(trainee)
         metrics.update(self.rollout.metrics())

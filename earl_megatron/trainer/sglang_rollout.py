@@ -40,11 +40,14 @@ with ``--enable-memory-saver``; memory is resumed before a push or a rollout and
 the rollout, before LOGPROB/TRAIN. Not run in this project's CI (no GPU there).
 CPU (``sglang_device=cpu``): servers are separate processes with the kit's flags; weights travel
 over gloo.
+MoE (Qwen3-MoE): the same push (per-expert HF names, gathered over the ep ranks of the train
+layout); each server splits its experts with ``--ep-size server_ep(...)`` (docs/sglang.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -89,6 +92,18 @@ def check_sglang_python(python: Optional[str], timeout_s: float = 300.0) -> str:
         raise ConfigError(f"rollout.sglang_python={python} cannot import sglang:\n{tail}\n"
                           f"{BUILD_HINT}")
     return r.stdout.strip()
+
+
+def server_ep(model: ModelConfig, layout: ParallelLayout, device: str) -> int:
+    """A server's ``--ep-size`` in rollout layout ``layout``: of an MoE model on cuda, the
+    layout's expert parallelism as far as it fits in one server's tp ranks (SGLang takes a
+    server's ep from them: ep must divide tp), gcd(ep, tp); 1 for dense models and on cpu
+    (SGLang 0.5.23's token dispatcher asks for an accelerator when ep > 1: docs/sglang.md), where
+    a tp > 1 server splits every expert tp ways instead. The servers' (tp, dp) alone decides a
+    restart: ep only shapes how a server splits its experts, not what it serves."""
+    if not model.is_moe or device == "cpu":
+        return 1
+    return math.gcd(layout.ep, layout.tp)
 
 
 class SGLangRollout:
@@ -137,7 +152,8 @@ class SGLangRollout:
             if lay.pp != 1 or lay.cp != 1:
                 raise ValueError(f"SGLang servers take tp x dp layouts; got {lay} (the selector "
                                  "offers only pp = cp = 1 rollout layouts for this engine)")
-            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp))
+            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp), server_ep(self.model_cfg, lay,
+                                                                          self.device))
         if self._fresh:
             self.sync(policy)
         me = self.layout.coords(self.rank)
@@ -220,8 +236,9 @@ class SGLangRollout:
         self._stop()
 
     # ------------------------------------------------------------------ servers
-    def _start(self, layout: ParallelLayout) -> None:
-        """(Re)start the servers in ``layout``; collective over the world."""
+    def _start(self, layout: ParallelLayout, ep_size: int = 1) -> None:
+        """(Re)start the servers in ``layout`` (each with ``--ep-size ep_size`` when > 1);
+        collective over the world."""
         from earl_megatron.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
         t0 = time.perf_counter()
@@ -247,7 +264,8 @@ class SGLangRollout:
             node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             c = self.cluster
             cfg = SGLangConfig(python=self.python, model_path=str(self._model_config_dir()),
-                               tp_size=layout.tp, device=self.device, base_gpu_id=local,
+                               tp_size=layout.tp, ep_size=ep_size, device=self.device,
+                               base_gpu_id=local,
                                host_servers=max(1, layout.dp * node_ranks // self.world),
                                mem_fraction_static=self.mem_fraction,
                                enable_memory_saver=self.device == "cuda",

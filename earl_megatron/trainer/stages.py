@@ -18,6 +18,7 @@ rank of the consuming layout (the dispatcher's exactly-once guarantee).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -78,15 +79,44 @@ def dispatched_microbatches(model: ModelOnLayout, producer: ParallelLayout, ids:
     return batches, groups_of_ids, int(result.stats.bytes_received)
 
 
+def with_routes(model: ModelOnLayout, tensors: tuple, local: dict, ids: list[int],
+                routes: Optional[dict], plan: MicroBatchPlan) -> tuple:
+    """Routing replay (MoE): each sample's rollout routes join ``local`` as per-token tensors
+    (rollout/routing_replay.py), dispatched with the rest. Without routes: ``tensors``."""
+    if routes is None:
+        return tensors
+    from earl_megatron.rollout.routing_replay import encode, route_specs
+
+    for s in ids:
+        for name, t in encode(routes[s], model.cfg.num_experts, plan.length_of[s]).items():
+            local.setdefault(name, {})[s] = t
+    return tuple(tensors) + route_specs(model.cfg.num_layers)
+
+
+def replayed(model: ModelOnLayout, batches: list[dict], routes: Optional[dict]):
+    """A block whose forwards replay each micro-batch's routes (none: a no-op)."""
+    if routes is None:
+        return contextlib.nullcontext()
+    from earl_megatron.rollout.routing_replay import micro_batch_targets, replaying_micro_batches
+
+    module = model.module()
+    targets = micro_batch_targets(module, batches, model.cfg.num_experts,
+                                  model.cfg.moe_router_topk, model.layout.tp, model.coords.tp,
+                                  bool(model.tcfg.sequence_parallel))
+    return replaying_micro_batches(module, targets)
+
+
 def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[int],
                        token_ids: dict[int, list[int]], tokens: dict[int, int], pad_id: int,
-                       shape: BatchShape, temperature: float = 1.0
+                       shape: BatchShape, temperature: float = 1.0,
+                       routes: Optional[dict[int, torch.Tensor]] = None
                        ) -> tuple[dict[int, torch.Tensor], int]:
     """The LOGPROB stage: the reference model's logprob of every prediction of this replica's
     episodes, on every rank of the replica. Returns ({sample id: [tokens - 1]}, bytes received).
 
     ``producer`` is the rollout layout; ``ids`` / ``token_ids`` this replica's block; ``tokens``
-    every episode's length (identical on all ranks).
+    every episode's length (identical on all ranks). ``routes`` (routing replay): each sample's
+    rollout experts [tokens - 1, layers, topk], replayed in the forward.
     """
     from earl_megatron.runtime.step import forward_logprobs
 
@@ -100,10 +130,12 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     for s in ids:
         local["input_ids"][s], local["labels"][s] = shifted_ids(token_ids[s], length_of[s],
                                                                 pad_id)
+    tensors = with_routes(ref, LOGPROB_TENSORS, local, ids, routes, plan)
     batches, groups_of_ids, received = dispatched_microbatches(ref, producer, ids, local, plan,
-                                                               LOGPROB_TENSORS, fill=False)
-    out = forward_logprobs(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows,
-                           temperature=temperature)
+                                                               tensors, fill=False)
+    with replayed(ref, batches, routes):
+        out = forward_logprobs(ref, batches, seq_len=plan.longest,
+                               micro_batch_size=plan.max_rows, temperature=temperature)
     back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
                                 for i, s in enumerate(mb)}}
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
@@ -141,8 +173,8 @@ def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
-             advantages: dict, plan: MicroBatchPlan, loss: PolicyLossConfig, epochs: int
-             ) -> TrainStageResult:
+             advantages: dict, plan: MicroBatchPlan, loss: PolicyLossConfig, epochs: int,
+             routes: Optional[dict[int, torch.Tensor]] = None) -> TrainStageResult:
     """The TRAIN stage: dispatch this rank's samples to the train layout and run ``epochs``
     optimizer steps on them. ``plan`` (``micro_batch_plan`` of the train layout) fixes which
     samples train together; ``samples`` were built with its lengths. The reference logprobs
@@ -157,6 +189,7 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
         for spec in tensors:
             local[spec.name][s] = advantages[s] if spec.name == "advantages" \
                 else getattr(t, spec.name)
+    tensors = with_routes(policy, tensors, local, ids, routes, plan)
     batches, _, received = dispatched_microbatches(policy, producer, ids, local, plan, tensors)
     kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
     r, entropy, ratio = None, None, torch.full((3,), math.nan, dtype=torch.float64)
@@ -164,14 +197,16 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
         ratios: list = []
         if loss.entropy_coef:
             sums: list = []
-            r = train_step_logprobs(policy, batches,
-                                    loss_fn=_entropy_loss_fn(loss, sums, ratios), **kwargs)
+            with replayed(policy, batches, routes):
+                r = train_step_logprobs(policy, batches,
+                                        loss_fn=_entropy_loss_fn(loss, sums, ratios), **kwargs)
             if epoch == 0:
                 # the sampling policy's entropy (before this batch's first update)
                 acc = _over_world(policy, sums, 2)
                 entropy = acc[0].item() / max(acc[1].item(), 1.0)
         else:
-            r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
+            with replayed(policy, batches, routes):
+                r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
         ratio = _over_world(policy, ratios, 3)
     tokens = max(ratio[2].item(), 1.0)
     return TrainStageResult(loss=r.loss if r is not None else math.nan,

@@ -11,7 +11,8 @@ How memory stays near one part, not the model (``part_bytes``, default 256 MiB):
 
     HF shards --read 1 tensor--> combine (qkv interleave, [gate; up]) --> pending part
     pending part >= part_bytes --> dist_checkpointing.save(part, tmp/part_k)   (no integrity
-                                   check: a part covers only some layers of a stacked key)
+                                   check: a part covers only some layers of a stacked key; an
+                                   MoE part ends only where its experts form a box: dcp_parts)
     all parts --> move their .distcp files into the checkpoint and merge their DCP .metadata
                   (chunk lists per key, storage index with renamed files), as Megatron-Core's own
                   ``remove_sharded_tensors`` rewrites that file
@@ -172,7 +173,7 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
     with conversion_process(cfg):
         template = sharded_template(cfg)
         objects = {k: v for k, v in template.items() if isinstance(v, ShardedObject)}
-        pending: dict[str, tuple[str, Optional[int], torch.Tensor]] = {}
+        pending: dict[str, tuple[str, dcp.Index, torch.Tensor]] = {}
         pending_bytes = 0
 
         def flush():
@@ -199,17 +200,20 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
                                    "the Megatron-Core version renamed it: update hf_mapping")
                 entry = template[rule.name]
                 _check_shape(entry, full, rule.name)
-                pending[rule.name] = (entry.key, dcp.layer_of(rule.name), full)
+                index = dcp.stack_index(rule.name)
+                if dcp.box_broken_by(pending, entry.key, index):
+                    flush()
+                pending[rule.name] = (entry.key, index, full)
                 nbytes = full.numel() * full.element_size()
                 pending_bytes += nbytes
                 done += nbytes
                 n_tensors += 1
                 prog.update(task, completed=done)
-                if pending_bytes >= part_bytes:
+                if pending_bytes >= part_bytes and dcp.closes_boxes(pending):
                     flush()
             if pending or objects:
                 flush()
-    dcp.merge_parts(part_dirs, shifts, cfg.num_layers, out)
+    dcp.merge_parts(part_dirs, shifts, cfg.num_layers, out, cfg.num_experts)
     shutil.rmtree(tmp)
     (out / CONFIG_JSON).write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     (out / HF_SUBDIR).mkdir()
@@ -276,7 +280,7 @@ def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writ
             dcp.read_regions(src, requests)
             n_parts += 1
             for name, (_, _, dest) in requests.items():
-                full = dest[0] if dcp.layer_of(name) is not None else dest
+                full = dest[(0,) * len(dcp.stack_index(name))]
                 for hf_name, t in hfm.split(by_name[name], cfg, full).items():
                     writer.add(hf_name, t)
                 done += _nbytes(template[name])
@@ -334,12 +338,15 @@ def load_hf_into(model, ckpt: HFCheckpoint, cfg: ModelConfig, layout: ParallelLa
 
     ckpt.check_against(hfm.hf_shapes(cfg))
     table = tensor_table(cfg)
+    rank = layout.rank(coords)
     for lname, p in model.named_parameters():
-        rule = table.source_of(lname, coords.pp, layout.pp)   # KeyError names unknown tensors
-        parts = [ckpt.read(s) for s in hfm.sources(rule, cfg, coords.tp, layout.tp)]
+        rule = table.source_on(lname, layout, rank)   # KeyError names unknown tensors
+        # an expert's shard: its expert-TP rank of etp (the others: tp rank of tp)
+        parts = [ckpt.read(s) for s in hfm.sources(rule, cfg, rule.tp_rank_of(layout, rank),
+                                                   rule.tp_of(layout))]
         t = hfm.combine(rule, cfg, parts)
         if t.shape != p.shape:
             raise ValueError(f"{lname}: HF shard {tuple(t.shape)} != parameter {tuple(p.shape)} "
-                             f"(tp={layout.tp})")
+                             f"({layout})")
         with torch.no_grad():
             p.copy_(t.to(p.dtype))

@@ -11,6 +11,15 @@ Two operations Megatron-Core's ``dist_checkpointing`` does not offer in a one-ra
 - ``region_request`` + ``read_regions``: read regions of stored keys (one layer of a stacked key)
   without reading the rest, with a DCP load planner that asks only for those regions.
 
+Stacked keys: Megatron stores ``decoder.layers.*`` tensors under one key with a leading layer axis
+(num_layers, ...), and an MoE expert's fc1 / fc2 under one key with two leading axes
+(num_layers, num_experts, ...) (SequentialMLP's sharded_state_dict; global expert index, so the
+same key holds under any ep). ``stack_index(name)`` is a tensor's index along those axes. A part
+must hold, of every stacked key, a box of indices (a contiguous layer range, and for experts a
+contiguous expert range that is the same for each of its layers): ``box_broken_by`` and
+``closes_boxes`` tell the writer where a part may end (weights/convert.py), so a part can exceed
+its byte budget by at most one layer's experts.
+
 Invariants: a merged checkpoint is byte-for-byte the parts' data (no tensor is rewritten), and
 ``dist_checkpointing.load`` reads it under any layout; a region read returns exactly the stored
 values of that region. Errors reading damaged files are the caller's to translate
@@ -23,11 +32,16 @@ import dataclasses
 import functools
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
+Index = tuple[int, ...]
 
 
 def layer_of(name: str) -> Optional[int]:
@@ -36,53 +50,103 @@ def layer_of(name: str) -> Optional[int]:
     return int(parts[2]) if name.startswith("decoder.layers.") else None
 
 
-def part_state_dict(pending: dict[str, tuple[str, Optional[int], torch.Tensor]]
-                     ) -> tuple[dict[str, Any], dict[str, int]]:
-    """One part's ShardedTensors, stacked keys cut to the part's own layer range.
+def stack_index(name: str) -> Index:
+    """A full-model tensor name's index along its key's stacked axes: (layer, expert) for an
+    expert's tensor, (layer,) for another ``decoder.layers.*`` tensor, () otherwise."""
+    m = _EXPERT.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    layer = layer_of(name)
+    return () if layer is None else (layer,)
 
-    A part holds layers [a, b) of a stacked key. It is saved as a (b - a, ...) tensor because in a
-    1-rank world Megatron-Core's save cannot describe chunks that no rank holds; ``merge_parts``
-    shifts the chunks by ``a`` (returned per key) into the full (num_layers, ...) tensor. Plain
+
+def _ranges(indices: list[Index]) -> tuple[tuple[int, int], ...]:
+    return tuple((min(i[d] for i in indices), max(i[d] for i in indices) + 1)
+                 for d in range(len(indices[0])))
+
+
+def _is_box(indices: list[Index]) -> bool:
+    """The indices are exactly a product of ranges, each once."""
+    n = 1
+    for a, b in _ranges(indices):
+        n *= b - a
+    return len(set(indices)) == len(indices) == n
+
+
+def _stacked(pending: dict) -> dict[str, list[Index]]:
+    by_key: dict[str, list[Index]] = {}
+    for key, index, _ in pending.values():
+        if index:
+            by_key.setdefault(key, []).append(index)
+    return by_key
+
+
+def box_broken_by(pending: dict, key: str, index: Index) -> bool:
+    """Whether adding ``index`` of ``key`` (in model order: layers ascending, experts ascending
+    within a layer) leaves that key's indices no way to become a box: a part that began in the
+    middle of a layer's experts reaching the next layer. The writer ends the part first."""
+    held = _stacked(pending).get(key)
+    if len(index) < 2 or not held:
+        return False
+    first = min(held)
+    return index[0] > first[0] and first[1] != 0
+
+
+def closes_boxes(pending: dict) -> bool:
+    """Whether the part may end here: every stacked key's indices are a box."""
+    return all(_is_box(ix) for ix in _stacked(pending).values())
+
+
+def part_state_dict(pending: dict[str, tuple[str, Index, torch.Tensor]]
+                     ) -> tuple[dict[str, Any], dict[str, Index]]:
+    """One part's ShardedTensors, stacked keys cut to the part's own box of indices.
+
+    A part holds layers [a, b) (and of an expert key experts [e0, e1) of each) of a stacked key.
+    It is saved as a (b - a, [e1 - e0,] ...) tensor because in a 1-rank world Megatron-Core's
+    save cannot describe chunks that no rank holds; ``merge_parts`` shifts the chunks by
+    ``(a[, e0])`` (returned per key) into the full (num_layers, [num_experts,] ...) tensor. Plain
     chunks replace the SwiGLU factory: the stored global tensor [gate; up] is the same and
     resharding on load reads any chunking.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    by_key: dict[str, list[int]] = {}
-    for key, layer, _ in pending.values():
-        if layer is not None:
-            by_key.setdefault(key, []).append(layer)
-    shift = {}
-    for key, layers in by_key.items():
-        a, b = min(layers), max(layers) + 1
-        if sorted(layers) != list(range(a, b)):
-            raise AssertionError(f"{key}: layers {layers} of one part are not contiguous")
-        shift[key] = a
+    by_key = _stacked(pending)
+    shift, sizes = {}, {}
+    for key, indices in by_key.items():
+        if not _is_box(indices):
+            raise AssertionError(f"{key}: indices {sorted(indices)} of one part are not a box "
+                                 "(contiguous layers, the same experts in each)")
+        ranges = _ranges(indices)
+        shift[key] = tuple(a for a, _ in ranges)
+        sizes[key] = tuple(b - a for a, b in ranges)
     sd = {}
-    for name, (key, layer, t) in pending.items():
-        if layer is None:
+    for name, (key, index, t) in pending.items():
+        if not index:
             sd[name] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
         else:
-            a = shift[key]
-            n = len(by_key[key])
-            sd[name] = ShardedTensor.from_rank_offsets(key, t, (0, layer - a, n), replica_id=0,
-                                                       prepend_axis_num=1)
+            axes = [(d, i - a, n) for d, (i, a, n) in
+                    enumerate(zip(index, shift[key], sizes[key]))]
+            sd[name] = ShardedTensor.from_rank_offsets(key, t, *axes, replica_id=0,
+                                                       prepend_axis_num=len(index))
     return sd, shift
 
 
-def merge_parts(part_dirs: list[Path], shifts: list[dict[str, int]], num_layers: int,
-                out: Path) -> None:
+def merge_parts(part_dirs: list[Path], shifts: list[dict[str, Index]], num_layers: int,
+                out: Path, num_experts: Optional[int] = None) -> None:
     """Merge the parts' torch_dist checkpoints into one (files moved, DCP .metadata rewritten).
 
-    Part k's chunks of a stacked key move by ``shifts[k][key]`` layers along dim 0 and the key's
-    size becomes (num_layers, ...); every chunk's storage entry follows its file's new name.
+    Part k's chunks of a stacked key move by ``shifts[k][key]`` along its leading axes and the
+    key's size becomes (num_layers, [num_experts,] ...); every chunk's storage entry follows its
+    file's new name.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorStorageMetadata)
 
-    def moved(offsets, by: int) -> torch.Size:
-        return torch.Size((offsets[0] + by, *offsets[1:]))
+    leading = (num_layers, num_experts)
+
+    def moved(offsets, by: Index) -> torch.Size:
+        return torch.Size((*(o + b for o, b in zip(offsets, by)), *offsets[len(by):]))
 
     state_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -100,7 +164,8 @@ def merge_parts(part_dirs: list[Path], shifts: list[dict[str, int]], num_layers:
                 by = shift.get(key)
                 chunks = m.chunks if by is None else [
                     ChunkStorageMetadata(moved(c.offsets, by), c.sizes) for c in m.chunks]
-                size = m.size if by is None else torch.Size((num_layers, *m.size[1:]))
+                size = m.size if by is None else torch.Size((*leading[:len(by)],
+                                                              *m.size[len(by):]))
                 if key in state_meta:
                     prev = state_meta[key]
                     if prev.size != size or prev.properties.dtype != m.properties.dtype:
@@ -129,17 +194,15 @@ def merge_parts(part_dirs: list[Path], shifts: list[dict[str, int]], num_layers:
 
 def region_request(entry, name: str, stored: dict, src: Path):
     """(checkpoint key, offsets, empty destination) for one Megatron tensor (layer i of a
-    stacked key is the (1, ...) region at offset i)."""
+    stacked key is the (1, ...) region at offset i; expert e of layer i the (1, 1, ...) region
+    at (i, e))."""
     if entry.key not in stored:
         raise KeyError(f"{src} has no tensor {entry.key!r}; it was not written for this model "
                        "config (earl_model_config.json)")
     meta = stored[entry.key]
     shape = tuple(entry.data.shape)
-    layer = layer_of(name)
-    if layer is None:
-        offsets, shape = (0,) * len(shape), shape
-    else:
-        offsets, shape = (layer,) + (0,) * len(shape), (1,) + shape
+    index = stack_index(name)
+    offsets, shape = index + (0,) * len(shape), (1,) * len(index) + shape
     if any(o + n > m for o, n, m in zip(offsets, shape, meta.size)):
         raise ValueError(f"{src}: {entry.key} has shape {tuple(meta.size)}, too small for "
                          f"{name} of this model config")

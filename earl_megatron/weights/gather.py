@@ -8,9 +8,12 @@ pp_stage's owners contribute their own layers.
 
 Both are collective over the world: every rank calls them; every rank gets the same
 ``{global Megatron name: full tensor}``. Only ranks with dp == cp == 0 contribute (the others
-hold replicas). Gradients are read from Megatron DDP's ``main_grad`` when present. With tied
-embeddings and pp > 1 the last pp_stage's output_layer copy is skipped (its gradient equals the
-embedding's after finalize_model_grads' embedding all-reduce).
+hold replicas); of an MoE expert's tensors, the ranks with edp == 0 (its ep rank's expert-data-
+parallel replica 0, which need not have dp == 0: EP regroups the tp x cp x dp ranks), each its
+expert-TP shard (``TensorRow.tp_rank_of``). Gradients are read from Megatron DDP's
+``main_grad`` when present. With tied embeddings and pp > 1 the last pp_stage's output_layer
+copy is skipped (its gradient equals the embedding's after finalize_model_grads' embedding
+all-reduce).
 """
 
 from __future__ import annotations
@@ -26,21 +29,23 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 
 
-def _owned(model, cfg: ModelConfig, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """This rank's parameters by full row name, if it contributes (dp == cp == 0; a tied output
-    layer left out), else {}."""
-    c = layout.coords(dist.get_rank())
-    if c.dp or c.cp:
-        return {}
+def _owned(model, cfg: ModelConfig, layout: ParallelLayout
+           ) -> dict[str, tuple[int, torch.Tensor]]:
+    """{full row name: (shard index, parameter)} of the parameters this rank contributes
+    (module docstring; a tied output layer left out)."""
+    rank = dist.get_rank()
+    c = layout.coords(rank)
+    dense = not (c.dp or c.cp)
+    expert = layout.expert_coords(rank).edp == 0
     table = tensor_table(cfg)
     inner = model
     while hasattr(inner, "module"):
         inner = inner.module
     out = {}
     for lname, p in inner.named_parameters():
-        row = table.row(table.global_name(lname, c.pp, layout.pp))
-        if not row.tied_to:
-            out[row.name] = p
+        row = table.row(table.global_name_on(lname, layout, rank))
+        if not row.tied_to and (expert if row.expert is not None else dense):
+            out[row.name] = (row.tp_rank_of(layout, rank), p)
     return out
 
 
@@ -48,10 +53,9 @@ def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
                 what: str = "param") -> dict[str, torch.Tensor]:
     if what not in ("param", "grad"):
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
-    tp_rank = layout.coords(dist.get_rank()).tp
     table = tensor_table(cfg)
     mine: dict[str, tuple[int, torch.Tensor]] = {}
-    for name, p in _owned(model, cfg, layout).items():
+    for name, (tp_rank, p) in _owned(model, cfg, layout).items():
         t = p
         if what == "grad":
             g = getattr(p, "main_grad", None)
@@ -94,16 +98,15 @@ def gather_buckets(model, cfg: ModelConfig, layout: ParallelLayout, bucket_bytes
     """(index, count, bucket) for each bucket of the model's full parameters (their own dtype,
     on CPU), one at a time (module docstring). Every rank must consume every bucket: each is
     one collective."""
-    c = layout.coords(dist.get_rank())
     table = tensor_table(cfg)
     local = _owned(model, cfg, layout)
     dtypes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(dtypes, next((p.dtype for p in local.values()), None))
+    dist.all_gather_object(dtypes, next((p.dtype for _, p in local.values()), None))
     dtype = next(d for d in dtypes if d is not None)
     size = torch.empty((), dtype=dtype).element_size()
     buckets = weight_buckets(table.full_rows, size, bucket_bytes)
     for i, bucket in enumerate(buckets):
-        mine = {r.name: (c.tp, local[r.name].detach().cpu().clone())
+        mine = {r.name: (local[r.name][0], local[r.name][1].detach().cpu().clone())
                 for r in bucket if r.name in local}
         everything: list = [None] * dist.get_world_size()
         dist.all_gather_object(everything, mine)

@@ -10,6 +10,10 @@ checks them, so that a broken checkpoint fails before any conversion work:
 - an expected tensor absent from the index/headers, or a shape that does not match config.json
   -> ``HFCheckpointError`` naming the tensor (``check_against``).
 
+Qwen3-MoE experts are read per expert (``model.layers.i.mlp.experts.e.{gate,up,down}_proj``:
+the hub's format, and what transformers 5's ``save_pretrained`` writes); a directory holding
+them fused (``mlp.experts.gate_up_proj`` [E, 2I, H]) is refused naming the fix.
+
 Tensors are read with ``safetensors.safe_open`` one at a time (``read``), optionally only a row
 or column range (``SourceSlice``), and each file handle is closed after the read: a kept-open
 handle keeps the file's mmap pages resident, which would grow the RSS to the model size.
@@ -131,6 +135,13 @@ class HFCheckpoint:
 
     def _meta(self, name: str) -> dict[str, Any]:
         if name not in self.meta:
+            if ".mlp.experts." in name and any(n.endswith(".mlp.experts.gate_up_proj")
+                                               for n in self.meta):
+                raise HFCheckpointError(
+                    f"{self.path} stores experts fused (mlp.experts.gate_up_proj / down_proj, "
+                    "transformers' in-memory layout) but the converter reads the hub's "
+                    f"per-expert tensors ({name}); load it with transformers and save it again "
+                    "with save_pretrained, which writes them per expert")
             where = INDEX if (self.path / INDEX).is_file() else "the safetensors header"
             raise HFCheckpointError(f"tensor {name!r} is missing from {where} in {self.path}; the "
                                     "checkpoint is incomplete or not of the architecture "

@@ -1,5 +1,5 @@
-"""Hugging Face <-> Megatron-Core tensors and configs (Llama, Qwen2, Qwen3): pure, over the
-tensor table.
+"""Hugging Face <-> Megatron-Core tensors and configs (Llama, Qwen2, Qwen3, Qwen3-MoE): pure,
+over the tensor table.
 
 Which HF tensors make each Megatron-Core tensor, and how, is a column of the tensor table
 (plan/tensor_table.py: ``TensorRow.hf`` and ``TensorRow.combine``); this module turns that
@@ -10,6 +10,12 @@ into row/column ranges to read and tensor transforms:
 - "qkv": rows grouped per KV group g = 0..ng-1 as ``[q heads of g | k_g | v_g]`` (weight and,
   for Qwen2, bias), so a contiguous dim-0 TP split hands each rank whole groups;
 - "fc1": ``[gate; up]`` (SwiGLU, partition stride 2 under TP: rank r holds ``[gate_r; up_r]``).
+- Qwen3-MoE: the router is a "copy" of ``mlp.gate.weight``; each expert e is an fc1 row of
+  ``experts.e.gate_proj`` / ``up_proj`` and a copy of ``experts.e.down_proj`` (the per-expert
+  tensors the hub stores and transformers' ``save_pretrained`` writes; transformers fuses them
+  into ``experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] only in memory). An expert
+  row's shard comes from its expert-TP rank (``TensorRow.tp_rank_of``): ``sources`` takes that
+  rank and size like any other.
 - Tied embeddings: neither ``lm_head.weight`` nor a separate output tensor exists.
 
 ``sources(row, cfg, tp_rank, tp)`` lists the HF row/column ranges that tp rank ``tp_rank`` needs,
@@ -26,17 +32,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from earl_megatron.config.model import FAMILY_FEATURES, ModelConfig
+from earl_megatron.config.model import FAMILY_FEATURES, MOE_FAMILIES, ModelConfig
 from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UnsupportedModelError(ValueError):
-    """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2/Qwen3 GPTModel."""
+    """An HF model this converter cannot map to the Megatron-Core Llama/Qwen2/Qwen3(-MoE)
+    GPTModel."""
 
 
 @dataclass(frozen=True)
@@ -170,9 +177,9 @@ def _architecture(hf: dict[str, Any]) -> str:
                                 f"model_type={hf.get('model_type')!r}")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"architecture {arch} is not supported; supported: {sorted(ARCHITECTURES)} (dense "
-            "decoder-only, RMSNorm, SwiGLU, default rope, no sliding window, no MoE; "
-            "docs/conversion.md says what stands in the way of MoE families such as Qwen3-MoE)")
+            f"architecture {arch} is not supported; supported: {sorted(ARCHITECTURES)} "
+            "(decoder-only, RMSNorm, SwiGLU, default rope, no sliding window; mixture of experts "
+            "as Qwen3-MoE only: docs/conversion.md)")
     return arch
 
 
@@ -185,12 +192,14 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu/SwiGLU)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true")
-    if family in ("llama", "qwen3") and hf.get("attention_bias"):
+    if family in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         problems.append("attention_bias=true (biases on q/k/v/o)")
-    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if family != "llama" and hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
-    if hf.get("num_local_experts") or hf.get("num_experts"):
-        problems.append("mixture of experts")
+    if family not in MOE_FAMILIES and (hf.get("num_local_experts") or hf.get("num_experts")):
+        problems.append("mixture of experts (only Qwen3MoeForCausalLM converts)")
+    if family in MOE_FAMILIES:
+        problems.extend(_moe_problems(hf))
     if problems:
         raise UnsupportedModelError(f"{arch} with {', '.join(problems)} is not supported")
     heads = int(hf["num_attention_heads"])
@@ -208,7 +217,41 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rotary_base=_rope_theta(hf), norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         **FAMILY_FEATURES[family],
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), params_dtype=dtype)
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), params_dtype=dtype,
+        **(_moe_fields(hf) if family in MOE_FAMILIES else {}))
+
+
+def _num_experts(hf: dict[str, Any]) -> Any:
+    # the hub's config.json says num_experts; transformers 5 saves num_local_experts (its
+    # attribute_map aliases the two)
+    return hf.get("num_experts", hf.get("num_local_experts"))
+
+
+def _moe_problems(hf: dict[str, Any]) -> list[str]:
+    """What a Qwen3-MoE config has that the Megatron-Core MoE GPTModel here cannot express."""
+    out = []
+    for key in ("num_experts", "moe_intermediate_size"):
+        if not (_num_experts(hf) if key == "num_experts" else hf.get(key)):
+            out.append(f"no {key} (a Qwen3-MoE config.json must set it)")
+    if hf.get("mlp_only_layers"):
+        out.append(f"mlp_only_layers={hf['mlp_only_layers']} (dense MLP layers among MoE layers; "
+                   "every layer must be MoE: mlp_only_layers=[])")
+    if int(hf.get("decoder_sparse_step", 1)) != 1:
+        out.append(f"decoder_sparse_step={hf['decoder_sparse_step']} (MoE only every "
+                   f"{hf['decoder_sparse_step']}th layer; every layer must be MoE: 1)")
+    if int(hf.get("shared_expert_intermediate_size") or 0) > 0:
+        out.append(f"shared_expert_intermediate_size={hf['shared_expert_intermediate_size']} "
+                   "(shared experts; Qwen3-MoE has none)")
+    return out
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    # output_router_logits only makes transformers return router logits: nothing to convert
+    return dict(num_experts=int(_num_experts(hf)),
+                moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                moe_router_topk=int(hf.get("num_experts_per_tok", 8)),
+                moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def to_hf_config(cfg: ModelConfig, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -232,7 +275,14 @@ def to_hf_config(cfg: ModelConfig, base: Optional[dict[str, Any]] = None) -> dic
         # transformers >= 5 reads rope_parameters, older versions rope_theta
         rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_theta=theta)
     out.pop("torch_dtype", None)
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.is_moe:
+        out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                   num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=cfg.moe_norm_topk_prob,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+        if "num_local_experts" in out:   # a base saved by transformers 5: keep the alias equal
+            out["num_local_experts"] = cfg.num_experts
+    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
         out.update(attention_bias=False)
     if cfg.family == "llama":
         out.update(mlp_bias=False)

@@ -2,7 +2,9 @@
 
 One 2-rank launch loops over rollout layouts (dp2 = two TP1 replicas, tp2, pp2; Llama, Qwen2
 with qkv bias and tied embeddings on pp2, Qwen3 with q/k norms and head_dim 12 != 64 / 8 heads
-on tp2; earl_megatron/testing/tiny_models.py) and checks, per layout:
+on tp2; the tiny Qwen3-MoE on dp2 (EP1), ep2 (the experts split over the two replicas, whose
+all-to-all makes them decode in lockstep) and tp2 (trained under sequence parallelism, decoded
+without it); earl_megatron/testing/tiny_models.py) and checks, per layout:
 - greedy tokens of the KV-cached engine, batched over prompts of different lengths (left-padded),
   equal the KV-cached engine one prompt at a time and a no-cache reference that recomputes the
   whole unpadded sequence every step with the same Megatron model;
@@ -27,7 +29,7 @@ PROMPTS = [[5, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 20, 30, 40, 50, 60, 70], [1],
 NEW = 12
 LOGPROB_TOL = 1e-4
 LAYOUTS = [("llama", "dp2"), ("llama", "tp2"), ("llama", "pp2"), ("qwen2", "pp2"),
-           ("qwen3", "tp2")]
+           ("qwen3", "tp2"), ("qwen3_moe", "dp2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "tp2")]
 
 
 def _check_layout(family, name, weights_seed):
@@ -151,6 +153,87 @@ def _agent_loop_and_weights():
                 refused=refused)
 
 
+def _routing_replay():
+    """MoE routing replay: the EP2 engine records each token's experts while sampling; a full
+    forward (no cache) of the same weights on DP2 scores the episodes without and with replay;
+    then the trainer's LOGPROB stage replays them on CP2 and TP2."""
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.rollout import routing_replay as rr
+    from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+    from earl_megatron.rollout.engine import SamplingParams
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.models.sharding import reference_weights
+
+    cfg, temp = tiny_model("qwen3_moe"), 0.8
+    weights = reference_weights(cfg, seed=7)
+    lay = ParallelLayout.parse("ep2", world_size=dist.get_world_size(), model=cfg)
+    engine = EmbeddedEngine(build_on_layout(cfg, lay, weights=weights, ddp=False),
+                            record_routes=True)
+    gens = engine.generate(PROMPTS, SamplingParams(temperature=temp, max_new_tokens=NEW, seed=5))
+    groups.destroy_groups()
+    scorer = build_on_layout(cfg, ParallelLayout.parse("dp2", world_size=2, model=cfg),
+                             weights=weights, ddp=False).module()
+    scorer.eval()
+
+    def score(seq, replay=None):
+        ids = torch.tensor([seq[:-1]])
+        pos = torch.arange(ids.shape[1])[None]
+        if replay is None:
+            with rr.recording(scorer):
+                logits = scorer(ids, pos, None, runtime_gather_output=True)
+                used = torch.stack(rr.recorded(scorer), dim=1)   # [tokens, layers, topk]
+        else:
+            with rr.replaying(scorer, rr.to_targets(replay[None], 0, cfg.num_layers)):
+                logits = scorer(ids, pos, None, runtime_gather_output=True)
+            used = replay
+        lp = torch.log_softmax(logits[0].float() / temp, -1)
+        return lp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0], used
+
+    out = {"shapes": [], "free_diff": 0.0, "replay_diff": 0.0, "free_mismatch": 0, "tokens": 0,
+           "replayed_equal": True, "rolled_diff": 0.0}
+    with torch.no_grad():
+        for p, g in zip(PROMPTS, gens):
+            seq = list(p) + list(g.token_ids)
+            out["shapes"].append(tuple(g.routes.shape))
+            engine_lp = torch.tensor(g.logprobs)
+            free, free_routes = score(seq)
+            replayed, used = score(seq, g.routes.long())
+            rolled, _ = score(seq, (g.routes.long() + 1) % cfg.num_experts)
+            n = len(g.token_ids)
+            out["free_diff"] = max(out["free_diff"], float((free[-n:] - engine_lp).abs().max()))
+            out["replay_diff"] = max(out["replay_diff"],
+                                     float((replayed[-n:] - engine_lp).abs().max()))
+            out["rolled_diff"] = max(out["rolled_diff"], float((rolled - replayed).abs().max()))
+            # a token's experts as a set (the order within the top-k does not change the output)
+            same = free_routes.sort(-1).values == g.routes.long().sort(-1).values
+            out["free_mismatch"] += int((~same.all(-1)).sum())
+            out["tokens"] += same.shape[0] * same.shape[1]
+            out["replayed_equal"] &= bool(torch.equal(used, g.routes.long()))
+    # the trainer's path (trainer/stages.py: routes dispatched as per-token tensors, replayed
+    # per micro-batch in the router's token order) on CP2 (zigzag chunks) and TP2 (sequence
+    # parallel slices): replay vs the layout's own routing, and vs experts shifted by one
+    from earl_megatron.trainer.stages import BatchShape, reference_logprobs
+
+    groups.destroy_groups()
+    seqs = {i: list(p) + list(g.token_ids) for i, (p, g) in enumerate(zip(PROMPTS, gens))}
+    lengths = {s: len(t) for s, t in seqs.items()}
+    routes = {i: g.routes for i, g in enumerate(gens)}
+    shifted = {s: (r.long() + 1) % cfg.num_experts for s, r in routes.items()}
+    for name in ("cp2", "tp2"):
+        mol = build_on_layout(cfg, ParallelLayout.parse(name, world_size=2, model=cfg),
+                              weights=weights, ddp=True)
+        got = [reference_logprobs(mol, ParallelLayout(tp=2), list(seqs), seqs, lengths, 0,
+                                  BatchShape(2), temperature=temp, routes=r)[0]
+               for r in (None, routes, shifted)]
+        out[f"stage_{name}"] = [max(float((got[0][s] - got[k][s]).abs().max()) for s in seqs)
+                                for k in (1, 2)]
+        groups.destroy_groups()
+    return out
+
+
 def _all_checks():
     import torch.distributed as dist
 
@@ -178,6 +261,8 @@ def _all_checks():
                                  in zip(PROMPTS, sampled, rec) for k, lp in enumerate(lps))
         groups.destroy_groups()
         out["agent"] = _agent_loop_and_weights()
+        groups.destroy_groups()
+        out["routing_replay"] = _routing_replay()
         groups.destroy_groups()
     return out
 
@@ -320,3 +405,23 @@ def test_greedy_equals_transformers_reference(results, family):
     gap = max(abs(a - b) for g, lps in zip(gens, ours["batched_lp"])
               for a, b in zip(g.logprobs, lps))
     assert gap < LOGPROB_TOL, gap
+
+
+@pytest.mark.distributed
+def test_moe_routing_replay(results):
+    r0, r1 = results[0]["routing_replay"], results[1]["routing_replay"]
+    assert r0["shapes"] == r1["shapes"]
+    # every token fed to the model (prompt and sampled but the last) has 4 layers x top-2
+    assert r0["shapes"] == [(len(p) + NEW - 1, 4, 2) for p in PROMPTS]
+    print(f"MoE routing replay, EP2 KV-cached rollout vs DP2 full forward: logprob diff "
+          f"{r0['free_diff']:.2e} without replay ({r0['free_mismatch']} of {r0['tokens']} "
+          f"token-layers routed differently), {r0['replay_diff']:.2e} with")
+    assert r0["replayed_equal"]              # the replayed forward used the recorded experts
+    assert r0["replay_diff"] <= r0["free_diff"] + 1e-6 and r0["replay_diff"] < LOGPROB_TOL
+    # replay is really in effect: other experts (each index shifted by one) change the logprobs
+    assert r0["rolled_diff"] > 1e-3
+    for name in ("cp2", "tp2"):   # the LOGPROB / TRAIN stages' replay, dispatched
+        same, other = r0[f"stage_{name}"]
+        print(f"routing replay through the LOGPROB stage on {name}: {same:.2e} from its own "
+              f"routing, {other:.2e} with shifted experts")
+        assert same < 1e-5 and other > 1e-3

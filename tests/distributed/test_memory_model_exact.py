@@ -40,6 +40,9 @@ WORLD = 4
 SEQ, GLOBAL_BATCH = 16, 4       # smallest step that gives every dp rank one sample
 MODELS = (("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True))
 DIST_OPT_MODELS = (("llama", False), ("qwen2", True))   # both also with the dist. optimizer
+# The tiny qwen3_moe (4 experts of width 32, top 2) on expert layouts, both optimizers: dense
+# params sharded over dp x cp, expert params over the expert-dp group (two kinds of buffer)
+MOE_LAYOUTS = ("dp4", "ep2", "ep4", "ep2xtp2", "ep2xtp2xetp1")
 ALIGN = 64                      # Megatron pads each param start to 64 elements (dist. optimizer)
 
 
@@ -85,16 +88,25 @@ def _measure_all(distributed_optimizer_models):
     rank = dist.get_rank()
     rows = []
     batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=5)
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.memory_model import expert_param_count_per_rank
+
+    cases = [(family, tied, ModelConfig.tiny(family, tie_word_embeddings=tied),
+              enumerate_layouts(WORLD, ModelConfig.tiny(family, tie_word_embeddings=tied)),
+              [False] + ([True] if (family, tied) in distributed_optimizer_models else []))
+             for family, tied in MODELS]
+    moe = ModelConfig.tiny("qwen3_moe")
+    cases.append(("qwen3_moe", False, moe, [ParallelLayout.parse(x, WORLD, moe)
+                                            for x in MOE_LAYOUTS], [False, True]))
     with cpu_backend():
-        for family, tied in MODELS:
-            cfg = ModelConfig.tiny(family, tie_word_embeddings=tied)
-            kinds = [False] + ([True] if (family, tied) in distributed_optimizer_models else [])
-            for lay in enumerate_layouts(WORLD, cfg):
+        for family, tied, cfg, layouts, kinds in cases:
+            for lay in layouts:
                 for dist_opt in kinds:
                     mol = build_on_layout(cfg, lay, optimizer=OptimizerSpec(
                         use_distributed_optimizer=dist_opt))
                     mbs_size = GLOBAL_BATCH // lay.dp        # one micro-batch per rank
-                    mbs = local_microbatches(batch, lay, mol.coords, micro_batch_size=mbs_size)
+                    mbs = local_microbatches(batch, lay, mol.coords, micro_batch_size=mbs_size,
+                                             model=cfg)
                     train_step(mol, mbs, seq_len=SEQ, micro_batch_size=mbs_size)
                     module = mol.module()
                     weights = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -121,6 +133,7 @@ def _measure_all(distributed_optimizer_models):
                         moments=moments, steps=steps, state_tensors=state_tensors,
                         group_moments=int(group_moments.item()),
                         shard=lay.dp * lay.cp if dist_opt else 1,
+                        expert_params=expert_param_count_per_rank(cfg, lay, pp_rank),
                         model_weights=est.weights, model_grads=est.grads,
                         model_optimizer=est.optimizer, model_unsharded=plain.optimizer))
                     groups.destroy_groups()
@@ -137,13 +150,25 @@ def rows():
 
 def test_covers_every_layout_and_model(rows):
     from earl_megatron.config.model import ModelConfig
-    from earl_megatron.plan.layout import enumerate_layouts
+    from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
 
     layouts = {str(lay) for lay in enumerate_layouts(WORLD, ModelConfig.tiny())}
     assert len(layouts) == 10
     plain = {(r["family"], r["tied"], r["layout"]) for r in rows if not r["dist_opt"]}
-    assert plain == {(f, t, lay) for f, t in MODELS for lay in layouts}
+    moe = {("qwen3_moe", False, str(ParallelLayout.parse(x, WORLD, ModelConfig.tiny("qwen3_moe"))))
+           for x in MOE_LAYOUTS}
+    assert plain == {(f, t, lay) for f, t in MODELS for lay in layouts} | moe
     assert {r["rank"] for r in rows} == set(range(WORLD))
+
+
+def test_moe_expert_bytes_divide_by_ep(rows):
+    # tiny qwen3_moe: 4 layers x 4 experts x 3 x 64 x 32 = 98,304 expert elements in all
+    moe = [r for r in rows if r["family"] == "qwen3_moe" and not r["dist_opt"]]
+    assert len(moe) == len(MOE_LAYOUTS) * WORLD
+    for r in moe:
+        ep, etp = {"DP4": (1, 1), "EP2xDP4": (2, 1), "EP4xDP4": (4, 1), "EP2xTP2xDP2": (2, 2),
+                   "EP2xTP2xDP2xETP1": (2, 1)}[r["layout"]]
+        assert r["expert_params"] * ep * etp == 98304, r
 
 
 def test_weights_equal_parameter_bytes(rows):
@@ -166,8 +191,19 @@ def test_optimizer_moments_equal_adam_state_plain_optimizer(rows):
         assert r["steps"] == 4 * r["n_params"], r
 
 
+def test_moe_distributed_optimizer_shards_experts_over_edp(rows):
+    """Dense params over dp x cp, expert params over edp: one rank's moments are the model's
+    within the start alignment of its params and the end padding of its two buffers."""
+    dist_rows = [r for r in rows if r["dist_opt"] and r["family"] == "qwen3_moe"]
+    assert len(dist_rows) == len(MOE_LAYOUTS) * WORLD
+    for r in dist_rows:
+        slack = 8 * (ALIGN * r["n_params"] + 2 * math.lcm(WORLD, 128))
+        assert abs(r["moments"] - r["model_optimizer"]) <= slack, r
+        assert r["model_grads"] <= r["grads"] < r["model_grads"] + 4 * ALIGN * r["n_params"], r
+
+
 def test_distributed_optimizer_shards_sum_to_model(rows):
-    dist_rows = [r for r in rows if r["dist_opt"]]
+    dist_rows = [r for r in rows if r["dist_opt"] and r["family"] != "qwen3_moe"]
     assert len(dist_rows) == 2 * 10 * WORLD
     for r in dist_rows:
         # the dp x cp group holds exactly one unsharded copy of the moments between them

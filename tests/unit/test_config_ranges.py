@@ -75,7 +75,7 @@ BAD = [  # (overrides, the whole message)
     ({"model": {"hidden_size": 60}},
      "model.hidden_size=60 must divide by model.num_attention_heads=8 (or set model.kv_channels)"),
     ({"model": {"family": "gpt2"}},
-     "model.family='gpt2' is not a known family; supported: ('llama', 'qwen2', 'qwen3')"),
+     "model.family='gpt2' is not a known family; supported: ('llama', 'qwen2', 'qwen3', 'qwen3_moe')"),
     ({"model": {"params_dtype": "int8"}},
      "model.params_dtype='int8': use float32, bfloat16 or float16"),
     ({"sft": {"batch_size": 0}}, "sft.batch_size=0 must be >= 1"),
@@ -167,7 +167,8 @@ def test_validate_names_missing_and_bad_input_files(tmp_path, monkeypatch):
                       "supported; supported: ['LlamaForCausalLM', "),
         "init_moe": ({"run": {"init": _hf_dir(tmp_path / "moe", "Qwen2ForCausalLM",
                                              num_experts=8)}},
-                     "Qwen2ForCausalLM with mixture of experts is not supported"),
+                     "Qwen2ForCausalLM with mixture of experts (only Qwen3MoeForCausalLM "
+                     "converts) is not supported"),
         "init_other_model": ({"run": {"init": _hf_dir(tmp_path / "llama", "LlamaForCausalLM",
                                                      num_hidden_layers=2)}},
                              f"model.num_layers=4 does not match run.init={tmp_path}/llama, "

@@ -104,7 +104,7 @@ def _read(tensors, src, rename=None):
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False),
-                                         ("qwen3", True)])
+                                         ("qwen3", True), ("qwen3_moe", False)])
 def test_sources_give_exactly_the_tp_shard_and_split_inverts(family, tied):
     cfg = ModelConfig.tiny(family, num_layers=2, tie_word_embeddings=tied,
                            **({"kv_channels": 12} if family == "qwen3" else {}))
@@ -131,6 +131,41 @@ def _hf_llama_dict(**changes):
          "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "bfloat16"}
     d.update(changes)
     return d
+
+
+_HF_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+           "norm_topk_prob": True, "router_aux_loss_coef": 0.01, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "output_router_logits": True, "head_dim": 8}
+
+
+def test_moe_config_parsing_both_expert_count_keys_and_round_trip():
+    cfg = hfm.from_hf_config(_hf_llama_dict(**_HF_MOE))
+    assert (cfg.family, cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.moe_router_topk,
+            cfg.moe_norm_topk_prob, cfg.moe_aux_loss_coeff, cfg.qk_layernorm) == (
+        "qwen3_moe", 8, 32, 2, True, 0.01, True)
+    # transformers 5 saves the expert count as num_local_experts (the hub says num_experts)
+    saved = _hf_llama_dict(**{k: v for k, v in _HF_MOE.items() if k != "num_experts"},
+                           num_local_experts=8)
+    assert hfm.from_hf_config(saved) == cfg
+    # norm_topk_prob absent: transformers' default, false
+    plain = {k: v for k, v in _HF_MOE.items() if k != "norm_topk_prob"}
+    assert not hfm.from_hf_config(_hf_llama_dict(**plain)).moe_norm_topk_prob
+    for base in (None, saved):
+        hf = hfm.to_hf_config(cfg, base=base)
+        assert (hf["model_type"], hf["architectures"], hf["num_experts"],
+                hf["moe_intermediate_size"], hf["num_experts_per_tok"], hf["norm_topk_prob"],
+                hf["router_aux_loss_coef"], hf["mlp_only_layers"], hf["decoder_sparse_step"]) \
+            == ("qwen3_moe", ["Qwen3MoeForCausalLM"], 8, 32, 2, True, 0.01, [], 1)
+        assert hf.get("num_local_experts", 8) == 8
+        assert hfm.from_hf_config(json.loads(json.dumps(hf))) == cfg
+    tiny = ModelConfig.tiny("qwen3_moe")
+    assert hfm.from_hf_config(hfm.to_hf_config(tiny)) == tiny
+    shapes = hfm.hf_shapes(tiny)   # per expert, as the hub stores them
+    assert shapes["model.layers.3.mlp.gate.weight"] == (4, 64)
+    assert shapes["model.layers.3.mlp.experts.3.gate_proj.weight"] == (32, 64)
+    assert shapes["model.layers.3.mlp.experts.3.down_proj.weight"] == (64, 32)
+    assert not any(".mlp.up_proj" in n or "gate_up_proj" in n for n in shapes)
 
 
 def test_config_parsing_new_and_old_rope_keys_and_round_trip():
@@ -170,8 +205,14 @@ def test_config_parsing_new_and_old_rope_keys_and_round_trip():
     ({"hidden_act": "gelu"}, ["gelu"]),
     ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True},
      ["Qwen3ForCausalLM", "attention_bias"]),
+    ({"architectures": ["Qwen3ForCausalLM"], "num_experts": 128},
+     ["Qwen3ForCausalLM", "mixture of experts", "Qwen3MoeForCausalLM"]),
     ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128},
-     ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "docs/conversion.md"]),
+     ["Qwen3MoeForCausalLM", "no moe_intermediate_size"]),
+    ({**_HF_MOE, "mlp_only_layers": [0]}, ["mlp_only_layers=[0]", "mlp_only_layers=[]"]),
+    ({**_HF_MOE, "decoder_sparse_step": 2}, ["decoder_sparse_step=2", "every layer"]),
+    ({**_HF_MOE, "shared_expert_intermediate_size": 512},
+     ["shared_expert_intermediate_size=512", "shared experts"]),
 ])
 def test_unsupported_architectures_are_named(changes, words):
     with pytest.raises(hfm.UnsupportedModelError) as e:
@@ -252,3 +293,42 @@ def test_shape_that_does_not_match_the_config(hf_dir):
     with pytest.raises(HFCheckpointError, match=r"gate_proj.weight' .* has shape \(128, 64\) but "
                                               r"config.json implies \(256, 64\)"):
         HFCheckpoint(path).check_against(hfm.hf_shapes(bigger))
+
+
+def test_checkpoint_parts_end_only_where_expert_indices_form_a_box():
+    from earl_megatron.weights import dcp_parts as dcp
+
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert dcp.stack_index("decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight") \
+        == (3, 2)
+    assert dcp.stack_index("decoder.layers.3.mlp.router.weight") == (3,)
+    assert dcp.stack_index("embedding.word_embeddings.weight") == ()
+
+    def part(*indices):
+        return {f"x{i}": (fc1, i, None) for i in indices}
+
+    # within one layer any expert range is a box; across layers only whole layers are
+    assert dcp.closes_boxes(part((0, 1), (0, 2)))
+    assert dcp.closes_boxes(part((0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)))
+    assert not dcp.closes_boxes(part((0, 0), (0, 1), (0, 2), (0, 3), (1, 0)))
+    # a part that began inside layer 0's experts must end before layer 1's
+    assert dcp.box_broken_by(part((0, 2), (0, 3)), fc1, (1, 0))
+    assert not dcp.box_broken_by(part((0, 0), (0, 3)), fc1, (1, 0))
+    assert not dcp.box_broken_by(part((0, 2)), fc1, (0, 3))
+    with pytest.raises(AssertionError, match="not a box"):
+        dcp.part_state_dict({f"x{i}": (fc1, i, torch.zeros(2, 2))
+                             for i in [(0, 2), (0, 3), (1, 0)]})
+
+
+def test_fused_experts_on_disk_are_refused_naming_the_fix(tmp_path):
+    cfg = ModelConfig.tiny("qwen3_moe", num_layers=1)
+    hf = hfm.to_hf(cfg, reference_weights(cfg, seed=2))
+    p = "model.layers.0.mlp.experts."
+    experts = range(cfg.num_experts)
+    hf[p + "gate_up_proj"] = torch.stack([torch.cat([hf.pop(f"{p}{e}.gate_proj.weight"),
+                                                     hf.pop(f"{p}{e}.up_proj.weight")])
+                                          for e in experts])
+    hf[p + "down_proj"] = torch.stack([hf.pop(f"{p}{e}.down_proj.weight") for e in experts])
+    write_hf_dir(tmp_path / "m", hf, hfm.to_hf_config(cfg))
+    with pytest.raises(HFCheckpointError, match="stores experts fused.*save_pretrained"):
+        HFCheckpoint(tmp_path / "m").check_against(hfm.hf_shapes(cfg))

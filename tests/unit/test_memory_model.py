@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.memory_model import (layer_activation_bytes, memory_breakdown,
+from earl_megatron.plan.memory_model import (expert_param_count_per_rank,
+                                             layer_activation_bytes, memory_breakdown,
                                              memory_by_pp_rank, param_count_per_rank,
                                              train_state_bytes)
 from earl_megatron.plan.presets import PRESETS
@@ -153,14 +154,18 @@ def test_cpu_activation_bytes_match_measured_tp_and_cp(layout, measured):
 @given(name=st.sampled_from(sorted(PRESETS)), tied=st.booleans(),
        world=st.sampled_from([1, 2, 4, 8, 16, 32]), data=st.data())
 def test_shards_sum_to_the_whole_model(name, tied, world, data):
-    """tp ranks of a pp_stage split everything but the norms (Qwen3's q/k norms included);
-    pp_stages split the layers."""
+    """tp ranks of a pp_stage split everything but the norms (Qwen3's q/k norms included) and
+    the MoE router; pp_stages split the layers; ep x etp ranks split the experts."""
     model = PRESETS[name].with_(tie_word_embeddings=tied)
-    layouts = enumerate_layouts(world, model)
+    layouts = enumerate_layouts(world, model, expert_tp="both")
     layout = data.draw(st.sampled_from(layouts))
     t, h, L = layout.tp, model.hidden_size, model.num_layers
-    total = sum(param_count_per_rank(model, layout, r) for r in range(layout.pp)) * t
-    norms = (2 * h + (2 * model.head_dim if model.qk_layernorm else 0)) * L + h
+    experts = [expert_param_count_per_rank(model, layout, r) for r in range(layout.pp)]
+    total = sum(param_count_per_rank(model, layout, r) - e
+                for r, e in zip(range(layout.pp), experts)) * t \
+        + sum(experts) * layout.ep * layout.expert_tp
+    norms = (2 * h + (2 * model.head_dim if model.qk_layernorm else 0)
+             + (model.num_experts * h if model.is_moe else 0)) * L + h
     extra_output = model.vocab_size * h if (tied and layout.pp > 1) else 0
     assert total == num_parameters(model) + (t - 1) * norms + extra_output
 

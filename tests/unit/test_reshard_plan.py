@@ -26,8 +26,13 @@ CFGS = {
     "qwen3": ModelConfig.tiny("qwen3", num_layers=4, hidden_size=32, ffn_hidden_size=64,
                               num_attention_heads=8, num_query_groups=8, vocab_size=64,
                               kv_channels=6),
+    # experts: 4 per layer, split over ep and etp (both etp = tp and etp = 1 enumerated)
+    "qwen3_moe": ModelConfig.tiny("qwen3_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                                  num_attention_heads=8, num_query_groups=8, vocab_size=64,
+                                  kv_channels=6, moe_ffn_hidden_size=16),
 }
-LAYOUTS = {w: {k: enumerate_layouts(w, c) for k, c in CFGS.items()} for w in (4, 8)}
+LAYOUTS = {w: {k: enumerate_layouts(w, c, expert_tp="both") for k, c in CFGS.items()}
+           for w in (4, 8)}
 
 
 @st.composite
@@ -124,8 +129,9 @@ def _simulate(cfg, a, b):
         out = {}
         for name, hs in pl.items():
             for h in hs:
+                row = tensor_table(cfg).row(name)
                 out[(h.rank, h.local_name)] = sharding.shard(
-                    tensor_table(cfg).row(name), full[name], layout.coords(h.rank).tp, layout.tp)
+                    row, full[name], row.tp_rank_of(layout, h.rank), row.tp_of(layout))
         return out
 
     src, want = shards(before, a), shards(after, b)
@@ -136,9 +142,14 @@ def _simulate(cfg, a, b):
     return got, want
 
 
-@pytest.mark.parametrize("kind", sorted(CFGS))
-@pytest.mark.parametrize("a,b", [("tp2-pp2", "tp4"), ("pp4", "tp2-dp2"), ("tp4", "pp2-cp2"),
-                                 ("dp4", "tp2-pp2"), ("tp2-cp2", "cp2-pp2"), ("pp2-dp2", "tp4")])
+DENSE_PAIRS = [("tp2-pp2", "tp4"), ("pp4", "tp2-dp2"), ("tp4", "pp2-cp2"), ("dp4", "tp2-pp2"),
+               ("tp2-cp2", "cp2-pp2"), ("pp2-dp2", "tp4")]
+EP_PAIRS = [("dp4", "ep2"), ("ep4", "ep2xtp2"), ("ep2xtp2", "ep2,tp2,etp1"),
+            ("ep2xpp2", "ep4,tp2,etp1"), ("ep2xcp2", "ep4xtp4,etp1")]
+
+
+@pytest.mark.parametrize("kind,a,b", [(k, a, b) for k in sorted(CFGS) for a, b in DENSE_PAIRS]
+                         + [("qwen3_moe", a, b) for a, b in EP_PAIRS])
 def test_executing_the_plan_reproduces_the_destination_shards_bit_exact(kind, a, b):
     cfg = CFGS[kind]
     got, want = _simulate(cfg, ParallelLayout.parse(a, 4, cfg),
@@ -196,3 +207,32 @@ def test_receive_bytes_by_hand():
     assert plan_reshard(cfg, pp2, dp2).recv_bytes() == ((2 * layer + 64 + vocab) * 4,
                                                         (2 * layer + vocab) * 4)
     assert plan_reshard(cfg, pp2, pp2).recv_bytes() == (0, 0)
+
+
+def test_moving_experts_between_ep_layouts_moves_whole_expert_rows():
+    """By hand, 4 ranks, 4 experts. EP2: ep rank = rank % 2 (experts {0, 1} on ranks 0, 2;
+    {2, 3} on ranks 1, 3); EP4: rank r holds expert r. DP4 -> EP2 only drops experts; EP2 ->
+    EP4: ranks 1 and 2 lack their expert; EP4 -> EP2: ranks 0 and 3 lack one, ranks 1 and 2
+    both of theirs but the one they keep. Every transfer is whole rows of an expert."""
+    cfg = CFGS["qwen3_moe"]
+    dp4, ep2, ep4 = (ParallelLayout.parse(x, 4, cfg) for x in ("dp4", "ep2", "ep4"))
+    table = tensor_table(cfg)
+    one = sum(r.numel for r in table.rows if r.expert == 0) * 4   # bytes, every layer
+    assert plan_reshard(cfg, dp4, ep2).bytes_moved == 0
+    assert plan_reshard(cfg, ep2, ep4).recv_bytes() == (0, one, one, 0)
+    plan = plan_reshard(cfg, ep4, ep2)
+    assert plan.recv_bytes() == (one, 2 * one, 2 * one, one) == receive_bytes(cfg, ep4, ep2)
+    assert {t.name for t in plan.transfers} == {r.name for r in table.rows if r.expert is not None}
+    # rank 0 (experts 0, 1 under EP2) gets expert 1 from rank 1, its only holder under EP4,
+    # where it is local expert 0; under EP2 it is local expert 1
+    e1 = [t for t in plan.transfers if t.dst == 0]
+    assert {t.src for t in e1} == {1}
+    assert all(".local_experts.1." in t.name and ".local_experts.0." in t.src_local
+               and ".local_experts.1." in t.dst_local for t in e1)
+    assert all((t.start, t.stop) == (0, table.row(t.name).shape[t.dim]) for t in e1)
+    # experts are replicated over edp: EP2 on 4 ranks has 2 replicas of each
+    name = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert [h.rank for h in placement(cfg, ep2)[name]] == [1, 3]
+    assert plan_reshard(cfg, ep2, dp4).replicas_of(name, 1) == (1, 3)
+    # dense tensors keep their dp x cp replicas
+    assert plan.replicas_of("decoder.final_layernorm.weight", 2) == (0, 1, 2, 3)

@@ -3,9 +3,10 @@
 Boxes: ``count_below`` and ``pieces`` against enumerating every box element. Segments: every
 full tensor gets unique element ids, sharded with models/sharding.py under both layouts; each
 old rank owns a flat range of each local tensor (the whole of it: plain optimizer; a random
-partition over the dp x cp replicas: distributed optimizer) and holds NaN elsewhere. Executing
-the segments must fill every new rank's range with the right ids, each element written once,
-never reading a NaN, and send exactly the elements the destination did not own before.
+partition over the dp x cp replicas, an expert's over its edp replicas: distributed optimizer)
+and holds NaN elsewhere. Executing the segments must fill every new rank's range with the right
+ids, each element written once, never reading a NaN, and send exactly the elements the
+destination did not own before.
 """
 
 import random
@@ -32,8 +33,13 @@ CFGS = {
     "qwen3": ModelConfig.tiny("qwen3", num_layers=4, hidden_size=16, ffn_hidden_size=32,
                               num_attention_heads=4, num_query_groups=4, vocab_size=32,
                               kv_channels=6),
+    # experts: 4 per layer, split over ep and etp (both etp = tp and etp = 1 enumerated)
+    "qwen3_moe": ModelConfig.tiny("qwen3_moe", num_layers=4, hidden_size=16, ffn_hidden_size=32,
+                                  num_attention_heads=4, num_query_groups=4, vocab_size=32,
+                                  kv_channels=6, moe_ffn_hidden_size=8),
 }
-LAYOUTS = {w: {k: enumerate_layouts(w, c) for k, c in CFGS.items()} for w in (4, 8)}
+LAYOUTS = {w: {k: enumerate_layouts(w, c, expert_tp="both") for k, c in CFGS.items()}
+           for w in (4, 8)}
 
 
 @st.composite
@@ -76,19 +82,21 @@ def _ranges(cfg, layout, mode, seed):
     rnd = random.Random(seed)
     table = tensor_table(cfg)
     groups = {}
-    for r in range(layout.world_size):
-        c = layout.coords(r)
+    for r in range(layout.world_size):   # replicas: dense (tp, pp); experts (etp, ep, pp)
+        c, e = layout.coords(r), layout.expert_coords(r)
         groups.setdefault((c.tp, c.pp), []).append(r)
+        groups.setdefault(("expert", e.etp, e.ep, e.pp), []).append(r)
     out = {r: {} for r in range(layout.world_size)}
     for name, holds in placement(cfg, layout).items():
         for h in holds:
             if h.local_name in out[h.rank]:
                 continue
-            c = layout.coords(h.rank)
+            c, e = layout.coords(h.rank), layout.expert_coords(h.rank)
             row = table.row(name)
-            shape = tuple(sharding.shard(row, torch.empty(row.shape), c.tp, layout.tp).shape)
+            shape = tuple(sharding.shard(row, torch.empty(row.shape), row.tp_rank_of(
+                layout, h.rank), row.tp_of(layout)).shape)
             n = torch.Size(shape).numel()
-            reps = groups[(c.tp, c.pp)]
+            reps = groups[(c.tp, c.pp) if row.expert is None else ("expert", e.etp, e.ep, e.pp)]
             if mode == "plain":
                 for r in reps:
                     out[r][h.local_name] = (shape, 0, n)
@@ -106,8 +114,9 @@ def _ids(cfg, layout):
     for row in sorted(table.full_rows, key=lambda r: r.name):
         full[row.name] = torch.arange(base, base + row.numel, dtype=torch.float64).view(row.shape)
         base += row.numel
-    return {(h.rank, h.local_name): sharding.shard(table.row(name), full[name],
-                                                   layout.coords(h.rank).tp, layout.tp).reshape(-1)
+    return {(h.rank, h.local_name): sharding.shard(
+                table.row(name), full[name], table.row(name).tp_rank_of(layout, h.rank),
+                table.row(name).tp_of(layout)).reshape(-1)
             for name, holds in placement(cfg, layout).items() for h in holds}
 
 
