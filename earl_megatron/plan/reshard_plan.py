@@ -117,6 +117,13 @@ def _rank_class(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
 
 def receive_bytes(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
                   element_bytes: Optional[int] = None) -> tuple[int, ...]:
+    """``_receive_bytes``, memoised: the selector prices the same few switches every plan."""
+    return _receive_bytes(cfg, src, dst, element_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _receive_bytes(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout,
+                   element_bytes: Optional[int]) -> tuple[int, ...]:
     """Bytes each rank must receive to switch from ``src`` to ``dst``: the rows it holds under
     ``dst`` and did not hold, under any local name, under ``src``. The plan moves exactly these
     (its ``recv_bytes()``; ``min_bytes`` is their sum), so the selector prices a switch with

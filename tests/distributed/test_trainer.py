@@ -297,7 +297,7 @@ def test_bad_config_and_layouts_over_budget_stop_before_training(tmp_path):
         "arch": ({"run": {"init": _mistral(tmp_path / "mistral")}},
                  f"configuration error: run.init={tmp_path}/mistral: architecture "
                  "MistralForCausalLM is not supported; supported: ['LlamaForCausalLM', "
-                 "'Qwen2ForCausalLM', 'Qwen3ForCausalLM'] (dense decoder-only"),
+                 "'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'] (decoder-only"),
         "neither": ({"run": {"init": str(tmp_path)}},
                     f"checkpoint error: run.init={tmp_path}: {tmp_path} is neither a converted "
                     "Megatron-Core checkpoint"),
@@ -351,7 +351,7 @@ def test_command_line_bad_input_is_one_line_and_exit_2(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l and not l.startswith("[rank")]
     assert lines == [f"configuration error: run.init={init}: architecture MistralForCausalLM is "
                      "not supported; supported: ['LlamaForCausalLM', 'Qwen2ForCausalLM', "
-                     "'Qwen3ForCausalLM'] (dense decoder-only, RMSNorm, SwiGLU, default rope, no "
-                     "sliding window, no MoE; docs/conversion.md says what stands in the way of "
-                     "MoE families such as Qwen3-MoE)"], proc.stderr[-3000:]
+                     "'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'] (decoder-only, RMSNorm, SwiGLU, "
+                     "default rope, no sliding window; mixture of experts as Qwen3-MoE only: "
+                     "docs/conversion.md)"], proc.stderr[-3000:]
     assert not (tmp_path / "out" / "resolved.json").exists()
