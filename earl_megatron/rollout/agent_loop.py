@@ -49,8 +49,6 @@ from earl_megatron.envs.base import Env
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
 
-FINISH_REASONS = ("done", "max_turns", "max_context")
-
 
 class RolloutAbandoned(Exception):
     """The caller's ``should_stop`` asked the agent loop to stop before the next turn."""

@@ -89,10 +89,6 @@ from earl_megatron.runtime import groups
 _CACHE_ROUND = 256  # cache length granularity, so growing agent contexts rarely reallocate
 
 
-split_over_dp = split_evenly
-"""Contiguous blocks of prompts over dp replicas (engine.split_evenly)."""
-
-
 class EmbeddedEngine:
     """RolloutEngine over a Megatron-Core GPTModel pp_stage (see the module docstring)."""
 
@@ -173,7 +169,7 @@ class EmbeddedEngine:
         base = params.seed if params.seed is not None else int(
             torch.randint(2**31, (1,), generator=self._generator, device=self.device))
         if self.prompts_mode == "global" and layout.dp > 1:
-            block = split_over_dp(len(prompts), layout.dp)[dp_rank]
+            block = split_evenly(len(prompts), layout.dp)[dp_rank]
             mine = self._decode([prompts[i] for i in block], params,
                                 base, block.start) if len(block) else self._idle()
             parts: list = [None] * layout.dp

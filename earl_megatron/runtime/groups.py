@@ -93,10 +93,6 @@ DEFAULT_GROUP_TIMEOUT_S = ClusterConfig.group_timeout_s   # one default: the con
 _GROUP_TIMEOUT_S: Optional[float] = None   # None: DEFAULT_GROUP_TIMEOUT_S
 
 
-def active_layout() -> Optional[ParallelLayout]:
-    return _ACTIVE
-
-
 def set_group_cache_size(n: Optional[int]) -> None:
     """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache;
     None: the default (``DEFAULT_MAX_CACHED_LAYOUTS``). Inactive layouts beyond the new
