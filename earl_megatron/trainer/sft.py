@@ -24,7 +24,7 @@ Invariants (tests/unit/test_trajectories.py, tests/distributed/test_sft.py):
 from __future__ import annotations
 
 import random
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,22 +131,3 @@ def sft_step(on_layout, samples: Sequence[Sample], batch: Sequence[int], *, lr: 
     set_lr(on_layout.optimizer, lr)
     res = train_step(on_layout, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
     return res, received
-
-
-def train_sft(on_layout, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, seed: int,
-              pad_id: int, shape: BatchShape, start: int = 0,
-              on_step: Optional[Callable[[int, object], None]] = None
-              ) -> list[float]:
-    """Steps ``start .. scfg.steps - 1`` in ``on_layout``'s layout; the loss of each step.
-
-    ``on_step(step, TrainStepResult)`` runs after every step (metrics, checkpoints). The trainer
-    (trainer/warm_start.py) drives its own loop over ``sft_step`` to plan a layout per step.
-    """
-    losses = []
-    for step in range(start, scfg.steps):
-        batch = step_batch(len(samples), scfg.batch_size, seed, step)
-        res, _ = sft_step(on_layout, samples, batch, lr=lr, pad_id=pad_id, shape=shape)
-        losses.append(res.loss)
-        if on_step is not None:
-            on_step(step, res)
-    return losses
