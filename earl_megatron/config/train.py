@@ -140,17 +140,22 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = "reinforce_pp"
-    """"reinforce_pp", "grpo" or "ppo" (PPO-clip without a critic, several epochs per batch)."""
+    """The advantage estimator: "reinforce_pp" (REINFORCE++: per-turn returns normalised over
+    the batch's policy tokens) or "grpo" (episode rewards normalised within groups). Both train
+    the PPO-clip surrogate without a critic; ``epochs`` > 1 reuses each batch (the recipe
+    algorithm=reinforce_pp_multi_epoch). No critic is trained, so no name says PPO."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     group_size: int = 1
     """GRPO: episodes per group sharing one environment seed."""
     epochs: int = 1
-    """Optimizer passes over each batch (PPO uses > 1)."""
+    """Optimizer passes over each batch; > 1 makes the clipped ratio bite (old logprobs fixed
+    at the batch's sampling policy)."""
     clip_eps: float = 0.2
     gamma: float = 1.0
-    """Per-turn discount of the REINFORCE++/PPO returns (1: every turn gets all later rewards)."""
+    """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
+    GRPO scores whole episodes, so it takes only 1."""
     kl_mode: str = "off"
     """KL to the reference policy (the initial one, frozen): "off"; "loss" (k3 estimator in the
     per-token loss); or "reward" (k1 = logp - ref_logp subtracted from the rewards, REINFORCE++
@@ -187,8 +192,13 @@ class AlgorithmConfig:
         if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:
             raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
                               "clip_eps >= 0")
-        if self.name not in ("reinforce_pp", "grpo", "ppo"):
-            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp, grpo or ppo")
+        if self.name == "ppo":
+            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic (no value "
+                              "model, no GAE); PPO-clip without a critic over several epochs is "
+                              "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
+                              "algorithm=reinforce_pp_multi_epoch)")
+        if self.name not in ("reinforce_pp", "grpo"):
+            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp or grpo")
         if self.kl_mode not in ("off", "loss", "reward"):
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
         if self.kl_mode != "off" and self.kl_coef <= 0:
@@ -197,6 +207,10 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
         if self.name == "grpo" and self.group_size < 2:
             raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
+        if self.name == "grpo" and self.gamma != 1.0:
+            raise ConfigError(f"algorithm.gamma={self.gamma} does nothing under "
+                              "algorithm.name=grpo (GRPO scores whole episodes, no per-turn "
+                              "returns): drop it, or use algorithm.name=reinforce_pp")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
         if self.tis_cap is not None:
@@ -215,7 +229,9 @@ class ClusterConfig:
     nodes: int = 1
     devices_per_node: Optional[int] = None
     """None: torchrun's LOCAL_WORLD_SIZE."""
-    inter_node_gbps: float = 200.0
+    inter_node_gbps: Optional[float] = None
+    """Network per node in Gbit/s, the selector's price of inter-node traffic (preset h100;
+    None: 200). The cpu preset is one host and refuses it."""
     group_cache_layouts: Optional[int] = None
     """Layouts whose process groups stay alive between stages (runtime/groups.py); 0 or 1: none.
     None: the default, 4 (rollout, logprob and train layouts, and one more)."""
@@ -248,8 +264,13 @@ class ClusterConfig:
 
     def __post_init__(self):
         _at_least(self, "cluster", 1, "nodes", "devices_per_node")
-        if self.inter_node_gbps <= 0:
-            raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} must be > 0")
+        if self.inter_node_gbps is not None:
+            if self.preset == "cpu":
+                raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} does nothing "
+                                  "under cluster.preset=cpu (one host, no network between "
+                                  "ranks): drop it, or use cluster=h100")
+            if self.inter_node_gbps <= 0:
+                raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} must be > 0")
         for key in ("collective_timeout_s", "group_timeout_s", "server_start_timeout_s",
                     "server_request_timeout_s", "weight_sync_timeout_s"):
             if not getattr(self, key) > 0:

@@ -228,7 +228,7 @@ CLUSTER_PRESETS = ("cpu", "h100")
 
 
 def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
-                 inter_node_gbps: float = 200.0,
+                 inter_node_gbps: Optional[float] = None,
                  device_memory_bytes: Optional[int] = None) -> ClusterSpec:
     """The one mapping from a cluster description (the trainer's ``cluster.*`` keys,
     ``tools/plan_layouts.py``'s flags, the benchmarks) to the ``ClusterSpec`` the selector plans
@@ -245,8 +245,9 @@ def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
     if preset == "cpu":
         return ClusterSpec.cpu(ranks=nodes * devices_per_node,
                                memory_budget_bytes=device_memory_bytes or 2 * GiB)
-    spec = ClusterSpec.h100_80gb(nodes=nodes, inter_node_gbps=inter_node_gbps,
-                                 devices_per_node=devices_per_node)
+    spec = ClusterSpec.h100_80gb(nodes=nodes, devices_per_node=devices_per_node,
+                                 **({} if inter_node_gbps is None
+                                    else {"inter_node_gbps": inter_node_gbps}))
     return spec.with_(device_memory_bytes=device_memory_bytes) if device_memory_bytes else spec
 
 

@@ -14,7 +14,7 @@ Per-sample tensors are label-aligned [T] rows (trainer/data.py): ``mask`` is 1 o
 tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding tokens;
 ``token_rewards`` holds each turn's reward on the turn's last policy token.
 
-- Returns (REINFORCE++ and PPO without a critic; Hu et al. 2025, the EARL paper's estimator):
+- Returns (REINFORCE++; Hu et al. 2025, the EARL paper's estimator):
   ``token_returns``. Per-turn credit: every token of turn k gets
   ``G_k = r_k + gamma * G_{k+1}`` (the turn is the action). KL in the reward (k1, weight beta):
   with gamma = 1 each token pays its own and every later token's KL (REINFORCE++'s per-token

@@ -18,7 +18,7 @@ the values it uses.
 Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
 trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
 the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re-scored, to
-record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
+record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
 weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
 Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint.py: a damaged
@@ -79,7 +79,7 @@ class Trainer:
         self.loss = PolicyLossConfig(clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps,
                                      kl_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
                                      entropy_coef=a.entropy_coef)
-        self.adv = AdvantageConfig("grpo" if a.name == "grpo" else "reinforce_pp", a.gamma,
+        self.adv = AdvantageConfig(a.name, a.gamma,
                                    a.group_size, a.kl_coef if a.kl_mode == "reward" else 0.0)
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
