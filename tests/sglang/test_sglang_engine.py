@@ -30,7 +30,7 @@ from earl_megatron.rollout.sglang_engine import (CPU_FLAGS, SGLangConfig, SGLang
                                                  server_environment, server_variables,
                                                  sglang_sampling_params, split_evenly,
                                                  trainer_weight_update_group)
-from earl_megatron.rollout.sglang_server import usable_cores
+from earl_megatron.rollout.sglang_launch import usable_cores
 from earl_megatron.runtime import fault_points
 
 # Server starts can take minutes on a loaded 2-core machine; pytest.ini's 600 s is too tight.

@@ -12,7 +12,7 @@ from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ClusterConfig, Conf
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.server_restart import model_key
 from earl_megatron.plan.specs import Stage
-from earl_megatron.rollout.sglang_server import SGLangConfig, server_command
+from earl_megatron.rollout.sglang_launch import SGLangConfig, server_command
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.stages import BatchShape
 
