@@ -21,7 +21,7 @@ the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re
 record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
 weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
-Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint.py: a damaged
+Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint_files.py: a damaged
 newer one is skipped with a line saying so) restores weights, optimizer, selector state and
 history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
 same iterations as one that never stopped. On another world size (elastic resume) layouts are
@@ -50,8 +50,8 @@ from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
-from earl_megatron.runtime.checkpoint import (base_hf_config, find_checkpoint, load_checkpoint,
-                                              save_checkpoint)
+from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
+from earl_megatron.runtime.checkpoint_files import find_checkpoint
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.model_pair import ModelPair, build_model_pair

@@ -38,7 +38,7 @@ def sft_root(out: Path) -> Path:
 def warm_start_state(out: Path) -> Optional[dict]:
     """loop.json of the newest complete warm-start checkpoint, with its "path" and "notes" (a
     line when a damaged newer one was skipped); None: there is none."""
-    from earl_megatron.runtime.checkpoint import find_checkpoint
+    from earl_megatron.runtime.checkpoint_files import find_checkpoint
 
     found = find_checkpoint(sft_root(out))
     if found is None:
