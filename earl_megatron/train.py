@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.compose import RECIPES, command_line_keys
-from earl_megatron.config.train import ConfigError, TrainConfig, init_model
+from earl_megatron.config.conversion import init_model
+from earl_megatron.config.train import ConfigError, TrainConfig
 
 BUILTIN_TOKENIZERS = ("game", "ascii", "tool")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -200,7 +201,7 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
 
     - model.* is the checkpoint's config; the recipe's model values are not used. A model.*
       key on the command line (or every field, for a ``model=NAME`` group there) must match
-      the checkpoint, except ``INIT_MAY_DIFFER`` (config/train.py ``init_model``).
+      the checkpoint, except ``INIT_MAY_DIFFER`` (config/conversion.py ``init_model``).
     - rollout.tokenizer is run.init's directory when it holds a tokenizer (its ``hf/`` folder
       for a converted checkpoint) and the command line does not set rollout.tokenizer; else
       the recipe's value stays.

@@ -26,7 +26,7 @@ kept (HF ``intermediate_size``) but no tensor of an all-MoE model has that width
 Starting from a checkpoint (``run.init``): its config is the model; a field set on the command
 line must equal the checkpoint's (floats within a relative 1e-6, so a typed ``1e-5`` matches a
 stored float32 ``9.999999747378752e-06``) unless it is one of ``INIT_MAY_DIFFER``, which only
-change how the same weights run (config/train.py ``init_model``).
+change how the same weights run (config/conversion.py ``init_model``).
 """
 
 from __future__ import annotations
