@@ -72,9 +72,13 @@ class LayoutConfig:
 @dataclass(frozen=True)
 class EnvConfig:
     name: str = "connect_four"
+    """A registered environment (connect_four, tic_tac_toe, calculator; docs/envs.md) or a
+    factory of your own, ``package.module:function``."""
     kwargs: dict = field(default_factory=dict)
     """Passed to make_env(name, **kwargs): opponent, mcts_simulations, invalid_penalty, ..."""
     eval_opponents: tuple = ("random",)
+    """Opponents the policy is evaluated against (greedy and sampled), at the start, every
+    run.eval_every iterations and at the end; empty: the environment's own opponent only."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,19 @@ class RolloutConfig:
     engine: str = "embedded"
     """"embedded" (Megatron-Core in the rollout layout) or "sglang" (HTTP servers)."""
     episodes_per_iteration: int = 64
+    """Episodes played per RL iteration over all rollout replicas (a multiple of
+    algorithm.group_size under grpo); at least the world size."""
     temperature: float = 1.0
+    """Sampling temperature of the rollout (evaluation's sampled mode uses it too)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all)."""
     max_turns: int = 32
+    """Agent turns per episode at most; an episode still running then ends (finish reason
+    max_turns)."""
     max_context_tokens: Optional[int] = None
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
+    """Tokens the policy may sample in one turn (its action, or its message with a tool call)."""
     tokenizer: str = "game"
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
     ids, its tags one token each) or an HF tokenizer directory. With run.init on the command
@@ -143,14 +154,18 @@ class AlgorithmConfig:
     the PPO-clip surrogate without a critic; ``epochs`` > 1 reuses each batch (the recipe
     algorithm=reinforce_pp_multi_epoch). No critic is trained, so no name says PPO."""
     lr: float = 1e-3
+    """Adam's learning rate (Megatron's optimizer)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay of Adam (AdamW)."""
     clip_grad: float = 1.0
+    """Global gradient-norm clip before each optimizer step (0: none)."""
     group_size: int = 1
     """GRPO: episodes per group sharing one environment seed."""
     epochs: int = 1
     """Optimizer passes over each batch; > 1 makes the clipped ratio bite (old logprobs fixed
     at the batch's sampling policy)."""
     clip_eps: float = 0.2
+    """PPO-clip's epsilon: the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]."""
     gamma: float = 1.0
     """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
     GRPO scores whole episodes, so it takes only 1."""
@@ -168,6 +183,7 @@ class AlgorithmConfig:
     """Padded tokens per micro-batch at most (None: no limit); a longer sample trains alone, so
     activation memory follows the longest episode, not micro_batch_size times it."""
     use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: Adam's state sharded over the dp (x cp) ranks."""
     old_logprobs: str = "rollout"
     """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled) or "recompute" (the
     policy re-scores its episodes before TRAIN; trainer/old_logprobs.py)."""
@@ -225,6 +241,8 @@ class ClusterConfig:
     preset: str = "cpu"
     """"cpu" (this machine) or "h100" (8x H100-80GB nodes)."""
     nodes: int = 1
+    """Nodes of the job (torchrun's --nnodes; recipes/slurm/train.sbatch passes SLURM_NNODES);
+    nodes x ranks per node must equal the world."""
     devices_per_node: Optional[int] = None
     """None: torchrun's LOCAL_WORLD_SIZE."""
     inter_node_gbps: Optional[float] = None
@@ -304,10 +322,13 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
+    """Seeds the initial weights, the environments' episodes and the sampling (earl_megatron/
+    seeds.py's streams); two runs of one seed give the same metrics."""
     iterations: int = 40
     """RL iterations; 0: evaluate the starting policy (after the warm start, if any) and stop
     (verl's val_only): how a base model is measured before RL."""
     output_dir: str = "runs/default"
+    """The run's directory: metrics.jsonl, eval.json, samples/, checkpoints/, logs/."""
     checkpoint_every: int = 10
     """Iterations between checkpoints (0: only on SIGTERM and at the end)."""
     resume: bool = True
@@ -321,6 +342,7 @@ class RunConfig:
     eval_every: int = 0
     """Iterations between evaluations (0: at start and end only)."""
     eval_episodes: int = 64
+    """Episodes of each evaluation, per opponent and mode (greedy, sampled)."""
     live_view: bool = True
     """rich live display on rank 0 when stdout is a terminal (plain lines otherwise or when off)."""
     tensorboard: bool = False
@@ -345,12 +367,19 @@ class RunConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig.tiny)
+    """The policy's architecture (recipes/model/*.yaml; with run.init, the checkpoint's)."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """How each stage's parallel layout is chosen: the selector (auto) or fixed strings."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment episodes are played in."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The engine and the agent loop's bounds."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The estimator, the loss and the optimizer."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The machines the selector plans for, and the timeouts of the run's collectives."""
     run: RunConfig = field(default_factory=RunConfig)
+    """Iterations, seed, output, checkpoints, evaluations."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start before RL (sft.steps = 0: none); trainer/warm_start.py."""
 

@@ -85,6 +85,7 @@ from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.rope_cache import forget_inference_tables
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
+from earl_megatron.seeds import row_sample_seed
 
 _CACHE_ROUND = 256  # cache length granularity, so growing agent contexts rarely reallocate
 
@@ -220,8 +221,8 @@ class EmbeddedEngine:
         """One generator per row, seeded by (call seed, global prompt index): a row's samples
         depend neither on its batch mates nor on the dp split, and duplicated prompts (a GRPO
         group) still draw independent samples."""
-        return [torch.Generator(device=self.device).manual_seed(
-            (base * 1_000_003 + first + i) % (2**63 - 1)) for i in range(n)]
+        return [torch.Generator(device=self.device).manual_seed(row_sample_seed(base, first + i))
+                for i in range(n)]
 
     def _decode(self, prompts: list[Sequence[int]], params: SamplingParams, base: int,
                 first: int) -> list[Generation]:

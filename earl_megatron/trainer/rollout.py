@@ -28,13 +28,6 @@ from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 
 
-def episode_seeds(seed: int, iteration: int, count: int, group_size: int) -> list[int]:
-    """Environment seeds of one iteration, from (run seed, iteration) only (GRPO groups of
-    ``group_size`` consecutive episodes share a seed): a resumed run replays the same games."""
-    base = seed * 1_000_003 + iteration * 10_007
-    return [base + i // group_size for i in range(count)]
-
-
 @dataclass(frozen=True)
 class EpisodeSpec:
     """What one episode is: the environment, and the agent loop's bounds."""

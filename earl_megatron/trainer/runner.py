@@ -58,7 +58,9 @@ from earl_megatron.trainer.model_pair import ModelPair, build_model_pair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
-from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds
+from earl_megatron.seeds import (EVAL_SAMPLE_SEED, episode_seeds, evaluation_seeds,
+                                 rollout_sample_seed)
+from earl_megatron.trainer.rollout import EpisodeSpec
 from earl_megatron.trainer.rollout_engines import make_rollout
 from earl_megatron.trainer.samples import SampleWriter
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
@@ -131,7 +133,7 @@ class Trainer:
             try:
                 ids, episodes = self.rollout.play(policy, seeds,
                                                   temperature=cfg.rollout.temperature,
-                                                  sample_seed=cfg.run.seed * 7919 + it,
+                                                  sample_seed=rollout_sample_seed(cfg.run.seed, it),
                                                   should_stop=self.stop.replica_should_stop)
             except RolloutAbandoned:
                 ids, episodes = [], []
@@ -357,13 +359,13 @@ class Trainer:
         lay = models.policy.layout
         # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
         policy = models.policy_in(ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
-        seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(cfg.run.eval_episodes)]
+        seeds = evaluation_seeds(cfg.run.seed, cfg.run.eval_episodes)
         out = {}
         for opp in cfg.env.eval_opponents or (None,):
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
                 try:
                     ids, eps = self.rollout.play(policy, seeds, temperature=temp,
-                                                 sample_seed=424242, opponent=opp,
+                                                 sample_seed=EVAL_SAMPLE_SEED, opponent=opp,
                                                  should_stop=self.stop.replica_should_stop)
                 except RolloutAbandoned:
                     ids, eps = [], []

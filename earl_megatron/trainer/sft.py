@@ -35,6 +35,7 @@ from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.rollout.trajectories import (Trajectory, expert_trajectories, read_jsonl,
                                                 trajectory_tokens)
 from earl_megatron.runtime.step_inputs import TRAIN_TENSORS, shifted_ids
+from earl_megatron.seeds import expert_seeds
 from earl_megatron.trainer.stages import BatchShape, dispatched_microbatches, micro_batch_plan
 
 SFT_TENSORS = TRAIN_TENSORS[:3]
@@ -42,12 +43,6 @@ SFT_TENSORS = TRAIN_TENSORS[:3]
 
 Sample = tuple[list[int], list[int]]
 """(token ids, loss mask) of one trace."""
-
-
-def expert_seeds(run_seed: int, count: int) -> list[int]:
-    """Seeds of the expert's traces: a range no RL iteration (run.seed * 1_000_003 + ...) nor
-    evaluation (10**9 + ...) draws from."""
-    return [3 * 10**9 + run_seed * 100_003 + i for i in range(count)]
 
 
 def load_traces(scfg: SFTConfig, env_name: str, env_kwargs: dict, run_seed: int

@@ -54,7 +54,7 @@ class TraceSource:
     env: str
     env_kwargs: dict
     seed: int
-    """run.seed: the expert's episodes use seeds derived from it (trainer/sft.expert_seeds)."""
+    """run.seed: the expert's episodes use seeds derived from it (earl_megatron/seeds.py expert_seeds)."""
 
 
 class WarmStart:
