@@ -336,7 +336,7 @@ class EmbeddedEngine:
         switcher reshards large ones in memory). Every rank calls it.
         """
         from earl_megatron.weights.gather import gather_full
-        from earl_megatron.models.sharding import load_full_weights
+        from earl_megatron.models.sharding import load_full_weights, unwrap
 
         on_layout = self.on_layout
         self._rows = []  # cached keys/values belong to the old weights
@@ -346,8 +346,7 @@ class EmbeddedEngine:
             else:
                 source = gather_full(source.model, source.cfg, source.layout)
         if isinstance(source, torch.nn.Module):
-            while hasattr(source, "module"):
-                source = source.module
+            source = unwrap(source)
             src = dict(source.named_parameters())
             dst = dict(self.model.named_parameters())
             if src.keys() != dst.keys() or any(src[k].shape != dst[k].shape for k in dst):
