@@ -40,14 +40,24 @@ class LayoutConfig:
     rollout: Optional[str] = None
     """Static layout of the ROLLOUT stage, e.g. "tp2" (dp inferred); required when static."""
     logprob: Optional[str] = None
+    """Static layout of the LOGPROB stage (reference / old-policy scoring); required when
+    static."""
     train: Optional[str] = None
+    """Static layout of the TRAIN stage; required when static."""
     memory_budget_gb: Optional[float] = None
     """Per-rank memory budget the selector plans against (None: the cluster's device memory)."""
     memory_margin: float = 0.1
+    """Fraction of the budget kept free: a layout fits when its predicted bytes stay under
+    budget x (1 - margin)."""
     hysteresis: float = 0.05
+    """A stage leaves its current layout only for one predicted faster by more than this
+    fraction, switch cost included."""
     max_tp: Optional[int] = None
+    """Largest tp the selector considers (None: any that divides the model and the world)."""
     max_cp: Optional[int] = None
+    """Largest cp the selector considers (None: any)."""
     max_pp: Optional[int] = None
+    """Largest pp the selector considers (None: any that divides num_layers)."""
 
     def __post_init__(self):
         _at_least(self, "layout", 1, "max_tp", "max_cp", "max_pp")
@@ -217,6 +227,10 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
         if self.kl_mode != "off" and self.kl_coef <= 0:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
+        if self.kl_mode == "off" and self.kl_coef:
+            raise ConfigError(f"algorithm.kl_coef={self.kl_coef} does nothing with "
+                              "algorithm.kl_mode=off (no reference policy): set "
+                              "algorithm.kl_mode=loss or reward, or drop the coefficient")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
         if self.name == "grpo" and self.group_size < 2:
