@@ -35,6 +35,7 @@ import torch.distributed as dist
 from earl_megatron.config.compose import RECIPES, command_line_keys
 from earl_megatron.config.conversion import init_model
 from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.stages import STAGE_NAMES
 
 BUILTIN_TOKENIZERS = ("game", "ascii", "tool")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -119,7 +120,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
                           "does)")
-    for stage in ("rollout", "logprob", "train"):
+    for stage in STAGE_NAMES:
         text = cfg.layout.static(stage)
         if text is not None:
             try:

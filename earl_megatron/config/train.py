@@ -17,8 +17,8 @@ from earl_megatron.config.checks import at_least as _at_least
 from earl_megatron.config.conversion import build
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.sft import SFTConfig
+from earl_megatron.stages import STAGE_NAMES
 
-STAGES = ("rollout", "logprob", "train")
 
 SGLANG_MEM_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 """``--mem-fraction-static`` of the trainer's SGLang servers when rollout.sglang_mem_fraction is
@@ -70,7 +70,7 @@ class LayoutConfig:
         if self.mode not in ("auto", "static"):
             raise ConfigError(f"layout.mode={self.mode!r}: use 'auto' or 'static'")
         if self.mode == "static":
-            missing = [s for s in STAGES if getattr(self, s) is None]
+            missing = [s for s in STAGE_NAMES if getattr(self, s) is None]
             if missing:
                 raise ConfigError(f"layout.mode=static needs a layout for {missing}: e.g. "
                                   f"layout.{missing[0]}=tp2 (or layout.mode=auto)")

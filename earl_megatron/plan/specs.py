@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Iterable, Optional
 
 from earl_megatron.plan.placement import ITEMSIZE
+from earl_megatron.stages import Stage  # noqa: F401 - the planners' Stage (one definition)
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {k: ITEMSIZE[k] for k in ("float32", "bfloat16", "float16")}
@@ -43,17 +44,6 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
-
-
-class Stage(Enum):
-    """An RL step. Each gets its own layout."""
-
-    ROLLOUT = "rollout"
-    """Multi-turn generation: prefill prompts/observations, decode responses with a KV cache."""
-    LOGPROB = "logprob"
-    """Forward-only scoring of finished episodes (old policy / reference policy)."""
-    TRAIN = "train"
-    """Forward + backward + optimizer step."""
 
 
 class Recompute(Enum):

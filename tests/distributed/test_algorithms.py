@@ -8,6 +8,7 @@ import json
 import math
 
 from earl_megatron.config.train import TrainConfig
+from earl_megatron.stages import ITERATION_TIMERS
 from earl_megatron.testing.multiproc import run_distributed
 
 CASES = {"reinforce_pp": {"name": "reinforce_pp"}, "grpo": {"name": "grpo", "group_size": 2},
@@ -56,6 +57,9 @@ def test_every_algorithm_trains_end_to_end(tmp_path):
             else:
                 assert abs(h["advantage_mean"]) < 1e-6, (key, h)
             assert ("kl" in h) == (kl == "loss"), key
+            # the runner times exactly the phases the report and the live view know
+            assert set(h["seconds"]) <= {*ITERATION_TIMERS, "total"}, h["seconds"]
+            assert ("logprob" in h["seconds"]) == (kl == "loss"), key
         if kl == "loss":
             # iteration 0 samples from the reference itself
             assert hist[0]["ref_log_ratio_max"] < 1e-4, key
