@@ -35,6 +35,9 @@ def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
     return SGLANG_MEM_FRACTION[device] if configured is None else configured
 
 
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+
+
 @dataclass(frozen=True)
 class LayoutConfig:
     mode: str = "auto"
@@ -50,9 +53,16 @@ class LayoutConfig:
     max_tp: Optional[int] = None
     max_cp: Optional[int] = None
     max_pp: Optional[int] = None
+    recompute: str = "auto"
+    """TRAIN activation recomputation (Megatron-Core's): "auto" (the selector picks per
+    iteration, with the layout, the fastest mode that fits; none when it fits and is fastest),
+    or "none", "selective" (the core attention), "full" (every layer) for the whole run."""
 
     def __post_init__(self):
         _at_least(self, "layout", 1, "max_tp", "max_cp", "max_pp")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"layout.recompute={self.recompute!r}: use one of "
+                              f"{list(RECOMPUTE_CHOICES)}")
         if not 0.0 <= self.memory_margin < 1.0 or self.hysteresis < 0:
             raise ConfigError(f"layout.memory_margin={self.memory_margin} must be in [0, 1) and "
                               f"layout.hysteresis={self.hysteresis} >= 0")
@@ -90,6 +100,9 @@ class RolloutConfig:
     max_context_tokens: Optional[int] = None
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
+    prefill_tokens: int = 8192
+    """Tokens of one prefill forward of the embedded engine (its chunk; rows = this // width),
+    and the ROLLOUT stage's chunk in the memory model (SGLang servers chunk by their own)."""
     tokenizer: str = "game"
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
     ids, its tags one token each) or an HF tokenizer directory. With run.init on the command
@@ -127,7 +140,8 @@ class RolloutConfig:
                               "in (0, 1) (null: 0.05 on cpu, 0.8 on cuda)")
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
-        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
+        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
+                  "prefill_tokens")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
                               f"rollout.top_p={self.top_p} in (0, 1]")
