@@ -54,19 +54,19 @@ class LayoutOverBudgetError(RuntimeError):
 def suggestions(selector, workload: StageWorkload, resident_bytes: int) -> tuple[str, ...]:
     """Changes checked to make a layout of ``selector`` (a Selector) fit ``workload``, in the
     selector's words (module docstring); the first that fits of each kind."""
-    self = selector
     out = []
     for k in (2, 4, 8, 16, 32, 64):
-        bigger = replace(self, cluster=self.cluster.with_(nodes=self.cluster.nodes * k))
+        cluster = selector.cluster
+        bigger = replace(selector, cluster=cluster.with_(nodes=cluster.nodes * k))
         fit = bigger.fits_somewhere(workload, resident_bytes)
         if fit is not None:
             out.append(f"{bigger.cluster.nodes} nodes ({bigger.cluster.world_size} devices), "
                        f"e.g. {fit.layout} at {human_bytes(fit.total)}")
             break
-    if workload.stage is Stage.TRAIN:
+    if workload.stage is Stage.TRAIN and not selector.config.auto_recompute:
         order = [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
-        for rc in order[order.index(self.train_opts.recompute) + 1:]:
-            other = replace(self, train_opts=self.train_opts.with_(recompute=rc))
+        for rc in order[order.index(selector.train_opts.recompute) + 1:]:
+            other = replace(selector, train_opts=selector.train_opts.with_(recompute=rc))
             fit = other.fits_somewhere(workload, resident_bytes)
             if fit is not None:
                 out.append(f"recompute={rc.value}, e.g. {fit.layout} at "
@@ -77,20 +77,20 @@ def suggestions(selector, workload: StageWorkload, resident_bytes: int) -> tuple
     mb = workload.micro_batch_tokens
     while mb > floor and mb > 1:
         mb //= 2
-        fit = self.fits_somewhere(workload.with_(micro_batch_tokens=mb), resident_bytes)
+        fit = selector.fits_somewhere(workload.with_(micro_batch_tokens=mb), resident_bytes)
         if fit is not None:
             key = "prefill_tokens" if workload.stage is Stage.ROLLOUT else "micro_batch_tokens"
             out.append(f"{key}={mb}, e.g. {fit.layout} at {human_bytes(fit.total)}")
             break
     if workload.stage is Stage.ROLLOUT and workload.responses_in_flight > 1:
-        r = _largest(lambda n: self.fits_somewhere(
+        r = _largest(lambda n: selector.fits_somewhere(
             workload.with_(responses_in_flight=n), resident_bytes) is not None,
             1, workload.responses_in_flight - 1)
         if r:
             out.append(f"responses_in_flight={r}")
     if workload.max_context > 1:
         top = workload.contexts[-1][0]
-        s = _largest(lambda n: self.fits_somewhere(
+        s = _largest(lambda n: selector.fits_somewhere(
             workload.scaled_to(n).with_(predicted_context=0), resident_bytes) is not None,
             1, workload.max_context - 1)
         if s and s < top:
