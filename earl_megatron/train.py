@@ -259,15 +259,15 @@ def layout_fix(e, cfg: TrainConfig) -> str:
     """The config keys that make a layout fit, after a NoLayoutFitsError or a
     LayoutOverBudgetError (whose own text is in the selector's terms): the per-rank budget the
     smallest layout needs, then each change the selector checked would fit, as the key that
-    makes it (its suggestions without a key, such as recompute, are left to its own text)."""
+    makes it (every suggestion the selector makes has one; SGLang's prefill chunk is the
+    servers' own flag, so it is left to the selector's text)."""
     import re
 
     from earl_megatron.plan.selector import NoLayoutFitsError
-    from earl_megatron.plan.specs import Stage, human_bytes
+    from earl_megatron.plan.specs import human_bytes
 
     auto = isinstance(e, NoLayoutFitsError)
     need = (e.smallest.total if e.smallest else None) if auto else e.estimate.total
-    stage = e.stage if auto else e.estimate.stage
     lay, fixes = cfg.layout, []
     if need is not None:
         gb = math.ceil(need / (1 - lay.memory_margin) / 2**30 * 100) / 100
@@ -280,8 +280,12 @@ def layout_fix(e, cfg: TrainConfig) -> str:
         if m := re.match(r"(\d+) nodes \((\d+) devices\)", text):
             fixes.append(f"{m[2]} ranks (cluster.nodes={m[1]} x "
                          f"{int(m[2]) // int(m[1])} per node)")
-        elif (m := re.match(r"micro_batch_tokens=(\d+)", text)) and stage is not Stage.ROLLOUT:
+        elif m := re.match(r"micro_batch_tokens=(\d+)", text):
             fixes.append(f"algorithm.micro_batch_tokens={m[1]}")
+        elif (m := re.match(r"prefill_tokens=(\d+)", text)) and cfg.rollout.engine == "embedded":
+            fixes.append(f"rollout.prefill_tokens={m[1]}")     # SGLang chunks by its own flag
+        elif m := re.match(r"recompute=(\w+)", text):
+            fixes.append(f"layout.recompute={m[1]} (or auto: the selector picks per iteration)")
         elif m := re.match(r"responses_in_flight=(\d+)", text):
             fixes.append(f"rollout.episodes_per_iteration={m[1]}")
         elif m := re.match(r"contexts up to (\d+) tokens", text):

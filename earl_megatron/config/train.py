@@ -1,9 +1,10 @@
 """The trainer's configuration: frozen dataclasses, built once from Hydra's composed config.
 
 ``TrainConfig.from_dict`` is the only place a Hydra/OmegaConf container becomes configuration
-(the conversion itself is config/conversion.py); library code sees these values only. Unknown keys, wrong types, values out of range (every float
-finite, every count >= 1: config/checks.py) and impossible combinations raise ``ConfigError``
-naming the key and the fix, before any process group or model exists.
+(the conversion itself is config/conversion.py); library code sees these values only. Unknown
+keys, wrong types, values out of range (every float finite, every count >= 1:
+config/checks.py), impossible combinations and keys that would do nothing in the mode chosen
+raise ``ConfigError`` naming the key and the fix, before any process group or model exists.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
     return SGLANG_MEM_FRACTION[device] if configured is None else configured
 
 
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+
+
 @dataclass(frozen=True)
 class LayoutConfig:
     mode: str = "auto"
@@ -58,9 +62,16 @@ class LayoutConfig:
     """Largest cp the selector considers (None: any)."""
     max_pp: Optional[int] = None
     """Largest pp the selector considers (None: any that divides num_layers)."""
+    recompute: str = "auto"
+    """TRAIN activation recomputation (Megatron-Core's): "auto" (the selector picks per
+    iteration, with the layout, the fastest mode that fits; none when it fits and is fastest),
+    or "none", "selective" (the core attention), "full" (every layer) for the whole run."""
 
     def __post_init__(self):
         _at_least(self, "layout", 1, "max_tp", "max_cp", "max_pp")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"layout.recompute={self.recompute!r}: use one of "
+                              f"{list(RECOMPUTE_CHOICES)}")
         if not 0.0 <= self.memory_margin < 1.0 or self.hysteresis < 0:
             raise ConfigError(f"layout.memory_margin={self.memory_margin} must be in [0, 1) and "
                               f"layout.hysteresis={self.hysteresis} >= 0")
@@ -109,6 +120,9 @@ class RolloutConfig:
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
     """Tokens the policy may sample in one turn (its action, or its message with a tool call)."""
+    prefill_tokens: int = 8192
+    """Tokens of one prefill forward of the embedded engine (its chunk; rows = this // width),
+    and the ROLLOUT stage's chunk in the memory model (SGLang servers chunk by their own)."""
     tokenizer: str = "game"
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
     ids, its tags one token each) or an HF tokenizer directory. With run.init on the command
@@ -146,7 +160,8 @@ class RolloutConfig:
                               "in (0, 1) (null: 0.05 on cpu, 0.8 on cuda)")
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
-        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
+        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
+                  "prefill_tokens")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
                               f"rollout.top_p={self.top_p} in (0, 1]")

@@ -93,12 +93,14 @@ class Trainer:
                                     distributed_optimizer=a.use_distributed_optimizer,
                                     episodes=r.episodes_per_iteration, batch=self.batch,
                                     sglang_mem_fraction=frac,
-                                    sglang_restart_s=r.sglang_restart_s)
+                                    sglang_restart_s=r.sglang_restart_s,
+                                    prefill_tokens=r.prefill_tokens)
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p,
-            routing_replay=a.routing_replay), tokenizer, model=cfg.model,
+            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens), tokenizer,
+            model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
             mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
@@ -181,7 +183,7 @@ class Trainer:
         if tis:  # TIS: w * A trains exactly w * surrogate (rl/advantages.py)
             adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
         with t("switch"):
-            trainee = models.policy_in(layouts["train"])
+            trainee = models.trainee(layouts["train"], plan.recompute["train"])
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                            cfg.algorithm.epochs, routes=routes)

@@ -98,7 +98,7 @@ class WarmStart:
             lengths = [len(samples[i][0]) for i in batch]
             policy = models.policy
             lay = planner.plan("train", lengths, policy.layout)
-            policy = models.policy_in(lay)
+            policy = models.trainee(lay, planner.recompute["train"])
             res, moved = sft_step(policy, samples, batch, lr=self.lr,
                                   pad_id=self.tok.pad_token_id, shape=self.batch)
             last = step == self.steps - 1
