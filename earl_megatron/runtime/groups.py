@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ClusterConfig
+from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.dist import gloo_only
 

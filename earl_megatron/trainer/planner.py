@@ -32,7 +32,8 @@ from dataclasses import replace
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ClusterConfig, ConfigError, LayoutConfig
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import ConfigError, LayoutConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import (MemoryEstimate, param_count_per_rank,
                                              server_pool_fits, train_state_bytes)

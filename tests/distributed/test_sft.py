@@ -16,7 +16,8 @@ def _sft_losses(path, out, layouts):
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.config.sft import SFTConfig
-    from earl_megatron.config.train import ClusterConfig, LayoutConfig
+    from earl_megatron.config.cluster import ClusterConfig
+    from earl_megatron.config.train import LayoutConfig
     from earl_megatron.models.sharding import reference_weights
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.tokenizer import tool_tokenizer

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ClusterConfig, ConfigError,
-                                        LayoutConfig, TrainConfig, sglang_mem_fraction)
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ConfigError, LayoutConfig,
+                                        TrainConfig, sglang_mem_fraction)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.server_restart import model_key
 from earl_megatron.plan.specs import Stage
