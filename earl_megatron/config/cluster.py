@@ -27,9 +27,9 @@ class ClusterConfig:
     inter_node_gbps: Optional[float] = None
     """Network per node in Gbit/s, the selector's price of inter-node traffic (preset h100;
     None: 200). The cpu preset is one host and refuses it."""
-    group_cache_layouts: Optional[int] = None
+    group_cache_layouts: int = 4
     """Layouts whose process groups stay alive between stages (runtime/groups.py); 0 or 1: none.
-    None: the default, 4 (rollout, logprob and train layouts, and one more)."""
+    4: the rollout, logprob and train layouts, and one more (runtime/groups' default too)."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective of the whole world (the default group: stage agreements, stop
     agreement, dispatcher rendezvous) may wait before torch.distributed aborts the job. It must
@@ -84,9 +84,9 @@ class ClusterConfig:
             raise ConfigError(f"cluster.world_backend={self.world_backend!r}: use 'gloo', a "
                               "device-mapped string whose CPU entry is gloo such as "
                               "'cpu:gloo,cuda:nccl', or null for the host's rule")
-        if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
+        if self.group_cache_layouts < 0:
             raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
-                              "null (the default, 4), 0 or 1 (no cache) or more")
+                              "0 or 1 (no cache) or more")
 
     @property
     def server_recovery_s(self) -> float:

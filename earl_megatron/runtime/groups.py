@@ -62,7 +62,7 @@ from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.dist import gloo_only
 
-DEFAULT_MAX_CACHED_LAYOUTS = 4
+DEFAULT_MAX_CACHED_LAYOUTS = ClusterConfig.group_cache_layouts   # one default: the config's
 """Layouts whose groups stay alive (the active one included); <= 1 disables the cache. Cheap on
 gloo since a layout holds one group per distinct rank list (2-4 a rank on 4 ranks: ~5 threads
 and ~20 fds; 4 cached layouts cost a compute-bound job 1-2% more CPU time, measured by
