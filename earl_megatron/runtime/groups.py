@@ -34,8 +34,7 @@ Invariants:
   recently used inactive one, when a miss would exceed the bound) or by ``destroy_groups()``.
   The active layout is never evicted. ``max_cached_layouts`` <= 1 is the uncached behaviour:
   every regroup destroys the old layout's groups before creating the new ones.
-- Each cached layout keeps its groups' resources (on 4 gloo ranks ~20 fds and ~10 threads a
-  rank, and the device loops' 10 ms polls); the bound caps them.
+- Each cached layout keeps its groups' resources (~20 fds, ~10 threads a rank on 4 gloo ranks).
 - Group timeouts are short (``set_group_timeout``, ``cluster.group_timeout_s``, default 600 s,
   below the world's ``cluster.collective_timeout_s``): a mismatched collective fails in minutes.
 - Every group inherits the world's device-mapped backend (runtime/dist.py): on a host with GPUs
@@ -48,7 +47,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -392,18 +390,9 @@ def dp_group(with_context_parallel: bool = False):
     return ps.get_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
-def is_pipeline_first_stage() -> bool:
-    from megatron.core import parallel_state as ps
-    return ps.is_pipeline_first_stage()
-
-
 def is_pipeline_last_stage() -> bool:
     from megatron.core import parallel_state as ps
     return ps.is_pipeline_last_stage()
-
-
-def timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
 
 
 def device() -> torch.device:
