@@ -101,6 +101,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
     """Everything that can be checked before a model exists."""
     from earl_megatron.envs.registry import UnknownEnvError, env_factory
     from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout
+    from earl_megatron.plan.rollout_rules import rollout_layout_problem
 
     try:
         env_factory(cfg.env.name)
@@ -127,11 +128,9 @@ def validate(cfg: TrainConfig, world: int) -> None:
                 lay = ParallelLayout.parse(text, world_size=world, model=cfg.model)
             except InvalidLayoutError as e:
                 raise ConfigError(f"layout.{stage}={text}: {e}") from e
-            if stage == "rollout" and lay.cp != 1:
-                raise ConfigError(f"layout.rollout={text}: rollout decodes with cp=1")
-            if stage == "rollout" and lay.pp != 1 and cfg.rollout.engine == "sglang":
-                raise ConfigError(f"layout.rollout={text}: SGLang servers take tp x dp "
-                                  "layouts (pp=1); use e.g. tp2 or dp2")
+            problem = stage == "rollout" and rollout_layout_problem(lay, cfg.rollout.engine)
+            if problem:
+                raise ConfigError(f"layout.rollout={text}: {problem}")
     if cfg.rollout.episodes_per_iteration < world:
         raise ConfigError(f"rollout.episodes_per_iteration={cfg.rollout.episodes_per_iteration} "
                           f"< world size {world}: some dp rank would train on nothing")

@@ -64,6 +64,7 @@ from earl_megatron.plan.activations import (  # noqa: F401 - re-exported for cal
     layer_activation_bytes, moe_dispatch_buffer_bytes, moe_layer_activation_bytes,
     moe_routed_tokens, train_layer_bytes)
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Stage, StageWorkload,
                                      TrainOptions, human_bytes)
 from earl_megatron.plan.tensor_table import tensor_table
@@ -243,9 +244,9 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
         memory = cluster.device_memory_bytes if cluster is not None else 0
         held = params * b + activations + logits + comm + reserved + resident
         if engine.servers:
-            if pp != 1 or c != 1:
-                raise ValueError(f"{engine.name} servers take tp x dp rollout layouts (pp = cp = "
-                                 f"1), got {layout}: use e.g. tp{t} x dp{layout.world_size // t}")
+            problem = rollout_layout_problem(layout, "sglang")
+            if problem:
+                raise ValueError(f"{engine.name} servers: {problem}")
             server_weights = params * b
             held = params * b + server_weights + reserved + resident   # at the server's start
         kv_cache = rollout_kv(model, layout, workload, held, engine, memory, b).cache_bytes

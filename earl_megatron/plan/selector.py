@@ -55,6 +55,7 @@ from earl_megatron.plan.what_fits import (  # noqa: F401 - re-exported
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 """Cheapest first in time, largest first in memory: ties go to the earlier mode."""
 
+
 @dataclass(frozen=True)
 class SelectorConfig:
     memory_margin: float = 0.1
@@ -357,15 +358,3 @@ def _name(candidate: Candidate, selector: Selector) -> str:
     if len(selector.recompute_modes(Stage.TRAIN)) > 1 and candidate.memory.stage is Stage.TRAIN:
         return f"{candidate.layout} recompute={candidate.recompute.value}"
     return str(candidate.layout)
-
-
-def select_layout(model: ModelConfig, cluster: ClusterSpec, workload: StageWorkload,
-                  train_opts: TrainOptions = TrainOptions(), *,
-                  current: Optional[ParallelLayout] = None,
-                  state: SelectorState = SelectorState(),
-                  config: SelectorConfig = SelectorConfig(),
-                  profile: Optional[ProfileTable] = None,
-                  resident_bytes: int = 0) -> tuple[LayoutPlan, SelectorState]:
-    """Functional form of ``Selector(...).plan(...)``."""
-    return Selector(model, cluster, train_opts, config, profile).plan(
-        workload, current=current, state=state, resident_bytes=resident_bytes)

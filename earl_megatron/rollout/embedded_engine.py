@@ -75,6 +75,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams, check_prompts,
                                          split_evenly)
@@ -96,10 +97,9 @@ class EmbeddedEngine:
     def __init__(self, on_layout, *, pad_token_id: int = 0, seed: int = 0, prompts: str = "global",
                  kv_cache: bool = True, prefill_tokens: int = PREFILL_TOKENS,
                  reuse_prefix: bool = False, record_routes: bool = False):
-        if on_layout.layout.cp != 1:
-            raise ValueError(f"EmbeddedEngine needs cp=1 in the rollout layout, got "
-                             f"{on_layout.layout}; decode with a layout whose cp is 1 (spend "
-                             "those ranks on tp or dp)")
+        problem = rollout_layout_problem(on_layout.layout, "embedded")
+        if problem:
+            raise ValueError(f"EmbeddedEngine: {problem}")
         if record_routes and reuse_prefix:
             raise ValueError("EmbeddedEngine: record_routes needs every prompt token's routes, "
                              "which reuse_prefix does not recompute; use one or the other")

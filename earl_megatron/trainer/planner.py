@@ -35,6 +35,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.config.train import ConfigError, LayoutConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.plan.memory_model import (MemoryEstimate, param_count_per_rank,
                                              server_pool_fits, train_state_bytes)
 from earl_megatron.plan.profile_table import ProfileTable
@@ -94,9 +95,10 @@ class StagePlanner:
         if not self.auto:
             lay = ParallelLayout.parse(self.layout_cfg.static(stage), world_size=self.world,
                                        model=self.model)
-            if stage == "rollout" and self.servers and (lay.pp, lay.cp) != (1, 1):
-                raise ConfigError(f"layout.rollout={lay}: SGLang servers take tp x dp layouts "
-                                  f"(pp = cp = 1); use e.g. layout.rollout=tp{lay.tp}")
+            problem = stage == "rollout" and rollout_layout_problem(
+                lay, "sglang" if self.servers else "embedded")
+            if problem:
+                raise ConfigError(f"layout.rollout={self.layout_cfg.rollout}: {problem}")
             mem, rc = self._static_memory(lay, wl, resident_bytes)
             if mem.total > self.selector.budget_bytes:
                 raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))

@@ -21,12 +21,8 @@ the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re
 record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
 weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
-Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint_files.py: a damaged
-newer one is skipped with a line saying so) restores weights, optimizer, selector state and
-history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
-same iterations as one that never stopped. On another world size (elastic resume) layouts are
-planned anew (auto) or taken from the config (static) and the selector state is reset
-(trainer/segments.py); the checkpoint reshards on load.
+Where a run starts (the newest complete checkpoint, the warm start's, or fresh) is
+trainer/resume.py's; the evaluations (start, every run.eval_every, end) trainer/evaluation.py's.
 
 Stopping (trainer/stop.py: SIGTERM, or the run's stop file, <run>/stop): a rollout or an
 evaluation is abandoned at its next turn, a train stage that began is finished; the last
@@ -41,25 +37,22 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from earl_megatron.config.train import ConfigError, TrainConfig, sglang_mem_fraction
-from earl_megatron.envs.tool_env import tool_metrics
-from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.config.train import TrainConfig, sglang_mem_fraction
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.advantages import tis_weighted
 from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
-from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
-from earl_megatron.runtime.checkpoint_files import find_checkpoint
-from earl_megatron.trainer import segments
+from earl_megatron.runtime.checkpoint import base_hf_config, save_checkpoint
+from earl_megatron.seeds import episode_seeds, rollout_sample_seed
+from earl_megatron.trainer import resume
 from earl_megatron.trainer.data import episode_tensors
-from earl_megatron.trainer.model_pair import ModelPair, build_model_pair
+from earl_megatron.trainer.evaluation import evaluate
+from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
-from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
-from earl_megatron.seeds import (EVAL_SAMPLE_SEED, episode_seeds, evaluation_seeds,
-                                 rollout_sample_seed)
+from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample
 from earl_megatron.trainer.rollout import EpisodeSpec
 from earl_megatron.trainer.rollout_engines import make_rollout
 from earl_megatron.trainer.samples import SampleWriter
@@ -205,7 +198,11 @@ class Trainer:
         from earl_megatron.trainer.live import LiveView
 
         cfg = self.cfg
-        start, models, messages = self._start()
+        begin = resume.start(cfg, self.planner, self.out, self.world, self.optimizer, self.kl_on)
+        start, models, messages = begin.iteration, begin.models, begin.messages
+        self.history.extend(begin.history)
+        self._saved, self._sft_start, self._sft_history = (begin.saved, begin.sft_step,
+                                                           begin.sft_history)
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
@@ -273,7 +270,7 @@ class Trainer:
             self.stop.mark_stopped(self._completed["iteration"])
 
     def _evaluate_into(self, when: str, models: ModelPair) -> None:
-        res = self.evaluate(models)
+        res = evaluate(self.cfg, self.rollout, self.stop, models, self._record_server_starts)
         if res is not None:  # None: told to stop meanwhile, nothing recorded
             self.recorder.evaluation(when, res)
 
@@ -298,91 +295,6 @@ class Trainer:
                          log=self.recorder.view.message, start_step=self._sft_start,
                          history=self._sft_history, keep_last=cfg.run.keep_last)
         return warm.run(models, self.planner, self.stop.world_should_stop)
-
-    def _start(self) -> tuple[int, ModelPair, list[str]]:
-        """(first iteration, models, messages): from the newest checkpoint (RL, else the warm
-        start's), or fresh."""
-        cfg = self.cfg
-        if not cfg.run.resume:
-            refused = segments.earlier_run(self.out)
-            if refused is not None:
-                raise ConfigError(refused)
-        found = find_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
-        if found is not None:
-            ckpt, state = found.path, found.state
-            elastic = segments.resume_message(state, self.world, self.planner.auto)
-            if elastic is None:
-                self.planner.restore(state.get("selector"), state["last_lengths"],
-                                     state.get("profile"))
-                lay = self._parse(state["layout"])
-                ref_lay = self._parse(state["ref_layout"] or state["layout"])
-            else:
-                # another world: the old layouts do not exist here; plan (auto) or take the
-                # config's (static) as a fresh run would, from the last episode lengths
-                self.planner.restore([], state["last_lengths"], state.get("profile"))
-                lay = ref_lay = self.planner.plan("rollout", self.planner.rollout_lengths(),
-                                                  None)
-            models = build_model_pair(cfg.model, lay, ref_lay if self.kl_on else None,
-                                      optimizer=self.optimizer, seed=cfg.run.seed,
-                                      init=cfg.run.init)
-            load_checkpoint(models.policy, ckpt)
-            self.history.extend(state["history"])
-            self._saved = state["iteration"]
-            notes = [m for m in (found.message(), elastic) if m is not None]
-            return state["iteration"] + 1, models, notes + [
-                f"resumed from {ckpt} at iteration {state['iteration'] + 1}"]
-        if cfg.sft.steps and cfg.run.resume:
-            from earl_megatron.trainer.warm_start import warm_start_state
-            warm = warm_start_state(self.out)
-            if warm is not None:  # killed during (or right after) the warm start
-                models = build_model_pair(cfg.model, self._parse(warm["layout"]), None,
-                                          optimizer=self.optimizer, seed=cfg.run.seed,
-                                          init=cfg.run.init)
-                load_checkpoint(models.policy, warm["path"])
-                self._sft_start, self._sft_history = warm["sft_step"] + 1, warm["sft_history"]
-                return 0, models, warm["notes"] + [f"resumed the warm start from {warm['path']} "
-                                                   f"at step {self._sft_start}"]
-        # run.init's architecture and its match with cfg.model: checked in train.validate
-        first = self.planner.plan("rollout", self.planner.rollout_lengths(), None)
-        return 0, build_model_pair(cfg.model, first, first if self.kl_on else None,
-                                   optimizer=self.optimizer, seed=cfg.run.seed,
-                                   init=cfg.run.init), []
-
-    def _parse(self, text: str) -> ParallelLayout:
-        return ParallelLayout.parse(text, world_size=self.world, model=self.cfg.model)
-
-    def evaluate(self, models: ModelPair) -> Optional[dict]:
-        """Win rate per eval opponent on held-out seeds, greedy and sampled (all ranks call it).
-        "sampled" plays the stochastic policy at the rollout temperature (what training
-        optimises); "greedy" plays its argmax. An environment without opponents (the
-        calculator) is evaluated as configured, under its own name, with its tool metrics.
-        None when told to stop meanwhile (abandoned at a turn)."""
-        cfg = self.cfg
-        lay = models.policy.layout
-        # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
-        policy = models.policy_in(ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
-        seeds = evaluation_seeds(cfg.run.seed, cfg.run.eval_episodes)
-        out = {}
-        for opp in cfg.env.eval_opponents or (None,):
-            for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
-                try:
-                    ids, eps = self.rollout.play(policy, seeds, temperature=temp,
-                                                 sample_seed=EVAL_SAMPLE_SEED, opponent=opp,
-                                                 should_stop=self.stop.replica_should_stop)
-                except RolloutAbandoned:
-                    ids, eps = [], []
-                self._record_server_starts()  # the first evaluation may start the servers
-                if self.stop.world_should_stop():  # every rank: no evaluation once stopping
-                    return None
-                by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward, tool_row(e))
-                                               for e in eps])
-                res = {"win_rate": sum(o == "win" for o, _, _ in by_id.values()) / len(by_id),
-                       "mean_reward": sum(r for _, r, _ in by_id.values()) / len(by_id)}
-                tool = [t for _, _, t in by_id.values() if t is not None]
-                if tool:
-                    res.update(tool_metrics(tool))
-                out[f"{opp or cfg.env.name}/{mode}"] = res
-        return out
 
     def _checkpoint(self, models: ModelPair, it: int) -> None:
         """Checkpoint iteration ``it``, the last completed one. The loop state records the

@@ -29,6 +29,7 @@ import torch
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.rl.losses import PolicyLossConfig, masked_sums, policy_loss, ratio_sums
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime import groups
@@ -120,9 +121,9 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     """
     from earl_megatron.runtime.step import forward_logprobs
 
-    if producer.cp != 1:
-        raise ValueError(f"rollout layout {producer} has cp={producer.cp}; the engine decodes "
-                         "with cp=1 and replicas hold whole episodes")
+    problem = rollout_layout_problem(producer, "embedded")
+    if problem:   # replicas must hold whole episodes
+        raise ValueError(f"episodes produced in another layout than a rollout's: {problem}")
     lay = ref.layout
     plan = micro_batch_plan(lay, tokens, shape, ref.cfg)
     length_of = plan.length_of

@@ -76,7 +76,7 @@ def test_recorded_starts_price_restarts_and_survive_a_checkpoint():
 
 
 def test_static_layouts_the_servers_cannot_take_are_refused():
-    with pytest.raises(ConfigError, match="tp x dp.*layout.rollout=tp1"):
+    with pytest.raises(ConfigError, match=r"layout.rollout=pp2: PP2 has pp=2, but SGLang servers take tp x dp.*use e.g. tp2"):
         _planner(LayoutConfig(mode="static", rollout="pp2", logprob="dp2", train="dp2")).plan(
             "rollout", [64] * 4, None)
     tiny_pool = _planner(LayoutConfig(mode="static", rollout="dp2", logprob="dp2", train="dp2"),

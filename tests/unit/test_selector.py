@@ -12,7 +12,7 @@ from earl_megatron.plan.memory_model import param_count_per_rank
 from earl_megatron.plan.presets import PRESETS
 from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.selector import (NoLayoutFitsError, Selector, SelectorConfig,
-                                         SelectorState, select_layout, switch_seconds)
+                                         SelectorState, switch_seconds)
 from earl_megatron.plan.memory_model import server_pool_fits
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.server_restart import model_key, push_seconds
@@ -55,7 +55,7 @@ def test_plans_are_valid_fit_deterministic_and_memory_grows_with_context(
     assert plan.predicted_memory_bytes == sel.memory(plan.layout, wl).total
     assert state.previous(stage) == plan.layout
     assert sel.plan(wl) == (plan, state)                       # deterministic
-    assert select_layout(model, cluster, wl, config=sel.config) == (plan, state)
+    assert Selector(model, cluster, config=sel.config).plan(wl) == (plan, state)  # a fresh one
     longer = wl.with_(contexts=((ctx + grow, seqs),))
     assert sel.memory(plan.layout, longer).total >= plan.predicted_memory_bytes
     if plan.runner_up is not None:
