@@ -300,30 +300,45 @@ def plan_reshard(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
         dim = rows[name].split_dim or 0
         per_row = rows[name].numel // rows[name].shape[dim]
         unit.append((name, per_row))
-        held_by = {}
-        for h in before[name]:
-            held_by.setdefault(h.rank, []).append(h)
-        for want in after[name]:
-            mine = held_by.get(want.rank, [])
-            for piece in want.pieces:
-                need = [(piece.start, piece.stop)]
-                # local copies first: rows this rank already holds (under any local name)
-                for h in mine:
-                    for p in h.pieces:
-                        for x, y in list(need):
-                            a, b = max(x, p.start), min(y, p.stop)
-                            if a < b:
-                                local_copies.append(WeightMove(
-                                    name, want.rank, a, b, want.rank, dim, h.local_name,
-                                    want.local_name, h.local_offset(dim, a),
-                                    want.local_offset(dim, a), per_row * (b - a)))
-                                need = _subtract(need, [(a, b)])
-                for a0, b0 in need:
-                    transfers.extend(_cover(name, dim, per_row, a0, b0, want, before[name], load))
+        moves, copies = deliver(name, dim, per_row, after[name], before[name], load)
+        transfers += moves
+        local_copies += copies
     return ReshardPlan(src=src, dst=dst, element_bytes=eb, transfers=tuple(sorted(transfers)),
                        local_copies=tuple(sorted(local_copies)),
                        min_bytes=sum(receive_bytes(cfg, src, dst, element_bytes=eb)),
                        unit_elements=tuple(unit), replicas=_replica_groups(before))
+
+
+def deliver(name: str, dim: int, per_row: int, wants, sources: tuple[Holding, ...],
+            load: list[int]) -> tuple[list[WeightMove], list[WeightMove]]:
+    """(transfers, local copies) that give every holding of ``wants`` its rows of full tensor
+    ``name`` from the holdings ``sources``: rows a wanting rank already holds (under any local
+    name) are copied locally; each other row comes once, from the least-loaded source replica
+    (``load``: elements sent per rank so far, updated). The one delivery step of every plan:
+    a switch (``plan_reshard``) and a weight transfer to other ranks or layouts
+    (plan/weight_plan.py)."""
+    held_by: dict[int, list[Holding]] = {}
+    for h in sources:
+        held_by.setdefault(h.rank, []).append(h)
+    transfers, local_copies = [], []
+    for want in wants:
+        mine = held_by.get(want.rank, [])
+        for piece in want.pieces:
+            need = [(piece.start, piece.stop)]
+            # local copies first: rows this rank already holds (under any local name)
+            for h in mine:
+                for p in h.pieces:
+                    for x, y in list(need):
+                        a, b = max(x, p.start), min(y, p.stop)
+                        if a < b:
+                            local_copies.append(WeightMove(
+                                name, want.rank, a, b, want.rank, dim, h.local_name,
+                                want.local_name, h.local_offset(dim, a),
+                                want.local_offset(dim, a), per_row * (b - a)))
+                            need = _subtract(need, [(a, b)])
+            for a0, b0 in need:
+                transfers.extend(_cover(name, dim, per_row, a0, b0, want, sources, load))
+    return transfers, local_copies
 
 
 def _replica_groups(held: dict[str, tuple[Holding, ...]]
