@@ -21,8 +21,9 @@ servers and a handoff to a rollout pool.
 
 Invariants (tests/unit/test_weight_plan.py):
 - every destination gets every row it needs exactly once: rows it already holds by a local
-  copy, every other row by one transfer from one source replica (the least loaded, ties to the
-  lowest rank), so each source shard is read once per destination that needs it;
+  copy, every other row by one transfer from one source replica (with ``devices_per_node``
+  one on the receiver's node if any, then the least loaded, ties to the lowest rank), so each
+  source shard is read once per destination that needs it;
 - a rank that is no destination receives nothing, and a source rank sends only what a
   destination lacks: ``recv_bytes()[r]`` is, for a ``FullAt`` rank, the model's bytes minus
   the distinct rows it holds; for a ``ShardsIn`` rank, its shard minus what it held already;
@@ -139,11 +140,14 @@ def _add_row(sent: dict, landed: dict, moves, numel: int, full_ranks, eb: int) -
 
 
 def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_bytes: int,
-                 world_size: Optional[int] = None,
-                 element_bytes: Optional[int] = None) -> WeightPlan:
+                 world_size: Optional[int] = None, element_bytes: Optional[int] = None,
+                 devices_per_node: Optional[int] = None) -> WeightPlan:
     """The plan that moves ``src``'s shards to ``destinations`` (module docstring) in buckets
     of at most ``bucket_bytes`` per rank. ``world_size``: the ranks there are (default: the
-    largest rank named, source or destination, plus one)."""
+    largest rank named, source or destination, plus one). ``devices_per_node`` (ranks
+    ``k * devices_per_node ...`` share node k, as torchrun numbers them): a row comes from a
+    replica on the receiver's node when there is one, so fewer bytes cross nodes; None:
+    the least-loaded replica anywhere. Bytes per rank are the same either way."""
     dests = tuple(destinations)
     if not dests:
         raise ValueError("a weight plan needs at least one destination (FullAt or ShardsIn)")
@@ -168,6 +172,7 @@ def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_
     afters = [placement(cfg, d.layout) if isinstance(d, ShardsIn) else None for d in dests]
     full_ranks = tuple(d.rank for d in dests if isinstance(d, FullAt))
     load = [0] * world
+    node_of = None if devices_per_node is None else (lambda r: r // devices_per_node)
     buckets: list[WeightBucket] = []
     names, transfers, local = [], [], []
     sent: dict[int, int] = {}
@@ -181,7 +186,8 @@ def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_
                 wants.append(Holding(d.rank, row.name, (RowRange(dim, 0, row.shape[dim]),)))
             else:
                 wants += [Holding(rs[h.rank], h.local_name, h.pieces) for h in after[row.name]]
-        moves, copies = deliver(row.name, dim, per_row, wants, before[row.name], load)
+        moves, copies = deliver(row.name, dim, per_row, wants, before[row.name], load,
+                                node_of)
         s_row: dict[int, int] = {}
         l_row: dict[int, int] = {}
         _add_row(s_row, l_row, moves, row.numel, full_ranks, eb)
@@ -232,3 +238,30 @@ def minimum_recv_bytes(cfg: ModelConfig, src: ParallelLayout, rank: int, *,
             have += max(0, b - max(a, end)) * (full.numel // full.shape[full.split_dim or 0])
             end = max(end, b)
     return (total - have) * eb
+
+
+def transfer_seconds(plan: WeightPlan, cluster) -> float:
+    """The link model's seconds for ``plan`` on ``cluster`` (plan/specs.ClusterSpec; conventions
+    of plan/time_model.py): every rank sends and receives at once; bytes between ranks of one
+    node use that rank's intra-node link, bytes between nodes share each node's inter-node
+    bandwidth (the busier of a node's way in and way out); the two parts are added (they may
+    overlap: an upper bound), plus one latency per bucket."""
+    node = cluster.node_of
+    rank_in: dict[int, int] = {}
+    rank_out: dict[int, int] = {}
+    node_in: dict[int, int] = {}
+    node_out: dict[int, int] = {}
+    for b in plan.buckets:
+        for t in b.transfers:
+            n = t.elements * plan.element_bytes
+            if node(t.src) == node(t.dst):
+                rank_out[t.src] = rank_out.get(t.src, 0) + n
+                rank_in[t.dst] = rank_in.get(t.dst, 0) + n
+            else:
+                node_out[node(t.src)] = node_out.get(node(t.src), 0) + n
+                node_in[node(t.dst)] = node_in.get(node(t.dst), 0) + n
+    intra = max(list(rank_in.values()) + list(rank_out.values()), default=0)
+    inter = max(list(node_in.values()) + list(node_out.values()), default=0)
+    latency = cluster.inter_node_latency_s if node_in else cluster.intra_node_latency_s
+    return intra / cluster.intra_node_bandwidth + inter / cluster.inter_node_bandwidth \
+        + len(plan.buckets) * latency

@@ -39,20 +39,22 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @functools.lru_cache(maxsize=64)
-def cached_plan(cfg, src, destinations: tuple, bucket_bytes: int, world_size: int) -> WeightPlan:
+def cached_plan(cfg, src, destinations: tuple, bucket_bytes: int, world_size: int,
+                devices_per_node: Optional[int] = None) -> WeightPlan:
     """``plan_weights``, memoised: a run pushes from the same few train layouts every iteration."""
     return plan_weights(cfg, src, destinations, bucket_bytes=bucket_bytes,
-                        world_size=world_size)
+                        world_size=world_size, devices_per_node=devices_per_node)
 
 
 def full_weights_at(policy: ModelOnLayout, pushers, bucket_bytes: int,
-                    traffic: Optional[Traffic] = None
+                    traffic: Optional[Traffic] = None, devices_per_node: Optional[int] = None
                     ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
     """(index, count, bucket) for each bucket of ``policy``'s full weights: at a rank of
     ``pushers`` the bucket's full tensors (global Megatron names, the model's dtype and
-    device), elsewhere None. Collective over the world: every rank consumes every bucket."""
+    device), elsewhere None. Collective over the world: every rank consumes every bucket.
+    ``devices_per_node``: rows come from a replica on the pusher's node where one exists."""
     plan = cached_plan(policy.cfg, policy.layout, tuple(FullAt(r) for r in pushers),
-                       bucket_bytes, dist.get_world_size())
+                       bucket_bytes, dist.get_world_size(), devices_per_node)
     _, src = plan_params(policy)
     yield from run_weight_plan(plan, src, traffic=traffic)
 

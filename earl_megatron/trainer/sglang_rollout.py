@@ -202,7 +202,10 @@ class SGLangRollout:
         self.last_push, self._push_complete = [], False
         total, largest, count = 0, 0, 0
         traffic = Traffic()
-        for i, n, bucket in full_weights_at(policy, self.leaders(), self.bucket_bytes, traffic):
+        # ranks numbered node by node (torchrun): a leader's rows come from its node first
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        for i, n, bucket in full_weights_at(policy, self.leaders(), self.bucket_bytes, traffic,
+                                            devices_per_node=per_node):
             count = n
             if bucket is None:
                 continue   # not a leader: this rank only sent its shards

@@ -27,7 +27,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.tensor_table import tensor_table
 
 
-def _owned(model, cfg: ModelConfig, layout: ParallelLayout
+def owned_shards(model, cfg: ModelConfig, layout: ParallelLayout
            ) -> dict[str, tuple[int, torch.Tensor]]:
     """{full row name: (shard index, parameter)} of the parameters this rank contributes
     (module docstring; a tied output layer left out)."""
@@ -53,7 +53,7 @@ def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     table = tensor_table(cfg)
     mine: dict[str, tuple[int, torch.Tensor]] = {}
-    for name, (tp_rank, p) in _owned(model, cfg, layout).items():
+    for name, (tp_rank, p) in owned_shards(model, cfg, layout).items():
         t = p
         if what == "grad":
             g = getattr(p, "main_grad", None)

@@ -12,7 +12,8 @@ import torch
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.models import sharding
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.weight_plan import FullAt, ShardsIn, minimum_recv_bytes, plan_weights
+from earl_megatron.plan.weight_plan import (FullAt, ShardsIn, minimum_recv_bytes, plan_weights,
+                                            transfer_seconds)
 from earl_megatron.plan.reshard_plan import plan_reshard
 from earl_megatron.plan.tensor_table import num_parameters, tensor_table
 
@@ -198,3 +199,26 @@ def test_errors_name_the_problem():
         plan_weights(cfg, src, [FullAt(4)], bucket_bytes=10, world_size=4)
     with pytest.raises(ValueError, match="names 2 ranks for a layout of 4"):
         plan_weights(cfg, src, [ShardsIn(src, (4, 5))], bucket_bytes=10)
+
+
+def test_rows_come_from_the_pushers_node_and_the_link_model_prices_that():
+    """TP8xDP2 on 2 nodes of 8: each node holds a whole replica, so each tp8 server's leader
+    (ranks 0 and 8) gets every row it lacks from its own node; without node awareness the
+    least-loaded replica is often across the network. Bytes per rank are the same."""
+    from earl_megatron.plan.specs import ClusterSpec
+
+    cfg = CFGS["llama"]
+    src = ParallelLayout.parse("tp8xdp2", 16, cfg)
+    cluster = ClusterSpec.h100_80gb(nodes=2)
+    near = plan_weights(cfg, src, [FullAt(0), FullAt(8)], bucket_bytes=1 << 20,
+                        devices_per_node=8)
+    anywhere = plan_weights(cfg, src, [FullAt(0), FullAt(8)], bucket_bytes=1 << 20)
+    moves = [t for b in near.buckets for t in b.transfers]
+    assert moves and all(t.src // 8 == t.dst // 8 for t in moves)
+    assert any(t.src // 8 != t.dst // 8 for b in anywhere.buckets for t in b.transfers)
+    assert near.recv_bytes() == anywhere.recv_bytes()
+    # the link model: intra-node only, each leader receives 7/8 of the split rows
+    lack = near.recv_bytes()[0]
+    want = lack / cluster.intra_node_bandwidth + len(near.buckets) * cluster.intra_node_latency_s
+    assert transfer_seconds(near, cluster) == pytest.approx(want)
+    assert transfer_seconds(anywhere, cluster) > transfer_seconds(near, cluster)
