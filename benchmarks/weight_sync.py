@@ -29,6 +29,7 @@ plan/all-gather Y.YYx`` (N and X over the measured cases, Y: their summed second
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -167,13 +168,13 @@ def _modelled(bucket_bytes: int) -> list[str]:
         recv = plan.recv_bytes()
         link = group_link(cluster, ParallelLayout(dp=world), "dp")
         eb = plan.element_bytes
+        shapes = dict(plan.row_shapes)
         # a ring all-gather of each bucket over the world (NCCL, bandwidth-optimal), and what
         # the sync's all_gather_object moved: every rank's part padded to the largest one,
         # the bucket's shards of one tp group (tp ranks of dp = cp = 0), world times
-        ring = sum(allgather_seconds(sum(_numel(plan, n) for n in b.names) * eb, world, link)
-                   for b in plan.buckets)
-        padded = sum(world * -(-sum(_numel(plan, n) for n in b.names) * eb // lay.tp)
-                     for b in plan.buckets)
+        sizes = [sum(math.prod(shapes[n]) for n in b.names) * eb for b in plan.buckets]
+        ring = sum(allgather_seconds(size, world, link) for size in sizes)
+        padded = sum(world * -(-size // lay.tp) for size in sizes)
         label = f"{preset} ({train} -> {len(leaders)} x tp{server_tp})"
         others = max([recv[r] for r in range(world) if r not in leaders], default=0)
         lines.append(f"{label:38s} {plan.model_bytes / 1e9:8.1f} "
@@ -182,13 +183,6 @@ def _modelled(bucket_bytes: int) -> list[str]:
                      f"{padded / 1e9:25.1f} "
                      f"{allgather_seconds(padded, world, link):7.2f}")
     return lines
-
-
-def _numel(plan, name: str) -> int:
-    n = 1
-    for s in dict(plan.row_shapes)[name]:
-        n *= s
-    return n
 
 
 def main(argv=None) -> None:
