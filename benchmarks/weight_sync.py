@@ -199,7 +199,8 @@ def main(argv=None) -> None:
     lines, worst = _measured(args)
     print("measured, 4 gloo ranks (bytes of weights received; seconds: slowest rank, median)")
     print("\n".join(lines))
-    print("\nmodelled (H100 link model; the all-gather: every rank receives the whole model)")
+    print("\nmodelled (H100 link model, bf16, 512 MiB buckets; leader / other: received by the busiest "
+          "pusher / other rank)")
     print("\n".join(_modelled(512 << 20)))
     print(f"weight sync: non-pusher bytes in {worst['nonpusher']}, pusher bytes / model "
           f"{worst['pusher_over_model']:.2f}x, time plan/all-gather "

@@ -45,7 +45,9 @@ def _cfg(sglang_python: str, train: str, out) -> TrainConfig:
                     "sglang_device": "cpu", "episodes_per_iteration": 4, "max_turns": 3,
                     "sglang_bucket_mb": 0.1},
         "algorithm": {"micro_batch_size": 2},
-        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300},
+        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
+                    "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+                    "server_max_restarts": 2},
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "live_view": False},
     })
