@@ -1,4 +1,4 @@
-"""Weight sync benchmark: the weight plan (runtime/weight_transfer.py) vs the all-gather it replaced.
+"""Weight sync benchmark: the weight plan (runtime/weight_transfer.py) vs the all-gather before it.
 
 Measured, one launch of 4 gloo ranks, one run: train layouts TP2xDP2, PP2xDP2 (a Llama-shaped
 model) and EP2xTP2 (a Qwen3-MoE one), pushing to two servers (leaders 0 and 2: a tp2 x dp2
@@ -199,8 +199,8 @@ def main(argv=None) -> None:
     lines, worst = _measured(args)
     print("measured, 4 gloo ranks (bytes of weights received; seconds: slowest rank, median)")
     print("\n".join(lines))
-    print("\nmodelled (H100 link model, bf16, 512 MiB buckets; leader / other: received by the busiest "
-          "pusher / other rank)")
+    print("\nmodelled (H100 link model, bf16, 512 MiB buckets; leader / other: received by the "
+          "busiest pusher / other rank)")
     print("\n".join(_modelled(512 << 20)))
     print(f"weight sync: non-pusher bytes in {worst['nonpusher']}, pusher bytes / model "
           f"{worst['pusher_over_model']:.2f}x, time plan/all-gather "
