@@ -22,10 +22,10 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # The main job: agentic RL of the tiny model on Connect Four, $(NPROC) CPU ranks, layouts chosen
-# per stage by the selector. Extra Hydra overrides: make demo ARGS="run.iterations=10"
+# per stage by the selector. Extra Hydra overrides: make demo ARGS="run.iterations=10".
+# `earl train` checks the configuration once, then runs torchrun's launcher (earl_megatron/cli.py).
 demo: install
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/torchrun --standalone \
-	    --nproc-per-node $(NPROC) -m earl_megatron.train $(ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/earl train --nproc-per-node $(NPROC) $(ARGS)
 
 # Every valid layout of the tiny model in one job: same losses on all of them.
 selfcheck: install

@@ -45,6 +45,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
+            "earl=earl_megatron.cli:main",
             "earl-layout-check=earl_megatron.selfcheck:main",
         ],
     },

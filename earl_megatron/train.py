@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.compose import RECIPES, command_line_keys
-from earl_megatron.config.train import ConfigError, TrainConfig, init_model
+from earl_megatron.config.conversion import init_model
+from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.stages import STAGE_NAMES
 
 BUILTIN_TOKENIZERS = ("game", "ascii", "tool")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -118,7 +120,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
                           "does)")
-    for stage in ("rollout", "logprob", "train"):
+    for stage in STAGE_NAMES:
         text = cfg.layout.static(stage)
         if text is not None:
             try:
@@ -200,7 +202,7 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
 
     - model.* is the checkpoint's config; the recipe's model values are not used. A model.*
       key on the command line (or every field, for a ``model=NAME`` group there) must match
-      the checkpoint, except ``INIT_MAY_DIFFER`` (config/train.py ``init_model``).
+      the checkpoint, except ``INIT_MAY_DIFFER`` (config/conversion.py ``init_model``).
     - rollout.tokenizer is run.init's directory when it holds a tokenizer (its ``hf/`` folder
       for a converted checkpoint) and the command line does not set rollout.tokenizer; else
       the recipe's value stays.
@@ -257,15 +259,15 @@ def layout_fix(e, cfg: TrainConfig) -> str:
     """The config keys that make a layout fit, after a NoLayoutFitsError or a
     LayoutOverBudgetError (whose own text is in the selector's terms): the per-rank budget the
     smallest layout needs, then each change the selector checked would fit, as the key that
-    makes it (its suggestions without a key, such as recompute, are left to its own text)."""
+    makes it (every suggestion the selector makes has one; SGLang's prefill chunk is the
+    servers' own flag, so it is left to the selector's text)."""
     import re
 
     from earl_megatron.plan.selector import NoLayoutFitsError
-    from earl_megatron.plan.specs import Stage, human_bytes
+    from earl_megatron.plan.specs import human_bytes
 
     auto = isinstance(e, NoLayoutFitsError)
     need = (e.smallest.total if e.smallest else None) if auto else e.estimate.total
-    stage = e.stage if auto else e.estimate.stage
     lay, fixes = cfg.layout, []
     if need is not None:
         gb = math.ceil(need / (1 - lay.memory_margin) / 2**30 * 100) / 100
@@ -278,8 +280,12 @@ def layout_fix(e, cfg: TrainConfig) -> str:
         if m := re.match(r"(\d+) nodes \((\d+) devices\)", text):
             fixes.append(f"{m[2]} ranks (cluster.nodes={m[1]} x "
                          f"{int(m[2]) // int(m[1])} per node)")
-        elif (m := re.match(r"micro_batch_tokens=(\d+)", text)) and stage is not Stage.ROLLOUT:
+        elif m := re.match(r"micro_batch_tokens=(\d+)", text):
             fixes.append(f"algorithm.micro_batch_tokens={m[1]}")
+        elif (m := re.match(r"prefill_tokens=(\d+)", text)) and cfg.rollout.engine == "embedded":
+            fixes.append(f"rollout.prefill_tokens={m[1]}")     # SGLang chunks by its own flag
+        elif m := re.match(r"recompute=(\w+)", text):
+            fixes.append(f"layout.recompute={m[1]} (or auto: the selector picks per iteration)")
         elif m := re.match(r"responses_in_flight=(\d+)", text):
             fixes.append(f"rollout.episodes_per_iteration={m[1]}")
         elif m := re.match(r"contexts up to (\d+) tokens", text):

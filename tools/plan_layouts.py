@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "for each --stage instead of the grid")
     w.add_argument("--json", help="with --compare: write the rows to this JSON file")
     w.add_argument("--micro-batch-tokens", type=int, default=8192)
-    w.add_argument("--recompute", choices=[r.value for r in Recompute], default="none")
+    w.add_argument("--recompute", choices=["auto"] + [r.value for r in Recompute],
+                   default="auto", help="TRAIN activation recomputation; auto: the selector "
+                   "picks it per cell with the layout (the trainer's layout.recompute=auto)")
     w.add_argument("--no-distributed-optimizer", action="store_true")
     w.add_argument("--margin", type=float, default=0.1, help="memory safety margin (fraction)")
     w.add_argument("--max-tp", type=int)
@@ -157,19 +159,26 @@ def cell_text(result) -> str:
     if isinstance(result, NoLayoutFitsError):
         return "OOM"
     c = result.chosen
-    text = f"{result.layout} {_seconds(c.predicted_seconds)} {c.memory.total / 2**30:.0f}G"
+    text = f"{_choice(c)} {_seconds(c.predicted_seconds)} {c.memory.total / 2**30:.0f}G"
     if result.runner_up is not None:
         margin = result.runner_up.cost / c.cost - 1 if c.cost > 0 else 0.0
-        text += f" | {result.runner_up.layout} {margin:+.1%}"
+        text += f" | {_choice(result.runner_up)} {margin:+.1%}"
     return text
+
+
+def _choice(candidate) -> str:
+    """A candidate's layout, and its recompute mode when it recomputes ("TP2xPP8 full")."""
+    rc = candidate.recompute
+    return str(candidate.layout) + ("" if rc is Recompute.NONE else f" {rc.value}")
 
 
 def _seconds(x: float) -> str:
     return f"{x:.3g}s" if x >= 0.01 else f"{1e3 * x:.2g}ms"
 
 
-LEGEND = ("cell: chosen layout, its predicted stage seconds and memory per rank (GiB), then the "
-          "runner-up and how much costlier it is (+%, incl. the switch); OOM: no layout fits")
+LEGEND = ("cell: chosen layout (and TRAIN's recompute mode unless none), its predicted stage "
+          "seconds and memory per rank (GiB), then the runner-up and how much costlier it is "
+          "(+%, incl. the switch); OOM: no layout fits")
 
 
 def _k(n: int) -> str:
@@ -239,7 +248,7 @@ def write_png(grid: Grid, stages, contexts, loads, path: str, title: str) -> Non
                 if isinstance(r, NoLayoutFitsError):
                     ax.text(j, i, "OOM", ha="center", va="center", fontsize=8, color="white")
                     continue
-                lines = [str(r.layout), f"{_seconds(r.predicted_seconds)} "
+                lines = [_choice(r.chosen), f"{_seconds(r.predicted_seconds)} "
                                         f"{r.predicted_memory_bytes / 2**30:.0f}G"]
                 if r.runner_up is not None and r.chosen.cost > 0:
                     lines.append(f"2nd {r.runner_up.layout} "
@@ -318,11 +327,13 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
     cluster = cluster_from_args(args)
-    opts = TrainOptions(recompute=Recompute(args.recompute),
+    auto = args.recompute == "auto"
+    opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),
                         distributed_optimizer=not args.no_distributed_optimizer)
     profile = ProfileTable.load(args.profile) if args.profile else None
     selector = Selector(model, cluster, opts,
-                        SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp), profile)
+                        SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp,
+                                       auto_recompute=auto), profile)
     stages = [Stage(s.strip()) for s in args.stages.split(",") if s.strip()]
     n = num_parameters(model)
     size = (f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M") + " parameters"

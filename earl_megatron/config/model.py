@@ -26,7 +26,7 @@ kept (HF ``intermediate_size``) but no tensor of an all-MoE model has that width
 Starting from a checkpoint (``run.init``): its config is the model; a field set on the command
 line must equal the checkpoint's (floats within a relative 1e-6, so a typed ``1e-5`` matches a
 stored float32 ``9.999999747378752e-06``) unless it is one of ``INIT_MAY_DIFFER``, which only
-change how the same weights run (config/train.py ``init_model``).
+change how the same weights run (config/conversion.py ``init_model``).
 """
 
 from __future__ import annotations
@@ -56,24 +56,35 @@ class ModelConfig:
     family: str = "llama"
     """Architecture family: "llama" (no qkv bias), "qwen2" (qkv bias) or "qwen3" (q/k norms)."""
     num_layers: int = 4
+    """Transformer layers (HF ``num_hidden_layers``); pp must divide it."""
     hidden_size: int = 64
+    """Width of the residual stream (HF ``hidden_size``)."""
     ffn_hidden_size: int = 128
+    """Width of the dense SwiGLU MLP (HF ``intermediate_size``); tp must divide it."""
     num_attention_heads: int = 8
+    """Query heads (HF ``num_attention_heads``)."""
     num_query_groups: int = 4
     """Number of KV heads (GQA); equal to num_attention_heads for plain multi-head attention."""
     vocab_size: int = 128
+    """Token ids the embedding and the output layer cover (HF ``vocab_size``); tp must divide
+    it."""
     kv_channels: Optional[int] = None
     """Head dim (HF ``head_dim``); None means hidden_size // num_attention_heads, and that value
     given explicitly is stored as None (one spelling: a recipe and a checkpoint compare equal)."""
     max_position_embeddings: int = 4096
+    """Longest sequence the model takes (prompt and every turn of an episode); it bounds
+    rollout.max_context_tokens."""
     rotary_base: float = 10000.0
+    """RoPE base (HF ``rope_theta``)."""
     norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
     add_qkv_bias: Optional[bool] = None
     """Bias on the q/k/v projections; None: the family's (True for qwen2 only)."""
     qk_layernorm: Optional[bool] = None
     """RMSNorm over each query and key head (weights of shape [head_dim]) before rotary;
     None: the family's (True for qwen3 only)."""
     tie_word_embeddings: bool = False
+    """The output layer reuses the word embedding (HF ``tie_word_embeddings``)."""
     params_dtype: str = "float32"
     """"float32" or "bfloat16"."""
     num_experts: Optional[int] = None

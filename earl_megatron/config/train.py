@@ -1,26 +1,26 @@
 """The trainer's configuration: frozen dataclasses, built once from Hydra's composed config.
 
-``TrainConfig.from_dict`` is the only place a Hydra/OmegaConf container becomes configuration;
-library code sees these values only. Unknown keys, wrong types, values out of range (every float
-finite, every count >= 1: config/checks.py) and impossible combinations raise ``ConfigError``
-naming the key and the fix, before any process group or model exists.
+``TrainConfig.from_dict`` is the only place a Hydra/OmegaConf container becomes configuration
+(the conversion itself is config/conversion.py); library code sees these values only. Unknown
+keys, wrong types, values out of range (every float finite, every count >= 1:
+config/checks.py), impossible combinations and keys that would do nothing in the mode chosen
+raise ``ConfigError`` naming the key and the fix, before any process group or model exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from earl_megatron.config.checks import ConfigError, check_finite, require_finite
+from earl_megatron.config.checks import ConfigError, require_finite
 from earl_megatron.config.checks import at_least as _at_least
-from earl_megatron.config.model import INIT_MAY_DIFFER, ModelConfig
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.conversion import build
+from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.sft import SFTConfig
+from earl_megatron.stages import STAGE_NAMES
 
-STAGES = ("rollout", "logprob", "train")
 
 SGLANG_MEM_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 """``--mem-fraction-static`` of the trainer's SGLang servers when rollout.sglang_mem_fraction is
@@ -35,6 +35,9 @@ def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
     return SGLANG_MEM_FRACTION[device] if configured is None else configured
 
 
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+
+
 @dataclass(frozen=True)
 class LayoutConfig:
     mode: str = "auto"
@@ -42,17 +45,34 @@ class LayoutConfig:
     rollout: Optional[str] = None
     """Static layout of the ROLLOUT stage, e.g. "tp2" (dp inferred); required when static."""
     logprob: Optional[str] = None
+    """Static layout of the LOGPROB stage (reference / old-policy scoring); required when
+    static."""
     train: Optional[str] = None
+    """Static layout of the TRAIN stage; required when static."""
     memory_budget_gb: Optional[float] = None
     """Per-rank memory budget the selector plans against (None: the cluster's device memory)."""
     memory_margin: float = 0.1
+    """Fraction of the budget kept free: a layout fits when its predicted bytes stay under
+    budget x (1 - margin)."""
     hysteresis: float = 0.05
+    """A stage leaves its current layout only for one predicted faster by more than this
+    fraction, switch cost included."""
     max_tp: Optional[int] = None
+    """Largest tp the selector considers (None: any that divides the model and the world)."""
     max_cp: Optional[int] = None
+    """Largest cp the selector considers (None: any)."""
     max_pp: Optional[int] = None
+    """Largest pp the selector considers (None: any that divides num_layers)."""
+    recompute: str = "auto"
+    """TRAIN activation recomputation (Megatron-Core's): "auto" (the selector picks per
+    iteration, with the layout, the fastest mode that fits; none when it fits and is fastest),
+    or "none", "selective" (the core attention), "full" (every layer) for the whole run."""
 
     def __post_init__(self):
         _at_least(self, "layout", 1, "max_tp", "max_cp", "max_pp")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"layout.recompute={self.recompute!r}: use one of "
+                              f"{list(RECOMPUTE_CHOICES)}")
         if not 0.0 <= self.memory_margin < 1.0 or self.hysteresis < 0:
             raise ConfigError(f"layout.memory_margin={self.memory_margin} must be in [0, 1) and "
                               f"layout.hysteresis={self.hysteresis} >= 0")
@@ -62,7 +82,7 @@ class LayoutConfig:
         if self.mode not in ("auto", "static"):
             raise ConfigError(f"layout.mode={self.mode!r}: use 'auto' or 'static'")
         if self.mode == "static":
-            missing = [s for s in STAGES if getattr(self, s) is None]
+            missing = [s for s in STAGE_NAMES if getattr(self, s) is None]
             if missing:
                 raise ConfigError(f"layout.mode=static needs a layout for {missing}: e.g. "
                                   f"layout.{missing[0]}=tp2 (or layout.mode=auto)")
@@ -74,9 +94,13 @@ class LayoutConfig:
 @dataclass(frozen=True)
 class EnvConfig:
     name: str = "connect_four"
+    """A registered environment (connect_four, tic_tac_toe, calculator; docs/envs.md) or a
+    factory of your own, ``package.module:function``."""
     kwargs: dict = field(default_factory=dict)
     """Passed to make_env(name, **kwargs): opponent, mcts_simulations, invalid_penalty, ..."""
     eval_opponents: tuple = ("random",)
+    """Opponents the policy is evaluated against (greedy and sampled), at the start, every
+    run.eval_every iterations and at the end; empty: the environment's own opponent only."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +108,22 @@ class RolloutConfig:
     engine: str = "embedded"
     """"embedded" (Megatron-Core in the rollout layout) or "sglang" (HTTP servers)."""
     episodes_per_iteration: int = 64
+    """Episodes played per RL iteration over all rollout replicas (a multiple of
+    algorithm.group_size under grpo); at least the world size."""
     temperature: float = 1.0
+    """Sampling temperature of the rollout (evaluation's sampled mode uses it too)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all)."""
     max_turns: int = 32
+    """Agent turns per episode at most; an episode still running then ends (finish reason
+    max_turns)."""
     max_context_tokens: Optional[int] = None
     """None: not capped (the model's max_position_embeddings bounds it)."""
     max_action_tokens: int = 4
+    """Tokens the policy may sample in one turn (its action, or its message with a tool call)."""
+    prefill_tokens: int = 8192
+    """Tokens of one prefill forward of the embedded engine (its chunk; rows = this // width),
+    and the ROLLOUT stage's chunk in the memory model (SGLang servers chunk by their own)."""
     tokenizer: str = "game"
     """"game" (28-symbol char vocabulary), "ascii" (104 symbols), "tool" (the calculator's: 64
     ids, its tags one token each) or an HF tokenizer directory. With run.init on the command
@@ -127,7 +161,8 @@ class RolloutConfig:
                               "in (0, 1) (null: 0.05 on cpu, 0.8 on cuda)")
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
-        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens")
+        _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
+                  "prefill_tokens")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
                               f"rollout.top_p={self.top_p} in (0, 1]")
@@ -140,17 +175,26 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = "reinforce_pp"
-    """"reinforce_pp", "grpo" or "ppo" (PPO-clip without a critic, several epochs per batch)."""
+    """The advantage estimator: "reinforce_pp" (REINFORCE++: per-turn returns normalised over
+    the batch's policy tokens) or "grpo" (episode rewards normalised within groups). Both train
+    the PPO-clip surrogate without a critic; ``epochs`` > 1 reuses each batch (the recipe
+    algorithm=reinforce_pp_multi_epoch). No critic is trained, so no name says PPO."""
     lr: float = 1e-3
+    """Adam's learning rate (Megatron's optimizer)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay of Adam (AdamW)."""
     clip_grad: float = 1.0
+    """Global gradient-norm clip before each optimizer step (0: none)."""
     group_size: int = 1
     """GRPO: episodes per group sharing one environment seed."""
     epochs: int = 1
-    """Optimizer passes over each batch (PPO uses > 1)."""
+    """Optimizer passes over each batch; > 1 makes the clipped ratio bite (old logprobs fixed
+    at the batch's sampling policy)."""
     clip_eps: float = 0.2
+    """PPO-clip's epsilon: the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]."""
     gamma: float = 1.0
-    """Per-turn discount of the REINFORCE++/PPO returns (1: every turn gets all later rewards)."""
+    """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
+    GRPO scores whole episodes, so it takes only 1."""
     kl_mode: str = "off"
     """KL to the reference policy (the initial one, frozen): "off"; "loss" (k3 estimator in the
     per-token loss); or "reward" (k1 = logp - ref_logp subtracted from the rewards, REINFORCE++
@@ -165,6 +209,7 @@ class AlgorithmConfig:
     """Padded tokens per micro-batch at most (None: no limit); a longer sample trains alone, so
     activation memory follows the longest episode, not micro_batch_size times it."""
     use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: Adam's state sharded over the dp (x cp) ranks."""
     old_logprobs: str = "rollout"
     """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled) or "recompute" (the
     policy re-scores its episodes before TRAIN; trainer/old_logprobs.py)."""
@@ -187,16 +232,29 @@ class AlgorithmConfig:
         if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:
             raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
                               "clip_eps >= 0")
-        if self.name not in ("reinforce_pp", "grpo", "ppo"):
-            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp, grpo or ppo")
+        if self.name == "ppo":
+            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic (no value "
+                              "model, no GAE); PPO-clip without a critic over several epochs is "
+                              "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
+                              "algorithm=reinforce_pp_multi_epoch)")
+        if self.name not in ("reinforce_pp", "grpo"):
+            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp or grpo")
         if self.kl_mode not in ("off", "loss", "reward"):
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
         if self.kl_mode != "off" and self.kl_coef <= 0:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
+        if self.kl_mode == "off" and self.kl_coef:
+            raise ConfigError(f"algorithm.kl_coef={self.kl_coef} does nothing with "
+                              "algorithm.kl_mode=off (no reference policy): set "
+                              "algorithm.kl_mode=loss or reward, or drop the coefficient")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
         if self.name == "grpo" and self.group_size < 2:
             raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
+        if self.name == "grpo" and self.gamma != 1.0:
+            raise ConfigError(f"algorithm.gamma={self.gamma} does nothing under "
+                              "algorithm.name=grpo (GRPO scores whole episodes, no per-turn "
+                              "returns): drop it, or use algorithm.name=reinforce_pp")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
         if self.tis_cap is not None:
@@ -209,86 +267,15 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    preset: str = "cpu"
-    """"cpu" (this machine) or "h100" (8x H100-80GB nodes)."""
-    nodes: int = 1
-    devices_per_node: Optional[int] = None
-    """None: torchrun's LOCAL_WORLD_SIZE."""
-    inter_node_gbps: float = 200.0
-    group_cache_layouts: Optional[int] = None
-    """Layouts whose process groups stay alive between stages (runtime/groups.py); 0 or 1: none.
-    None: the default, 4 (rollout, logprob and train layouts, and one more)."""
-    collective_timeout_s: float = 1800.0
-    """Seconds a collective of the whole world (the default group: stage agreements, stop
-    agreement, dispatcher rendezvous) may wait before torch.distributed aborts the job. It must
-    outlast everything a rank may do alone between two such collectives (a server restart with
-    all its tries, a checkpoint write), so that the restart logic acts first."""
-    group_timeout_s: float = 600.0
-    """Seconds a collective of a layout's process groups (tp, pp, cp, dp) may wait: a mismatched
-    collective inside a stage fails in minutes. (The SGLang rollout's replica group waits
-    through its leader's server restarts, so it takes collective_timeout_s.)"""
-    world_backend: Optional[str] = None
-    """torch.distributed backend string of the world (runtime/dist.py). None: the host's rule,
-    "cpu:gloo,cuda:nccl" with GPUs, "gloo" without. "gloo" on a GPU host lets several ranks
-    share one GPU, which NCCL refuses (the one-GPU check, benchmarks/gpu_check.py)."""
-    server_start_timeout_s: float = 300.0
-    """rollout.engine=sglang: seconds one server start may take until it answers /health as
-    itself (weights arrive after, by the distributed update: a start loads no checkpoint)."""
-    server_request_timeout_s: float = 300.0
-    """rollout.engine=sglang: seconds one HTTP request (one turn's /generate batch, a weight
-    update call) may go unanswered; past it the server counts as stalled and is restarted like
-    a dead one, whatever its /health says."""
-    server_max_restarts: int = 2
-    """rollout.engine=sglang: restarts of one server per failure (a request, a weight push, a
-    group setup) before the run fails; also the retries of a server's first start."""
-    weight_sync_timeout_s: float = 120.0
-    """rollout.engine=sglang: seconds the weight-update group (trainer rank + server ranks) may
-    take to form, and one broadcast may wait, before the server counts as dead."""
-
-    def __post_init__(self):
-        _at_least(self, "cluster", 1, "nodes", "devices_per_node")
-        if self.inter_node_gbps <= 0:
-            raise ConfigError(f"cluster.inter_node_gbps={self.inter_node_gbps} must be > 0")
-        for key in ("collective_timeout_s", "group_timeout_s", "server_start_timeout_s",
-                    "server_request_timeout_s", "weight_sync_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"cluster.{key}={getattr(self, key)} must be > 0 (seconds)")
-        _at_least(self, "cluster", 0, "server_max_restarts")
-        worst = self.server_recovery_s
-        if worst >= self.collective_timeout_s:
-            raise ConfigError(
-                f"cluster.collective_timeout_s={self.collective_timeout_s:g} must exceed the "
-                f"longest an SGLang server's recovery may keep one rank away from the others: "
-                f"(server_max_restarts + 1) x server_request_timeout_s + server_max_restarts x "
-                f"(server_start_timeout_s + weight_sync_timeout_s) = {worst:g} s, or a collective "
-                f"gives up before the restart logic does. Raise cluster.collective_timeout_s "
-                f"above {worst:g} or lower those (docs/trainer.md, Timeouts)")
-        if self.world_backend is not None and not _device_mapped(self.world_backend):
-            raise ConfigError(f"cluster.world_backend={self.world_backend!r}: use 'gloo', a "
-                              "device-mapped string whose CPU entry is gloo such as "
-                              "'cpu:gloo,cuda:nccl', or null for the host's rule")
-        if self.group_cache_layouts is not None and self.group_cache_layouts < 0:
-            raise ConfigError(f"cluster.group_cache_layouts={self.group_cache_layouts}: use "
-                              "null (the default, 4), 0 or 1 (no cache) or more")
-
-    @property
-    def server_recovery_s(self) -> float:
-        """Worst seconds one failure of an SGLang server keeps its leader rank from the next
-        collective: every allowed request times out, and every restart's start and weight
-        restore runs to its limit (checked < collective_timeout_s)."""
-        m = self.server_max_restarts
-        return ((m + 1) * self.server_request_timeout_s
-                + m * (self.server_start_timeout_s + self.weight_sync_timeout_s))
-
-
-@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
+    """Seeds the initial weights, the environments' episodes and the sampling (earl_megatron/
+    seeds.py's streams); two runs of one seed give the same metrics."""
     iterations: int = 40
     """RL iterations; 0: evaluate the starting policy (after the warm start, if any) and stop
     (verl's val_only): how a base model is measured before RL."""
     output_dir: str = "runs/default"
+    """The run's directory: metrics.jsonl, eval.json, samples/, checkpoints/, logs/."""
     checkpoint_every: int = 10
     """Iterations between checkpoints (0: only on SIGTERM and at the end)."""
     resume: bool = True
@@ -302,6 +289,7 @@ class RunConfig:
     eval_every: int = 0
     """Iterations between evaluations (0: at start and end only)."""
     eval_episodes: int = 64
+    """Episodes of each evaluation, per opponent and mode (greedy, sampled)."""
     live_view: bool = True
     """rich live display on rank 0 when stdout is a terminal (plain lines otherwise or when off)."""
     tensorboard: bool = False
@@ -326,12 +314,19 @@ class RunConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig.tiny)
+    """The policy's architecture (recipes/model/*.yaml; with run.init, the checkpoint's)."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """How each stage's parallel layout is chosen: the selector (auto) or fixed strings."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment episodes are played in."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The engine and the agent loop's bounds."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The estimator, the loss and the optimizer."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The machines the selector plans for, and the timeouts of the run's collectives."""
     run: RunConfig = field(default_factory=RunConfig)
+    """Iterations, seed, output, checkpoints, evaluations."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start before RL (sft.steps = 0: none); trainer/warm_start.py."""
 
@@ -360,101 +355,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        return _build(cls, d, "")
+        return build(cls, d, "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
-    """The model of a run that starts from the checkpoint ``init``, whose config is ``found``,
-    with ``overrides`` ({field: value} the user set, as composed): a field equal to the
-    checkpoint's (floats within a relative 1e-6, None-defaults resolved as ModelConfig resolves
-    them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` takes the value
-    given; any other difference is a ConfigError naming the field, both values and the fix."""
-    hints = typing.get_type_hints(ModelConfig)
-    unknown = sorted(set(overrides) - set(hints))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {[f'model.{k}' for k in unknown]}; valid keys of "
-                          f"model: {sorted(hints)}")
-    changes = {}
-    for name, raw in overrides.items():
-        want, have = _coerce(hints[name], raw, f"model.{name}"), getattr(found, name)
-        if isinstance(want, float) and isinstance(have, float) and \
-                math.isclose(want, have, rel_tol=1e-6):
-            continue
-        if name in INIT_MAY_DIFFER:
-            changes[name] = want
-            continue
-        try:  # as ModelConfig normalises it (kv_channels=head_dim -> None, None -> the family's)
-            same = found.with_(**{name: want}) == found
-        except (ConfigError, TypeError, ValueError):
-            same = False
-        if not same:
-            raise ConfigError(
-                f"model.{name}={want} does not match run.init={init}, whose model has {name}="
-                f"{have}: drop model.{name} to take the checkpoint's value, or point run.init "
-                f"at a checkpoint with {name}={want} (only {', '.join(INIT_MAY_DIFFER)} may "
-                "differ from it)")
-    return found.with_(**changes)  # a bad value of a field that may differ: its ConfigError
-
-
-def _device_mapped(text: str) -> bool:
-    """"gloo", or 'cpu:gloo,cuda:nccl'-shaped: device:backend entries, CPU tensors over gloo."""
-    if text == "gloo":
-        return True
-    entries = [e.strip().split(":") for e in text.split(",")]
-    return all(len(e) == 2 and e[0] in ("cpu", "cuda") and e[1] in ("gloo", "nccl")
-               for e in entries) and ["cpu", "gloo"] in entries
-
-
-def _build(cls, d: Any, path: str):
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(d).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {[_join(path, k) for k in unknown]}; valid keys of "
-                          f"{path or 'the config'}: {sorted(names)}")
-    kwargs = {}
-    for name, value in d.items():
-        kwargs[name] = _coerce(hints[name], value, _join(path, name))
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path or 'config'}: {e}") from e
-
-
-def _coerce(tp, value, path):
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, path)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float:
-        check_finite(path, value)
-    if tp is tuple or origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path} must be a list, got {value!r}")
-        return tuple(value)
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise ConfigError(f"{path}={value!r} must be {tp.__name__}")
-    if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{path}={value!r} must be int")
-    return value
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key

@@ -34,7 +34,6 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-OUTCOMES = ("win", "draw", "loss")
 FLAG_KEYS = ("illegal", "unparsable", "tool_error")
 
 

@@ -149,12 +149,24 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
         )
-    if recompute == "full":
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)
-    elif recompute == "selective":
-        kwargs.update(recompute_granularity="selective")
+    kwargs.update(recompute_fields(recompute))
     return TransformerConfig(**kwargs)
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_fields(mode: Optional[str]) -> dict:
+    """Megatron-Core's TransformerConfig recompute fields for a mode (plan/specs.Recompute's
+    values; None: "none"): full recomputes each layer from its input (uniform, 1 layer a
+    checkpoint), selective the core attention only."""
+    mode = mode or "none"
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r}: use one of {list(RECOMPUTE_MODES)}")
+    full = mode == "full"
+    return dict(recompute_granularity=None if mode == "none" else mode,
+                recompute_method="uniform" if full else None,
+                recompute_num_layers=1 if full else None, recompute_modules=["core_attn"])
 
 
 def layer_spec(layout: ParallelLayout, cfg: ModelConfig):

@@ -63,7 +63,7 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor], cfg
     table = tensor_table(cfg)
     rank = layout.rank(coords)
     missing = []
-    for lname, p in _unwrap(model).named_parameters():
+    for lname, p in unwrap(model).named_parameters():
         row = table.source_on(lname, layout, rank)
         if row.name not in full:
             missing.append(row.name)
@@ -78,7 +78,9 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor], cfg
         raise KeyError(f"weights missing for parameters: {missing[:5]} ...")
 
 
-def _unwrap(model):
+def unwrap(model):
+    """The bare GPTModel pp_stage inside Megatron's wrappers (DDP, Float16Module): the one
+    unwrap of the package."""
     while hasattr(model, "module"):
         model = model.module
     return model

@@ -16,30 +16,13 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   divided under the distributed optimizer by dp*cp for dense params (Megatron shards over the
   dp-with-cp group) and by ``edp`` for expert params (the expert data-parallel group, over which
   their grads are reduced): ``train_state_split``.
-- activations: the Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", Sec. 4) per-layer accounting, redone for this architecture (RMSNorm,
-  GQA, SwiGLU, no dropout), sequence parallel off (dense models), in two variants
-  (``layer_activation_bytes``):
-  the TransformerEngine path (fused attention: norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU
-  4f/t per token, in activation bytes) and Megatron's local spec in eager torch (the CPU path),
-  whose saved tensors were counted with autograd saved-tensor hooks and match the formula
-  exactly in fp32 at tp 1, 2, 4 and cp 2: norms 6h + 2, Q/K/V with K and V repeated per head
-  3q/t, context q/t, SwiGLU 5f/t, rotary 4d, plus the softmax output a/t and a 1-byte mask per
-  score.
-  Context parallel splits the tokens by cp; the all-gather CP attention used without
-  TransformerEngine keeps the gathered K and V (x cp). 1F1B keeps pp - pp_rank micro-batches in
-  flight on pp_rank (Narayanan et al. 2021). Selective recompute drops the scores term; full
-  recompute keeps only each layer's input (h) plus one layer's full set.
-- MoE layer (``moe_layer_activation_bytes``; modelled, not measured): the MLP term is replaced
-  by the router (fp32 logits and softmax, E each, and the top-k probs per token), the top-k
-  copies of every token the all-to-all dispatcher permutes to the experts (each expert's fc1
-  input, h per copy) and their outputs kept for the weighted combine (h per copy), and SwiGLU
-  at width moe_ffn/etp per copy (4 or 5 x mf/etp as for the dense MLP). Under sequence
-  parallelism (MoE with tp > 1, which Megatron requires) a rank's MoE layer and norms see
-  tokens/tp; the dispatcher all-gathers over the expert-TP group, so a rank's experts see
-  tokens/tp x etp x topk copies (an even routing: dropless, no capacity factor; a skewed router
-  puts more on some ranks). The dispatch send and receive buffers of one layer are in
-  comm_buffers.
+- activations: one layer's saved tensors (plan/activations.py: the TransformerEngine path and
+  Megatron's local spec on CPU, whose saved tensors match it exactly; MoE layers modelled under
+  an even routing) times the layers of the pp_stage. Context parallel splits the tokens by cp;
+  the all-gather CP attention used without TransformerEngine keeps the gathered K and V (x cp).
+  TRAIN: 1F1B keeps pp - pp_rank micro-batches in flight on pp_rank (Narayanan et al. 2021),
+  each holding every local layer's ``stored`` part under the recompute mode, plus one layer's
+  ``transient`` (what it rebuilds in its backward): ``train_layer_bytes``.
 - logits (last pp_stage): vocab/tp per token in activation dtype plus two fp32 working copies
   (upcast and the saved softmax for the backward), plus the logits' gradient in TRAIN.
 - kv_cache (ROLLOUT): 2 x (g/t) x head_dim x b per token per local layer, for the responses one
@@ -77,8 +60,11 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.activations import (  # noqa: F401 - re-exported for callers
+    layer_activation_bytes, moe_dispatch_buffer_bytes, moe_layer_activation_bytes,
+    moe_routed_tokens, train_layer_bytes)
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Recompute, Stage, StageWorkload,
+from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Stage, StageWorkload,
                                      TrainOptions, human_bytes)
 from earl_megatron.plan.tensor_table import tensor_table
 
@@ -162,87 +148,6 @@ def _micro_batches_per_replica(workload: StageWorkload, layout: ParallelLayout) 
     return max(1, math.ceil(tokens / workload.effective_micro_batch_tokens))
 
 
-def layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, tokens: int,
-                           longest: int, act_bytes: int, *, fused_attention: bool,
-                           keep_scores: bool = True) -> int:
-    """Activations one transformer layer keeps for the backward of a micro-batch of ``tokens``
-    tokens (before the cp split) whose longest sequence has ``longest`` tokens.
-
-    ``fused_attention=False`` is Megatron's local spec in eager torch (the CPU path), counted
-    from the tensors autograd saves (measured with saved-tensor hooks, see the tests): each
-    RMSNorm keeps its input, the normalised input, its output and 1/rms (3h + 1); Q, the context
-    and K, V repeated to every query head (the unfused GQA path) a*d/t each; SwiGLU 5f/t (fc1
-    output 2f, silu output, gate x up, the chunk copy); rotary cos/sin for q and k (4d); the
-    softmax output (a/t x s_kv per query token) and the causal mask (1 B per score, per layer);
-    Qwen3's q/k norms (``qk_layernorm``) keep the same three tensors and 1/rms per head:
-    (3(q + kv) + a + g)/t.
-    ``fused_attention=True`` is the TransformerEngine path (Korthikanti et al. 2022 accounting
-    without dropout): norms 4h, Q/K/V (q + 2kv)/t, context q/t, SwiGLU 4f/t, fp32 log-sum-exp;
-    q/k norms their input (q + kv)/t and an fp32 1/rms per head (not measured: no TE here).
-    """
-    t, c, h, f = layout.tp, layout.cp, model.hidden_size, model.ffn_hidden_size
-    a, d = model.num_attention_heads, model.head_dim
-    q, kv = a * d, model.num_query_groups * d
-    local = math.ceil(tokens / c)
-    # Packed sequences: sum of s_i^2 over the micro-batch is at most tokens * longest.
-    scores = math.ceil(tokens * min(longest, tokens) / c)
-    # q/k norms (Qwen3): their elements and their rows (one 1/rms per head) on this tp rank
-    qk, qk_rows = ((q + kv) // t, (a + model.num_query_groups) // t) if model.qk_layernorm \
-        else (0, 0)
-    # MoE: the MLP is the router and experts (moe_layer_activation_bytes); with tp > 1 it runs
-    # under sequence parallelism, where the norms keep tokens/tp (dense models: never here)
-    sp = layout.sequence_parallel(model)
-    mlp = 0 if model.is_moe else (4 if fused_attention else 5) * f // t
-    norms = 4 * h if fused_attention else 2 * (3 * h + 1)
-    extra = 0
-    if model.is_moe:
-        moe_tokens = math.ceil(local / t) if sp else local
-        extra = moe_layer_activation_bytes(model, layout, moe_tokens, act_bytes,
-                                           fused_attention=fused_attention)
-        if sp:
-            extra += moe_tokens * norms * act_bytes
-    if fused_attention:
-        per_token = act_bytes * ((0 if sp else norms) + (q + 2 * kv) // t + q // t + mlp + qk)
-        return local * (per_token + (a // t + qk_rows) * 4) + extra  # + fp32 lse, 1/rms
-    kv_mult = c                 # the all-gather CP attention keeps the gathered K and V
-    per_token = act_bytes * ((0 if sp else norms) + 2 * (q // t) * kv_mult + 2 * (q // t)
-                             + mlp + 4 * d + 3 * qk + qk_rows)
-    total = local * per_token + extra
-    if keep_scores:
-        total += scores * ((a // t) * act_bytes + 1)
-    return total
-
-
-def moe_routed_tokens(model: ModelConfig, layout: ParallelLayout, moe_tokens: int) -> int:
-    """Token copies one rank's experts process when ``moe_tokens`` tokens enter its MoE layer:
-    top-k copies of each, all-gathered over the expert-TP group (an even routing)."""
-    return moe_tokens * layout.expert_tp * model.moe_router_topk
-
-
-def moe_layer_activation_bytes(model: ModelConfig, layout: ParallelLayout, moe_tokens: int,
-                               act_bytes: int, *, fused_attention: bool) -> int:
-    """What one MoE layer's router and experts keep for the backward when ``moe_tokens`` tokens
-    enter it on this rank (module docstring): fp32 router logits and softmax (2E) and top-k
-    probs per token; per routed copy the permuted input and the expert output (2h, for the
-    weighted combine) and SwiGLU at width moe_ffn/etp."""
-    routed = moe_routed_tokens(model, layout, moe_tokens)
-    mf = model.moe_ffn_hidden_size // layout.expert_tp
-    router = moe_tokens * 4 * (2 * model.num_experts + model.moe_router_topk)
-    swiglu = (4 if fused_attention else 5) * mf
-    return router + routed * act_bytes * (2 * model.hidden_size + swiglu)
-
-
-def moe_dispatch_buffer_bytes(model: ModelConfig, layout: ParallelLayout, tokens: int,
-                              act_bytes: int) -> int:
-    """The all-to-all send and receive buffers of one MoE layer (comm_buffers) for a micro-batch
-    of ``tokens`` (before the cp split); 0 for a dense model or ep = 1."""
-    if not model.is_moe or layout.ep == 1:
-        return 0
-    local = math.ceil(tokens / layout.cp)
-    moe_tokens = math.ceil(local / layout.tp) if layout.sequence_parallel(model) else local
-    return 2 * moe_tokens * model.moe_router_topk * model.hidden_size * act_bytes
-
-
 @dataclass(frozen=True)
 class RolloutKV:
     """One rollout replica's KV cache on its busiest rank (``rollout_kv``)."""
@@ -311,15 +216,9 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
     if stage is Stage.TRAIN:
         grads, optimizer = train_state_split(model, layout, pp_rank, opts)
         in_flight = min(pp - pp_rank, _micro_batches_per_replica(workload, layout))
-        if opts.recompute is Recompute.FULL:
-            stored, transient = local_mb * h * b, layer_full
-        elif opts.recompute is Recompute.SELECTIVE and not fused:
-            stored = layer_activation_bytes(model, layout, mb, longest, b,
-                                            fused_attention=fused, keep_scores=False)
-            transient = layer_full - stored
-        else:       # no recompute, or selective over flash attention (which stores no scores)
-            stored, transient = layer_full, 0
-        activations = in_flight * layers * stored + transient
+        layer = train_layer_bytes(model, layout, mb, longest, b, fused_attention=fused,
+                                  recompute=opts.recompute)
+        activations = in_flight * layers * layer.stored + layer.transient
         logits = local_mb * vocab_local * (2 * b + 8) if last else 0
         comm = (4 * local_mb * h * b if pp > 1 else 0) + dispatch
     elif stage is Stage.LOGPROB:

@@ -6,10 +6,19 @@ For one stage's workload::
         --time model x profile factor + switch cost from the live layout-->  ranked candidates
         --hysteresis against last iteration's choice for this stage-->  LayoutPlan
 
-Switch cost: the bytes each rank receives in the reshard plan the switcher runs
-(plan/reshard_plan.py, ``receive_bytes``: what the rank owns in the new layout and did not hold
-in the old one) for the weights and, for TRAIN, the optimizer state (which lives in the TRAIN
-layout), over the slowest link a reshard may use, plus the fixed regroup time. When ROLLOUT
+Recompute (TRAIN, ``SelectorConfig.auto_recompute``): every (layout, recompute mode) pair is a
+candidate, none / selective / full with their own memory (plan/activations.py) and time (one
+more forward under full, the attention core under selective: time_model.py), except a mode
+that saves no memory over a cheaper one (selective over flash attention); the least cost that
+fits wins, none on ties. A mode change alone costs nothing to switch (Megatron-Core reads
+the mode at forward time: runtime/recompute.py); the reason names the chosen mode against the
+others on the same layout.
+
+Switch cost (plan/switch_cost.py): the bytes each rank receives in the reshard plan the
+switcher runs (plan/reshard_plan.py, ``receive_bytes``: what the rank owns in the new layout and
+did not hold in the old one) for the weights and, for TRAIN, the optimizer state (which lives in
+the TRAIN layout), over the slowest link a reshard may use, plus the fixed regroup time. When
+ROLLOUT
 runs on inference servers (``ClusterSpec.decode_engine.servers``: SGLang), a ROLLOUT layout
 whose (tp, dp) differs from the servers' (the last ROLLOUT choice) also pays their restart and a
 weight push (plan/server_restart.py: measured restart seconds per (model, tp) from the profile
@@ -21,26 +30,30 @@ by more than ``hysteresis`` (a fraction), so a workload that oscillates around a
 flap. The state is a frozen ``SelectorState`` passed in and returned; nothing is mutated.
 
 Invariants (tested): a plan's layout is valid for the world size and model; its predicted memory
-is at most budget x (1 - margin); equal inputs give equal plans (ties break by cost, then memory,
-then layout order); ``NoLayoutFitsError`` lists only suggestions it has checked fit.
+is at most budget x (1 - margin); equal inputs give equal plans (ties break by cost, then recompute
+none < selective < full, then memory, then layout order); ``NoLayoutFitsError`` lists only
+suggestions it has checked fit (plan/what_fits.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout, enumerate_layouts
-from earl_megatron.plan.memory_model import (MemoryEstimate, memory_breakdown,
-                                             server_pool_fits, train_state_split)
+from earl_megatron.plan.memory_model import MemoryEstimate, memory_breakdown, server_pool_fits
 from earl_megatron.plan.profile_table import ProfileTable
-from earl_megatron.plan.reshard_plan import receive_bytes
 from earl_megatron.plan.server_restart import server_switch_seconds
 from earl_megatron.plan.specs import (ClusterSpec, Recompute, Stage, StageWorkload, TrainOptions,
                                      human_bytes)
+from earl_megatron.plan.switch_cost import switch_seconds  # noqa: F401 - re-exported
 from earl_megatron.plan.time_model import StageTime, stage_time
+from earl_megatron.plan.what_fits import (  # noqa: F401 - re-exported
+    LayoutOverBudgetError, NoLayoutFitsError, suggestions)
+
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+"""Cheapest first in time, largest first in memory: ties go to the earlier mode."""
 
 @dataclass(frozen=True)
 class SelectorConfig:
@@ -59,6 +72,9 @@ class SelectorConfig:
     server_restart_s: float = 60.0
     """Seconds a restart of the rollout servers costs (decode engine ``servers``) until the
     profile table holds a measurement for the (model, tp) (plan/server_restart.py)."""
+    auto_recompute: bool = False
+    """TRAIN: choose the recompute mode with the layout, the (layout, mode) pair of least cost
+    that fits (none on ties); False: every layout with ``TrainOptions.recompute``."""
 
     def __post_init__(self):
         if not 0 <= self.memory_margin < 1:
@@ -92,6 +108,8 @@ class Candidate:
     scale: float
     """Profile-table factor applied to the analytic time (1.0 without a table)."""
     switch_seconds: float
+    recompute: Recompute = Recompute.NONE
+    """The TRAIN stage's activation recomputation this candidate was priced with."""
 
     @property
     def predicted_seconds(self) -> float:
@@ -125,65 +143,9 @@ class LayoutPlan:
     def predicted_seconds(self) -> float:
         return self.chosen.predicted_seconds
 
-
-class NoLayoutFitsError(RuntimeError):
-    """No valid layout fits; ``suggestions`` are changes checked to make one fit."""
-
-    def __init__(self, stage: Stage, budget_bytes: int, smallest: Optional[MemoryEstimate],
-                 suggestions: tuple[str, ...]):
-        self.stage, self.budget_bytes, self.smallest = stage, budget_bytes, smallest
-        self.suggestions = suggestions
-        need = smallest.describe() if smallest else "no valid layout at all"
-        fixes = "; ".join(suggestions) if suggestions else (
-            "nothing checked fits (up to 64x the devices, recompute, a smaller micro-batch, fewer "
-            "responses, shorter contexts): the weights and optimizer state alone are too large")
-        super().__init__(f"no layout fits stage {stage.value} in {human_bytes(budget_bytes)} per "
-                         f"rank; the smallest is {need}. Would fit: {fixes}")
-
-
-class LayoutOverBudgetError(RuntimeError):
-    """A fixed (static) layout does not fit the budget: what a GPU run would hit as an OOM."""
-
-    def __init__(self, estimate: MemoryEstimate, budget_bytes: int, longest: int):
-        self.estimate, self.budget_bytes, self.longest = estimate, budget_bytes, longest
-        st, lay = estimate.stage.value, estimate.layout
-        super().__init__(
-            f"static layout {lay} for stage {st} needs {estimate.describe()} per rank for "
-            f"contexts up to {longest} tokens, over the {human_bytes(budget_bytes)} budget: "
-            f"use layout=auto (the selector moves to a layout that fits as contexts grow), a "
-            f"static layout.{st}= with more tp, cp or pp, or a larger layout.memory_budget_gb")
-
-
-# ------------------------------------------------------------------------------ switch cost
-def switch_seconds(model: ModelConfig, cluster: ClusterSpec, src: Optional[ParallelLayout],
-                   dst: ParallelLayout, train_opts: TrainOptions = TrainOptions(), *,
-                   optimizer_src: Optional[ParallelLayout] = None) -> float:
-    """Seconds to switch the live layout ``src`` to ``dst`` (0 if equal or nothing is live).
-
-    ``optimizer_src``: the layout the optimizer state lives in, when ``dst`` is a TRAIN layout
-    (its state must follow when the TRAIN layout changes)."""
-    pb = train_opts.param_bytes(model)
-    recv = [0] * dst.world_size
-    moved = False
-    if src is not None and src != dst:
-        recv = list(receive_bytes(model, src, dst, element_bytes=pb))
-        moved = True
-    if optimizer_src is not None and optimizer_src != dst:
-        obpp = train_opts.optimizer_bytes_per_param(model)
-        shard_src = optimizer_src.dp * optimizer_src.cp if train_opts.distributed_optimizer else 1
-        shard_dst = dst.dp * dst.cp if train_opts.distributed_optimizer else 1
-        weights = receive_bytes(model, optimizer_src, dst, element_bytes=obpp)
-        for r in range(dst.world_size):
-            if shard_src == shard_dst and (not model.is_moe or optimizer_src.edp == dst.edp):
-                recv[r] += math.ceil(weights[r] / shard_dst)
-            else:                       # shard boundaries move: assume the whole shard does
-                recv[r] += train_state_split(model, dst, dst.coords(r).pp, train_opts)[1]
-        moved = True
-    if not moved:
-        return 0.0
-    bw = (cluster.inter_node_bandwidth / cluster.devices_per_node if cluster.nodes > 1
-          else cluster.intra_node_bandwidth)
-    return cluster.regroup_seconds + max(recv) / bw
+    @property
+    def recompute(self) -> Recompute:
+        return self.chosen.recompute
 
 
 # ------------------------------------------------------------------------------ selection
@@ -229,9 +191,19 @@ class Selector:
             layouts = [lay for lay in layouts if lay.ep == 1 and lay.etp is None]
         return layouts
 
+    def recompute_modes(self, stage: Stage) -> tuple[Recompute, ...]:
+        """The modes a ``stage`` plan weighs: all three for TRAIN under ``auto_recompute``."""
+        if stage is Stage.TRAIN and self.config.auto_recompute:
+            return RECOMPUTE_ORDER
+        return (self.train_opts.recompute,)
+
+    def _opts(self, recompute: Optional[Recompute]) -> TrainOptions:
+        return self.train_opts if recompute in (None, self.train_opts.recompute) \
+            else self.train_opts.with_(recompute=recompute)
+
     def memory(self, layout: ParallelLayout, workload: StageWorkload,
-               resident_bytes: int = 0) -> MemoryEstimate:
-        return memory_breakdown(self.model, layout, workload, self.train_opts,
+               resident_bytes: int = 0, recompute: Optional[Recompute] = None) -> MemoryEstimate:
+        return memory_breakdown(self.model, layout, workload, self._opts(recompute),
                                 cluster=self.cluster, resident_bytes=resident_bytes)
 
     def fits(self, estimate: MemoryEstimate) -> bool:
@@ -240,14 +212,16 @@ class Selector:
 
     def evaluate(self, layout: ParallelLayout, workload: StageWorkload, *,
                  current: Optional[ParallelLayout] = None, state: SelectorState = SelectorState(),
-                 resident_bytes: int = 0) -> Candidate:
-        """Memory, time, profile factor and switch cost of one layout (fitting or not)."""
-        t = stage_time(self.model, layout, workload, self.cluster, self.train_opts)
+                 resident_bytes: int = 0, recompute: Optional[Recompute] = None) -> Candidate:
+        """Memory, time, profile factor and switch cost of one layout (fitting or not), with
+        ``recompute`` (None: ``train_opts.recompute``)."""
+        opts = self._opts(recompute)
+        t = stage_time(self.model, layout, workload, self.cluster, opts)
         scale = 1.0
         if self.profile is not None:
             def analytic_for(lay):
                 return lambda ctx, ld: stage_time(self.model, lay, _profile_workload(
-                    workload, ctx, ld), self.cluster, self.train_opts).total
+                    workload, ctx, ld), self.cluster, opts).total
             scale = self.profile.scale_factor(workload.stage, layout, workload.contexts[-1][0],
                                               _load(workload), analytic_for)
         opt_src = state.previous(Stage.TRAIN) if workload.stage is Stage.TRAIN else None
@@ -257,7 +231,8 @@ class Selector:
             sw += server_switch_seconds(self.model, self.cluster, state.previous(Stage.ROLLOUT),
                                         layout, self.profile, self.config.server_restart_s,
                                         self.train_opts)
-        return Candidate(layout, self.memory(layout, workload, resident_bytes), t, scale, sw)
+        return Candidate(layout, self.memory(layout, workload, resident_bytes, opts.recompute), t,
+                         scale, sw, opts.recompute)
 
     def plan(self, workload: StageWorkload, *, current: Optional[ParallelLayout] = None,
              state: SelectorState = SelectorState(),
@@ -269,18 +244,25 @@ class Selector:
         budget = self.budget_bytes
         fitting, oom, smallest = [], [], None
         for lay in valid:
-            mem = self.memory(lay, workload, resident_bytes)
-            if self.fits(mem):
-                fitting.append(self.evaluate(lay, workload, current=current, state=state,
-                                             resident_bytes=resident_bytes))
-            else:
-                oom.append(lay)
-                if smallest is None or mem.total < smallest.total:
+            fit_any, saved_from = False, None
+            for rc in self.recompute_modes(workload.stage):
+                mem = self.memory(lay, workload, resident_bytes, rc)
+                if saved_from is not None and mem.total >= saved_from:
+                    continue    # saves nothing over a cheaper mode (selective over flash)
+                saved_from = mem.total
+                if self.fits(mem):
+                    fit_any = True
+                    fitting.append(self.evaluate(lay, workload, current=current, state=state,
+                                                 resident_bytes=resident_bytes, recompute=rc))
+                elif smallest is None or mem.total < smallest.total:
                     smallest = mem
+            if not fit_any:
+                oom.append(lay)
         if not fitting:
             raise NoLayoutFitsError(workload.stage, budget, smallest,
-                                    self._suggestions(workload, resident_bytes))
-        ranked = sorted(fitting, key=lambda c: (c.cost, c.memory.total, c.layout))
+                                    suggestions(self, workload, resident_bytes))
+        ranked = sorted(fitting, key=lambda c: (c.cost, RECOMPUTE_ORDER.index(c.recompute),
+                                                c.memory.total, c.layout))
         best = ranked[0]
         chosen, runner_up = best, (ranked[1] if len(ranked) > 1 else None)
         prev = state.previous(workload.stage)
@@ -294,12 +276,17 @@ class Selector:
                       f"{100 * self.config.hysteresis:.0f}% hysteresis")
         else:
             gone = prev is not None and incumbent is None
+            what = "(layout, recompute) pairs" if self.config.auto_recompute and \
+                workload.stage is Stage.TRAIN else "layouts"
             reason = (f"{best.layout}: last layout {prev} no longer fits; fastest of "
                       f"{len(ranked)}" if gone else
-                      f"{best.layout}: fastest of {len(ranked)} fitting layouts")
+                      f"{best.layout}: fastest of {len(ranked)} fitting {what}")
             if runner_up is not None:
-                reason += f" ({best.cost:.3g} s vs {runner_up.cost:.3g} s for {runner_up.layout})"
+                reason += (f" ({best.cost:.3g} s vs {runner_up.cost:.3g} s for "
+                           f"{_name(runner_up, self)})")
         reason += f"; {human_bytes(chosen.memory.total)} of {human_bytes(budget)}"
+        if len(self.recompute_modes(workload.stage)) > 1:
+            reason += "; " + self._recompute_reason(chosen, workload, resident_bytes)
         if self.model.is_moe:
             reason += "; " + self._expert_reason(chosen, valid, workload, resident_bytes)
         plan = LayoutPlan(workload.stage, chosen, runner_up, reason, len(valid), tuple(oom),
@@ -335,72 +322,41 @@ class Selector:
                          + ("" if self.fits(m1) else ", over the budget"))
         return text
 
+    def _recompute_reason(self, chosen: Candidate, workload: StageWorkload,
+                          resident_bytes: int) -> str:
+        """The chosen recompute mode against the other modes on the same layout."""
+        others = []
+        for rc in RECOMPUTE_ORDER:
+            if rc is chosen.recompute:
+                continue
+            mem = self.memory(chosen.layout, workload, resident_bytes, rc)
+            if not self.fits(mem):
+                others.append(f"{rc.value} needs {human_bytes(mem.total)}, over the budget")
+            else:
+                t = stage_time(self.model, chosen.layout, workload, self.cluster,
+                               self._opts(rc)).total * chosen.scale
+                others.append(f"{rc.value} {t:.3g} s at {human_bytes(mem.total)}")
+        return (f"recompute={chosen.recompute.value} ({chosen.predicted_seconds:.3g} s; "
+                + "; ".join(others) + ")")
+
     # -------------------------------------------------------------- what would fit
     def fits_somewhere(self, workload: StageWorkload, resident_bytes: int = 0) -> \
             Optional[MemoryEstimate]:
-        """The smallest-memory fitting estimate, or None if nothing fits."""
+        """The smallest-memory fitting estimate (over the recompute modes weighed), or None."""
         best = None
         for lay in self.valid_layouts(workload.stage):
-            mem = self.memory(lay, workload, resident_bytes)
-            if self.fits(mem) and (best is None or mem.total < best.total):
-                best = mem
+            for rc in self.recompute_modes(workload.stage):
+                mem = self.memory(lay, workload, resident_bytes, rc)
+                if self.fits(mem) and (best is None or mem.total < best.total):
+                    best = mem
         return best
 
-    def _suggestions(self, workload: StageWorkload, resident_bytes: int) -> tuple[str, ...]:
-        out = []
-        for k in (2, 4, 8, 16, 32, 64):
-            bigger = replace(self, cluster=self.cluster.with_(nodes=self.cluster.nodes * k))
-            fit = bigger.fits_somewhere(workload, resident_bytes)
-            if fit is not None:
-                out.append(f"{bigger.cluster.nodes} nodes ({bigger.cluster.world_size} devices), "
-                           f"e.g. {fit.layout} at {human_bytes(fit.total)}")
-                break
-        if workload.stage is Stage.TRAIN:
-            order = [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
-            for rc in order[order.index(self.train_opts.recompute) + 1:]:
-                other = replace(self, train_opts=self.train_opts.with_(recompute=rc))
-                fit = other.fits_somewhere(workload, resident_bytes)
-                if fit is not None:
-                    out.append(f"recompute={rc.value}, e.g. {fit.layout} at "
-                               f"{human_bytes(fit.total)}")
-                    break
-        # A TRAIN/LOGPROB micro-batch holds at least one whole sequence; rollout chunks prefill.
-        floor = 1 if workload.stage is Stage.ROLLOUT else workload.max_context
-        mb = workload.micro_batch_tokens
-        while mb > floor and mb > 1:
-            mb //= 2
-            fit = self.fits_somewhere(workload.with_(micro_batch_tokens=mb), resident_bytes)
-            if fit is not None:
-                out.append(f"micro_batch_tokens={mb}, e.g. {fit.layout} at "
-                           f"{human_bytes(fit.total)}")
-                break
-        if workload.stage is Stage.ROLLOUT and workload.responses_in_flight > 1:
-            r = _largest(lambda n: self.fits_somewhere(
-                workload.with_(responses_in_flight=n), resident_bytes) is not None,
-                1, workload.responses_in_flight - 1)
-            if r:
-                out.append(f"responses_in_flight={r}")
-        if workload.max_context > 1:
-            top = workload.contexts[-1][0]
-            s = _largest(lambda n: self.fits_somewhere(
-                workload.scaled_to(n).with_(predicted_context=0), resident_bytes) is not None,
-                1, workload.max_context - 1)
-            if s and s < top:
-                out.append(f"contexts up to {s} tokens (now {workload.max_context})")
-        return tuple(out)
 
-
-def _largest(ok, lo: int, hi: int) -> int:
-    """Largest n in [lo, hi] with ok(n), assuming ok is monotone (true then false); 0 if none."""
-    if hi < lo or not ok(lo):
-        return 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _name(candidate: Candidate, selector: Selector) -> str:
+    """A candidate's layout, with its recompute mode when the selector weighs several."""
+    if len(selector.recompute_modes(Stage.TRAIN)) > 1 and candidate.memory.stage is Stage.TRAIN:
+        return f"{candidate.layout} recompute={candidate.recompute.value}"
+    return str(candidate.layout)
 
 
 def select_layout(model: ModelConfig, cluster: ClusterSpec, workload: StageWorkload,

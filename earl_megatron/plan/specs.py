@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Iterable, Optional
 
 from earl_megatron.plan.placement import ITEMSIZE
+from earl_megatron.stages import Stage  # noqa: F401 - the planners' Stage (one definition)
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {k: ITEMSIZE[k] for k in ("float32", "bfloat16", "float16")}
@@ -43,17 +44,6 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
-
-
-class Stage(Enum):
-    """An RL step. Each gets its own layout."""
-
-    ROLLOUT = "rollout"
-    """Multi-turn generation: prefill prompts/observations, decode responses with a KV cache."""
-    LOGPROB = "logprob"
-    """Forward-only scoring of finished episodes (old policy / reference policy)."""
-    TRAIN = "train"
-    """Forward + backward + optimizer step."""
 
 
 class Recompute(Enum):
@@ -228,7 +218,7 @@ CLUSTER_PRESETS = ("cpu", "h100")
 
 
 def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
-                 inter_node_gbps: float = 200.0,
+                 inter_node_gbps: Optional[float] = None,
                  device_memory_bytes: Optional[int] = None) -> ClusterSpec:
     """The one mapping from a cluster description (the trainer's ``cluster.*`` keys,
     ``tools/plan_layouts.py``'s flags, the benchmarks) to the ``ClusterSpec`` the selector plans
@@ -245,8 +235,9 @@ def cluster_spec(preset: str, *, nodes: int, devices_per_node: int,
     if preset == "cpu":
         return ClusterSpec.cpu(ranks=nodes * devices_per_node,
                                memory_budget_bytes=device_memory_bytes or 2 * GiB)
-    spec = ClusterSpec.h100_80gb(nodes=nodes, inter_node_gbps=inter_node_gbps,
-                                 devices_per_node=devices_per_node)
+    spec = ClusterSpec.h100_80gb(nodes=nodes, devices_per_node=devices_per_node,
+                                 **({} if inter_node_gbps is None
+                                    else {"inter_node_gbps": inter_node_gbps}))
     return spec.with_(device_memory_bytes=device_memory_bytes) if device_memory_bytes else spec
 
 

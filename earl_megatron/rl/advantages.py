@@ -7,14 +7,14 @@ normalisation statistics come in already reduced over the whole (global) batch: 
 computes this rank's ``moment_sums`` on what it OWNS (each sample counted once, by one rank of its
 rollout replica), runtime/reduce.py all-reduces them (mean first, then squared deviations about the
 global mean: one pass of sum and sum of squares loses digits when the mean is large), and the
-functions here apply the result. On one process ``local_moments`` is the same computation without
-the all-reduces, so a distributed run equals the single-process one.
+functions here apply the result. On one process the all-reduces are identities, so a distributed
+run equals the single-process one (tests/unit/test_scoring.py runs the trainer's path so).
 
 Per-sample tensors are label-aligned [T] rows (trainer/data.py): ``mask`` is 1 on policy
 tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding tokens;
 ``token_rewards`` holds each turn's reward on the turn's last policy token.
 
-- Returns (REINFORCE++ and PPO without a critic; Hu et al. 2025, the EARL paper's estimator):
+- Returns (REINFORCE++; Hu et al. 2025, the EARL paper's estimator):
   ``token_returns``. Per-turn credit: every token of turn k gets
   ``G_k = r_k + gamma * G_{k+1}`` (the turn is the action). KL in the reward (k1, weight beta):
   with gamma = 1 each token pays its own and every later token's KL (REINFORCE++'s per-token
@@ -88,14 +88,6 @@ def moments_from(sums: torch.Tensor, sq_dev: torch.Tensor, *, unbiased: bool) ->
 def group_means(sums: torch.Tensor) -> torch.Tensor:
     """[G] means from global ``moment_sums`` (the first pass)."""
     return sums[0] / sums[1].clamp(min=1)
-
-
-def local_moments(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int, *,
-                  unbiased: bool) -> Moments:
-    """The statistics of one process's values (what runtime/reduce.py computes globally)."""
-    sums = moment_sums(values, group_ids, num_groups)
-    return moments_from(sums, squared_deviations(values, group_ids, group_means(sums)),
-                        unbiased=unbiased)
 
 
 def turn_ids(mask: torch.Tensor) -> torch.Tensor:

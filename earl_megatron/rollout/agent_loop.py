@@ -32,7 +32,8 @@ Invariants (tests check them against a real model):
 - An episode that ended by the environment (win/loss/draw, answer, bad action) has finish_reason
   "done"; its last observation is kept in ``observations`` but not appended to the tokens (no
   policy token follows it, so training would never read it).
-- Sampling is reproducible: turn t uses seed ``config.seed * 1_000_003 + t`` for the whole batch.
+- Sampling is reproducible: turn t uses seed ``turn_sample_seed(config.seed, t)`` (earl_megatron/
+  seeds.py) for the whole batch.
 - ``should_stop`` (optional) is called once before every turn, on every rank that runs the loop,
   the same number of times (all ranks of a replica play the same episodes in lockstep, so it may
   be a collective over the replica); when it returns True the loop raises ``RolloutAbandoned``
@@ -48,8 +49,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from earl_megatron.envs.base import Env
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
-
-FINISH_REASONS = ("done", "max_turns", "max_context")
+from earl_megatron.seeds import turn_sample_seed
 
 
 class RolloutAbandoned(Exception):
@@ -183,7 +183,7 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
                                 max_new_tokens=config.max_action_tokens,
                                 stop_token_ids=fmt.stop_token_ids,
-                                seed=config.seed * 1_000_003 + turn)
+                                seed=turn_sample_seed(config.seed, turn))
         generations = engine.generate([live.tokens for _, live in active], params)
         if len(generations) != len(active):
             raise RuntimeError(f"engine returned {len(generations)} generations for "

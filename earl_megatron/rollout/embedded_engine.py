@@ -85,12 +85,9 @@ from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.rope_cache import forget_inference_tables
 from earl_megatron.rollout.sampling import StopTracker, row_uniforms, sample_next
 from earl_megatron.runtime import groups
+from earl_megatron.seeds import row_sample_seed
 
 _CACHE_ROUND = 256  # cache length granularity, so growing agent contexts rarely reallocate
-
-
-split_over_dp = split_evenly
-"""Contiguous blocks of prompts over dp replicas (engine.split_evenly)."""
 
 
 class EmbeddedEngine:
@@ -173,7 +170,7 @@ class EmbeddedEngine:
         base = params.seed if params.seed is not None else int(
             torch.randint(2**31, (1,), generator=self._generator, device=self.device))
         if self.prompts_mode == "global" and layout.dp > 1:
-            block = split_over_dp(len(prompts), layout.dp)[dp_rank]
+            block = split_evenly(len(prompts), layout.dp)[dp_rank]
             mine = self._decode([prompts[i] for i in block], params,
                                 base, block.start) if len(block) else self._idle()
             parts: list = [None] * layout.dp
@@ -224,8 +221,8 @@ class EmbeddedEngine:
         """One generator per row, seeded by (call seed, global prompt index): a row's samples
         depend neither on its batch mates nor on the dp split, and duplicated prompts (a GRPO
         group) still draw independent samples."""
-        return [torch.Generator(device=self.device).manual_seed(
-            (base * 1_000_003 + first + i) % (2**63 - 1)) for i in range(n)]
+        return [torch.Generator(device=self.device).manual_seed(row_sample_seed(base, first + i))
+                for i in range(n)]
 
     def _decode(self, prompts: list[Sequence[int]], params: SamplingParams, base: int,
                 first: int) -> list[Generation]:
@@ -339,7 +336,7 @@ class EmbeddedEngine:
         ``load_shards``: the weight plan's ``ShardsIn``; collective over the world, no full
         tensor anywhere). Every rank calls it.
         """
-        from earl_megatron.models.sharding import load_full_weights
+        from earl_megatron.models.sharding import load_full_weights, unwrap
         from earl_megatron.runtime.weight_transfer import load_shards
 
         on_layout = self.on_layout
@@ -351,8 +348,7 @@ class EmbeddedEngine:
                 load_shards(source, on_layout)
                 return
         if isinstance(source, torch.nn.Module):
-            while hasattr(source, "module"):
-                source = source.module
+            source = unwrap(source)
             src = dict(source.named_parameters())
             dst = dict(self.model.named_parameters())
             if src.keys() != dst.keys() or any(src[k].shape != dst[k].shape for k in dst):

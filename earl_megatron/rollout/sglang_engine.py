@@ -20,7 +20,7 @@ Invariants (on top of engine.py's contract):
   surfaces as ``SGLangServerUnreachable``; the caller hands it to ``recover(index)``, which runs
   the same restart-and-restore path, so a death there is handled like one during a rollout.
 - Each engine draws a random API key (``secrets.token_urlsafe``) unless the config names one;
-  requests without it are refused by the servers (sglang_server.py).
+  requests without it are refused by the servers (sglang_server.py, sglang_launch.py).
 - Only processes this engine started are stopped, by their process group id (each server is
   started in its own session, so its scheduler and detokenizer children go with it).
 - Logprobs are SGLang's ``output_token_logprobs``: log_softmax(logits / T) before top-p, and
@@ -60,11 +60,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams,
                                           check_prompts, split_evenly)
-from earl_megatron.rollout.sglang_server import (CPU_FLAGS, SGLangConfig, SGLangRequestError,
-                                                 parse_generation, sglang_sampling_params,
-                                                 SGLangServerError, free_ports, port_is_free,
-                                                 _Server, _Unreachable, server_command,
-                                                 server_variables, server_environment)
+from earl_megatron.rollout.sglang_launch import (CPU_FLAGS, SGLangConfig, SGLangRequestError,
+                                                 SGLangServerError, parse_generation,
+                                                 server_command, server_environment,
+                                                 server_variables, sglang_sampling_params)
+from earl_megatron.rollout.sglang_server import _Server, _Unreachable, free_ports, port_is_free
 from earl_megatron.rollout.sglang_weights import push_weights, trainer_weight_update_group
 from earl_megatron.runtime.fault_points import fault_point
 

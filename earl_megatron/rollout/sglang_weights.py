@@ -85,7 +85,7 @@ def push_weights(engine, named_tensors: Sequence[tuple[str, Any]], group: Any,
     NCCL, cpu for gloo), in the order given."""
     import torch.distributed as dist
 
-    from earl_megatron.rollout.sglang_server import SGLangRequestError
+    from earl_megatron.rollout.sglang_launch import SGLangRequestError
 
     names = [n for n, _ in named_tensors]
     dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named_tensors]

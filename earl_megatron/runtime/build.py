@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.models.sharding import unwrap
 from earl_megatron.plan.layout import Coords, ParallelLayout
 from earl_megatron.runtime import groups
 
@@ -36,10 +37,7 @@ class ModelOnLayout:
         return self.coords.pp == self.layout.pp - 1
 
     def module(self):
-        m = self.model
-        while hasattr(m, "module"):
-            m = m.module
-        return m
+        return unwrap(self.model)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,11 @@ and the CUDA RNG tracker. ``cpu_backend()`` covers all of them:
   expert TP > 1 the dispatcher all-gathers / reduce-scatters tokens over the expert-TP group in
   uneven splits, which gloo refuses (it has no all-gather-v or reduce-scatter-v: "invalid tensor
   size"), so Megatron's two helpers run uneven splits as even collectives of the largest split,
-  zero-padded, and cut the padding off (the same sums; equal splits go to Megatron's own code).
+  zero-padded, and cut the padding off (the same sums; equal splits go to Megatron's own code);
+- activation recomputation (``tensor_parallel.checkpoint``, full and selective): its
+  ``CheckpointFunction`` saves and restores the CPU generator, the tracker's states and the
+  "CUDA" generator; on a host the CPU generator IS the device's, so the CUDA state is an empty
+  tensor and setting it a no-op, and the recomputing backward runs inside the mode (as above).
 
 ``unredirected()`` scopes a hot region (the embedded engine's whole generate call) out of the
 mode.
@@ -175,16 +179,29 @@ def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _on_host(backward):
+    """A custom autograd Function's backward run inside the mode (autograd calls it with no
+    torch function mode active)."""
+    def backward_on_host(ctx, *grad_output):
+        with _CudaToCpuMode():
+            return backward(ctx, *grad_output)
+    return staticmethod(backward_on_host)
+
+
+def _recompute_patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, CPU value) for activation recomputation's sites."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return [(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+            (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
+            (mrandom.CheckpointFunction, "backward",
+             _on_host(mrandom.CheckpointFunction.backward))]
+
+
 def _moe_patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU value) for the MoE sites above."""
     from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer.moe import token_dispatcher
-
-    def on_host(backward):
-        def backward_on_host(ctx, *grad_output):
-            with _CudaToCpuMode():
-                return backward(ctx, *grad_output)
-        return staticmethod(backward_on_host)
 
     # every tensor-parallel autograd Function (the all-to-all, and the sequence-parallel
     # gathers / reduce-scatters and linear layers): their backwards allocate on current_device()
@@ -216,7 +233,7 @@ def _moe_patches() -> list[tuple[Any, str, Any]]:
         return out[:input_split_sizes[group.rank()]].clone()
 
     return [(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits),
-            *[(f, "backward", on_host(f.backward)) for f in functions],
+            *[(f, "backward", _on_host(f.backward)) for f in functions],
             (mappings, "_gather_along_first_dim", gather_v),
             (mappings, "_reduce_scatter_along_first_dim", reduce_scatter_v)]
 
@@ -274,7 +291,7 @@ def cpu_backend() -> Iterator[None]:
     missing = [k for k in _cuda_patches() if not hasattr(torch.cuda, k)]
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     saved_tracker_cls = mrandom.CudaRNGStatesTracker
-    moe = _moe_patches()
+    moe = _moe_patches() + _recompute_patches()
     saved_moe = [(owner, name, owner.__dict__[name]) for owner, name, _ in moe]
     mode = _CudaToCpuMode()
     _ACTIVE = True

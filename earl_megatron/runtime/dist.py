@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from earl_megatron.config.train import ClusterConfig
+from earl_megatron.config.cluster import ClusterConfig
 
 
 def world_backend(cuda: Optional[bool] = None) -> str:

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ClusterConfig
+from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.dist import gloo_only
 
@@ -91,10 +91,6 @@ _MAX_CACHED: Optional[int] = None      # None: DEFAULT_MAX_CACHED_LAYOUTS
 _FRESH = ("_GLOBAL_MEMORY_BUFFER",)      # a new one per activation, not kept per layout
 DEFAULT_GROUP_TIMEOUT_S = ClusterConfig.group_timeout_s   # one default: the config's
 _GROUP_TIMEOUT_S: Optional[float] = None   # None: DEFAULT_GROUP_TIMEOUT_S
-
-
-def active_layout() -> Optional[ParallelLayout]:
-    return _ACTIVE
 
 
 def set_group_cache_size(n: Optional[int]) -> None:

@@ -82,16 +82,6 @@ def check_dir(path: Path) -> dict:
     return meta
 
 
-def find_smollm2() -> Path | None:
-    """The finished directory if one exists (hash-checked), else None: for tests that skip."""
-    path = default_dir()
-    try:
-        check_dir(path)
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        return None
-    return path
-
-
 def ensure_smollm2(out: Path | None = None, *, install: bool = True) -> Path:
     """The HF directory of SmolLM2-135M-Instruct, written once (idempotent, hash-checked)."""
     out = Path(out) if out is not None else default_dir()

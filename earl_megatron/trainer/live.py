@@ -40,7 +40,8 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-STAGE_ORDER = ("rollout", "logprob", "train")
+from earl_megatron.stages import STAGE_NAMES
+
 ROWS = 10
 LAYOUT_W = 13                      # "TP2xPP2xDP16"; longer layouts push the line right
 STAGE_W = LAYOUT_W + 1 + 7 + 1 + 6
@@ -56,7 +57,7 @@ SAMPLE_LINES = 8
 def stages_of(rec: dict) -> list[str]:
     """The stages a record has layouts for, rollout -> logprob -> train, then any others."""
     lay = rec.get("layouts", {})
-    return [s for s in STAGE_ORDER if s in lay] + sorted(s for s in lay if s not in STAGE_ORDER)
+    return [s for s in STAGE_NAMES if s in lay] + sorted(s for s in lay if s not in STAGE_NAMES)
 
 
 def stage_cell(rec: dict, stage: str) -> str:
@@ -261,8 +262,8 @@ class LiveView:
         stages: list[str] = []
         for rec in self._rows:
             stages += [s for s in stages_of(rec) if s not in stages]
-        stages = [s for s in STAGE_ORDER if s in stages] + [s for s in stages
-                                                            if s not in STAGE_ORDER]
+        stages = [s for s in STAGE_NAMES if s in stages] + [s for s in stages
+                                                            if s not in STAGE_NAMES]
         table = Table(box=None, pad_edge=False, header_style="bold")
         # the progress line above carries the ETA: drop the per-row column
         for name in header_cells(stages)[:-1]:

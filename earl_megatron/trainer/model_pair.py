@@ -11,6 +11,9 @@ it runs, so only one model's layout can be current at a time. ``policy_in(layout
   fresh groups: local copies only);
 - another layout: the switcher moves weights (and the policy's optimizer state) in memory.
 
+``trainee(layout, recompute)`` is ``policy_in`` for the TRAIN stage, with its recompute mode set
+(runtime/recompute.py).
+
 The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer.
 It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
@@ -24,6 +27,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.runtime.recompute import set_recompute
 from earl_megatron.runtime.switcher import switch_layout
 
 
@@ -37,6 +41,13 @@ class ModelPair:
     def policy_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.policy = self._live_in(self.policy, layout, "policy")
         return self.policy
+
+    def trainee(self, layout: ParallelLayout, recompute: str) -> ModelOnLayout:
+        """The policy in ``layout``, running the TRAIN stage's recompute mode (the planner's
+        choice) from its next forward: Megatron reads it at forward time, no rebuild."""
+        policy = self.policy_in(layout)
+        set_recompute(policy, recompute)
+        return policy
 
     def reference_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.reference = self._live_in(self.reference, layout, "reference")

@@ -16,6 +16,11 @@ static KV pool, tp x dp layouts only), and a ROLLOUT layout change costs a serve
 table by (model, tp), so later plans price a restart with the measurement instead of
 ``sglang_restart_s``.
 
+Recompute (``layout.recompute``): "auto" lets the selector choose the TRAIN stage's mode with its
+layout every iteration (auto layouts: the cheapest fitting (layout, mode) pair; a static layout:
+its fastest fitting mode); a mode name fixes it for the run. ``recompute["train"]`` is the mode
+the TRAIN stage runs with (the runner sets it on the model: runtime/recompute.py).
+
 State: the selector's last choice per stage and the profile table (server starts), saved with
 checkpoints (``state_json``, ``profile_json``) and restored on resume (``restore``); the
 planner holds nothing else between iterations.
@@ -27,16 +32,18 @@ from dataclasses import replace
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ClusterConfig, ConfigError, LayoutConfig
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import ConfigError, LayoutConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.memory_model import (param_count_per_rank, server_pool_fits,
-                                             train_state_bytes)
+from earl_megatron.plan.memory_model import (MemoryEstimate, param_count_per_rank,
+                                             server_pool_fits, train_state_bytes)
 from earl_megatron.plan.profile_table import ProfileTable
-from earl_megatron.plan.selector import (LayoutOverBudgetError, Selector, SelectorConfig,
-                                         SelectorState)
+from earl_megatron.plan.selector import (RECOMPUTE_ORDER, LayoutOverBudgetError, Selector,
+                                         SelectorConfig, SelectorState)
 from earl_megatron.plan.server_restart import model_key
-from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, GiB, Stage, StageWorkload,
-                                      TrainOptions, cluster_spec, human_bytes)
+from earl_megatron.plan.specs import (PREFILL_TOKENS, ClusterSpec, DecodeEngine, GiB, Recompute,
+                                      Stage, StageWorkload, TrainOptions, cluster_spec,
+                                      human_bytes)
 from earl_megatron.trainer.stages import BatchShape
 
 FIRST_ROLLOUT_TOKENS = 128
@@ -46,11 +53,15 @@ FIRST_ROLLOUT_TOKENS = 128
 class StagePlanner:
     def __init__(self, model: ModelConfig, layout: LayoutConfig, cluster: ClusterConfig,
                  world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
-                 sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0):
+                 sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0,
+                 prefill_tokens: int = PREFILL_TOKENS):
         self.model, self.layout_cfg, self.world = model, layout, world
-        self.episodes, self.batch = episodes, batch
+        self.episodes, self.batch, self.prefill_tokens = episodes, batch, prefill_tokens
         self.auto = layout.mode == "auto"
-        self.opts = TrainOptions(distributed_optimizer=distributed_optimizer)
+        auto_recompute = layout.recompute == "auto"
+        self.opts = TrainOptions(distributed_optimizer=distributed_optimizer,
+                                 recompute=Recompute.NONE if auto_recompute
+                                 else Recompute(layout.recompute))
         spec = _cluster_spec(cluster, layout, world)
         if sglang_mem_fraction is not None:
             if sglang_mem_fraction > 1 - layout.memory_margin:
@@ -64,12 +75,15 @@ class StagePlanner:
                                                 hysteresis=layout.hysteresis,
                                                 max_tp=layout.max_tp, max_cp=layout.max_cp,
                                                 max_pp=layout.max_pp,
-                                                server_restart_s=sglang_restart_s))
+                                                server_restart_s=sglang_restart_s,
+                                                auto_recompute=auto_recompute))
         self.servers = sglang_mem_fraction is not None
         self.profile = ProfileTable()
         self.state = SelectorState()
         self.predicted_memory: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
+        self.recompute: dict[str, str] = {}
+        """The TRAIN stage's recompute mode of the last plan ({"train": "full"})."""
         self.last_lengths: list[int] = []
 
     def plan(self, stage: str, lengths: list[int], current: Optional[ParallelLayout],
@@ -83,7 +97,7 @@ class StagePlanner:
             if stage == "rollout" and self.servers and (lay.pp, lay.cp) != (1, 1):
                 raise ConfigError(f"layout.rollout={lay}: SGLang servers take tp x dp layouts "
                                   f"(pp = cp = 1); use e.g. layout.rollout=tp{lay.tp}")
-            mem = self.selector.memory(lay, wl, resident_bytes)
+            mem, rc = self._static_memory(lay, wl, resident_bytes)
             if mem.total > self.selector.budget_bytes:
                 raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))
             if not server_pool_fits(mem, self.selector.cluster):
@@ -93,12 +107,31 @@ class StagePlanner:
                     f"what the device holds) cannot hold one {max(lengths)}-token sequence "
                     f"({mem.describe()}): raise rollout.sglang_mem_fraction or use more tp")
             self.predicted_memory[stage] = mem.total
+            if stage == "train":
+                self.recompute[stage] = rc.value
             return lay
         plan, self.state = self.selector.plan(wl, current=current, state=self.state,
                                               resident_bytes=resident_bytes)
         self.predicted_memory[stage] = plan.predicted_memory_bytes
         self.reasons[stage] = plan.reason
+        if stage == "train":
+            self.recompute[stage] = plan.recompute.value
         return plan.layout
+
+    def _static_memory(self, lay: ParallelLayout, wl: StageWorkload,
+                       resident_bytes: int) -> tuple[MemoryEstimate, Recompute]:
+        """A static layout's estimate with its recompute mode: the fastest that fits (the
+        smallest estimate when none does)."""
+        sel, fitting = self.selector, []
+        modes = sel.recompute_modes(wl.stage)
+        for rc in modes:
+            mem = sel.memory(lay, wl, resident_bytes, rc)
+            if sel.fits(mem):
+                fitting.append((sel.evaluate(lay, wl, recompute=rc).predicted_seconds,
+                                RECOMPUTE_ORDER.index(rc), mem, rc))
+        if fitting:
+            return min(fitting, key=lambda f: f[:2])[2:]
+        return sel.memory(lay, wl, resident_bytes, modes[-1]), modes[-1]
 
     def record_start(self, tp: int, seconds: float) -> None:
         """A measured server (re)start with this tp (the same value on every rank): later
@@ -112,7 +145,8 @@ class StagePlanner:
 
     def _workload(self, stage: str, lengths: list[int]) -> StageWorkload:
         if stage == "rollout":
-            return StageWorkload.of(Stage.ROLLOUT, lengths, responses_in_flight=self.episodes)
+            return StageWorkload.of(Stage.ROLLOUT, lengths, responses_in_flight=self.episodes,
+                                    micro_batch_tokens=self.prefill_tokens)
         longest = max(lengths)
         tokens = self.batch.micro_batch_size * longest
         if self.batch.micro_batch_tokens:  # length-grouped micro-batches: a long one trains alone

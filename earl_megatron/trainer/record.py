@@ -128,6 +128,8 @@ class Recorder:
         rec["predicted_memory_gb"] = {k: v / 2**30 for k, v in planner.predicted_memory.items()}
         if planner.reasons:
             rec["layout_reasons"] = dict(planner.reasons)
+        if planner.recompute:
+            rec["recompute"] = dict(planner.recompute)
         if self.rank == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from earl_megatron.config.train import STAGES
+from earl_megatron.stages import ITERATION_TIMERS, STAGE_NAMES
 
-# stacked from the bottom in loop order; unknown keys go on top, "total" is the sum, not a part
-TIME_ORDER = ("plan+switch", "rollout", "logprob", "switch", "train")
+# the seconds are stacked from the bottom in loop order (ITERATION_TIMERS); unknown keys go on
+# top, "total" is the sum, not a part
 # one colour per stage in every panel
 COLOURS = {"rollout": "tab:orange", "logprob": "tab:green", "train": "tab:purple",
            "plan+switch": "tab:gray", "switch": "tab:red"}
@@ -108,7 +108,7 @@ def write_report(out: Path, history: list[dict], evals: dict,
 
     a = ax[1][0]
     layouts = [h.get("layouts") or {} for h in history]
-    stages = [s for s in STAGES if any(s in lay for lay in layouts)]
+    stages = [s for s in STAGE_NAMES if any(s in lay for lay in layouts)]
     stages += sorted({s for lay in layouts for s in lay} - set(stages))
     names = sorted({str(v) for lay in layouts for v in lay.values()})
     for k, stage in enumerate(stages):
@@ -126,7 +126,7 @@ def write_report(out: Path, history: list[dict], evals: dict,
 
     a = ax[1][1]
     seconds = [h.get("seconds") or {} for h in history]
-    keys = [k for k in TIME_ORDER if any(k in s for s in seconds)]
+    keys = [k for k in ITERATION_TIMERS if any(k in s for s in seconds)]
     keys += sorted({k for s in seconds for k in s} - set(keys) - {"total"})
     bottom = [0.0] * len(history)
     for key in keys:

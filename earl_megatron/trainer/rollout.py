@@ -23,16 +23,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 from earl_megatron.envs import make_env
+from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
-
-
-def episode_seeds(seed: int, iteration: int, count: int, group_size: int) -> list[int]:
-    """Environment seeds of one iteration, from (run seed, iteration) only (GRPO groups of
-    ``group_size`` consecutive episodes share a seed): a resumed run replays the same games."""
-    base = seed * 1_000_003 + iteration * 10_007
-    return [base + i // group_size for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -47,6 +41,8 @@ class EpisodeSpec:
     top_p: float
     routing_replay: bool = False
     """MoE: the engine records each token's experts into Episode.routes (algorithm.routing_replay)."""
+    prefill_tokens: int = PREFILL_TOKENS
+    """The embedded engine's prefill chunk (rollout.prefill_tokens)."""
 
 
 class Rollout(Protocol):
@@ -106,7 +102,8 @@ class EmbeddedRollout:
         # routing replay needs every prompt token's experts: prefix reuse would skip them
         engine = EmbeddedEngine(policy, pad_token_id=self.tok.pad_token_id, prompts="replica",
                                 reuse_prefix=not sp.routing_replay,
-                                record_routes=sp.routing_replay)
+                                record_routes=sp.routing_replay,
+                                prefill_tokens=sp.prefill_tokens)
         loop_cfg = AgentLoopConfig(max_turns=sp.max_turns,
                                    max_context_tokens=sp.max_context_tokens,
                                    max_action_tokens=sp.max_action_tokens,

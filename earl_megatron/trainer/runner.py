@@ -18,10 +18,10 @@ the values it uses.
 Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
 trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
 the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re-scored, to
-record rollout_logprob_diff[_max]; PPO epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
+record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
 weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
 
-Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint.py: a damaged
+Resume: the newest complete checkpoint under run.output_dir (runtime/checkpoint_files.py: a damaged
 newer one is skipped with a line saying so) restores weights, optimizer, selector state and
 history; iteration i's seeds depend only on (run.seed, i), so the resumed run replays the
 same iterations as one that never stopped. On another world size (elastic resume) layouts are
@@ -50,15 +50,17 @@ from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
-from earl_megatron.runtime.checkpoint import (base_hf_config, find_checkpoint, load_checkpoint,
-                                              save_checkpoint)
+from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
+from earl_megatron.runtime.checkpoint_files import find_checkpoint
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.model_pair import ModelPair, build_model_pair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.record import Recorder, StageTimer, gather_by_sample, tool_row
-from earl_megatron.trainer.rollout import EpisodeSpec, episode_seeds
+from earl_megatron.seeds import (EVAL_SAMPLE_SEED, episode_seeds, evaluation_seeds,
+                                 rollout_sample_seed)
+from earl_megatron.trainer.rollout import EpisodeSpec
 from earl_megatron.trainer.rollout_engines import make_rollout
 from earl_megatron.trainer.samples import SampleWriter
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
@@ -79,7 +81,7 @@ class Trainer:
         self.loss = PolicyLossConfig(clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps,
                                      kl_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
                                      entropy_coef=a.entropy_coef)
-        self.adv = AdvantageConfig("grpo" if a.name == "grpo" else "reinforce_pp", a.gamma,
+        self.adv = AdvantageConfig(a.name, a.gamma,
                                    a.group_size, a.kl_coef if a.kl_mode == "reward" else 0.0)
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
@@ -91,12 +93,14 @@ class Trainer:
                                     distributed_optimizer=a.use_distributed_optimizer,
                                     episodes=r.episodes_per_iteration, batch=self.batch,
                                     sglang_mem_fraction=frac,
-                                    sglang_restart_s=r.sglang_restart_s)
+                                    sglang_restart_s=r.sglang_restart_s,
+                                    prefill_tokens=r.prefill_tokens)
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p,
-            routing_replay=a.routing_replay), tokenizer, model=cfg.model,
+            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens), tokenizer,
+            model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
             mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
@@ -131,7 +135,7 @@ class Trainer:
             try:
                 ids, episodes = self.rollout.play(policy, seeds,
                                                   temperature=cfg.rollout.temperature,
-                                                  sample_seed=cfg.run.seed * 7919 + it,
+                                                  sample_seed=rollout_sample_seed(cfg.run.seed, it),
                                                   should_stop=self.stop.replica_should_stop)
             except RolloutAbandoned:
                 ids, episodes = [], []
@@ -179,7 +183,7 @@ class Trainer:
         if tis:  # TIS: w * A trains exactly w * surrogate (rl/advantages.py)
             adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
         with t("switch"):
-            trainee = models.policy_in(layouts["train"])
+            trainee = models.trainee(layouts["train"], plan.recompute["train"])
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                            cfg.algorithm.epochs, routes=routes)
@@ -357,13 +361,13 @@ class Trainer:
         lay = models.policy.layout
         # the engine decodes with cp=1: spend the cp ranks on dp for the evaluation
         policy = models.policy_in(ParallelLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp))
-        seeds = [10**9 + cfg.run.seed * 100_003 + i for i in range(cfg.run.eval_episodes)]
+        seeds = evaluation_seeds(cfg.run.seed, cfg.run.eval_episodes)
         out = {}
         for opp in cfg.env.eval_opponents or (None,):
             for mode, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
                 try:
                     ids, eps = self.rollout.play(policy, seeds, temperature=temp,
-                                                 sample_seed=424242, opponent=opp,
+                                                 sample_seed=EVAL_SAMPLE_SEED, opponent=opp,
                                                  should_stop=self.stop.replica_should_stop)
                 except RolloutAbandoned:
                     ids, eps = [], []

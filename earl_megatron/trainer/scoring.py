@@ -26,7 +26,7 @@ from earl_megatron.runtime.reduce import global_max, global_moments, global_sum
 @dataclass(frozen=True)
 class AdvantageConfig:
     estimator: str
-    """"reinforce_pp" (per-token returns, batch-normalised; PPO uses it too) or "grpo"."""
+    """"reinforce_pp" (per-turn returns, batch-normalised) or "grpo" (algorithm.name)."""
     gamma: float = 1.0
     group_size: int = 1
     kl_coef: float = 0.0
@@ -65,7 +65,7 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
                ) -> dict[int, torch.Tensor]:
     """Per-sample advantages [length] of this rank's samples (0 off the policy tokens).
 
-    REINFORCE++/PPO: ``token_returns`` of each episode (``kl``: k1 per token, with
+    REINFORCE++: ``token_returns`` of each episode (``kl``: k1 per token, with
     ``cfg.kl_coef``), normalised by mean and std over every policy token of the iteration.
     GRPO: each episode's reward (minus its summed KL when in the reward) normalised within its
     group of ``group_size`` consecutive sample ids.

@@ -24,7 +24,7 @@ Invariants (tests/unit/test_trajectories.py, tests/distributed/test_sft.py):
 from __future__ import annotations
 
 import random
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.rollout.trajectories import (Trajectory, expert_trajectories, read_jsonl,
                                                 trajectory_tokens)
 from earl_megatron.runtime.step_inputs import TRAIN_TENSORS, shifted_ids
+from earl_megatron.seeds import expert_seeds
 from earl_megatron.trainer.stages import BatchShape, dispatched_microbatches, micro_batch_plan
 
 SFT_TENSORS = TRAIN_TENSORS[:3]
@@ -42,12 +43,6 @@ SFT_TENSORS = TRAIN_TENSORS[:3]
 
 Sample = tuple[list[int], list[int]]
 """(token ids, loss mask) of one trace."""
-
-
-def expert_seeds(run_seed: int, count: int) -> list[int]:
-    """Seeds of the expert's traces: a range no RL iteration (run.seed * 1_000_003 + ...) nor
-    evaluation (10**9 + ...) draws from."""
-    return [3 * 10**9 + run_seed * 100_003 + i for i in range(count)]
 
 
 def load_traces(scfg: SFTConfig, env_name: str, env_kwargs: dict, run_seed: int
@@ -131,22 +126,3 @@ def sft_step(on_layout, samples: Sequence[Sample], batch: Sequence[int], *, lr: 
     set_lr(on_layout.optimizer, lr)
     res = train_step(on_layout, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
     return res, received
-
-
-def train_sft(on_layout, samples: Sequence[Sample], scfg: SFTConfig, *, lr: float, seed: int,
-              pad_id: int, shape: BatchShape, start: int = 0,
-              on_step: Optional[Callable[[int, object], None]] = None
-              ) -> list[float]:
-    """Steps ``start .. scfg.steps - 1`` in ``on_layout``'s layout; the loss of each step.
-
-    ``on_step(step, TrainStepResult)`` runs after every step (metrics, checkpoints). The trainer
-    (trainer/warm_start.py) drives its own loop over ``sft_step`` to plan a layout per step.
-    """
-    losses = []
-    for step in range(start, scfg.steps):
-        batch = step_batch(len(samples), scfg.batch_size, seed, step)
-        res, _ = sft_step(on_layout, samples, batch, lr=lr, pad_id=pad_id, shape=shape)
-        losses.append(res.loss)
-        if on_step is not None:
-            on_step(step, res)
-    return losses

@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import ClusterConfig, ConfigError, sglang_mem_fraction
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import ConfigError, sglang_mem_fraction
 from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes

@@ -38,7 +38,7 @@ def sft_root(out: Path) -> Path:
 def warm_start_state(out: Path) -> Optional[dict]:
     """loop.json of the newest complete warm-start checkpoint, with its "path" and "notes" (a
     line when a damaged newer one was skipped); None: there is none."""
-    from earl_megatron.runtime.checkpoint import find_checkpoint
+    from earl_megatron.runtime.checkpoint_files import find_checkpoint
 
     found = find_checkpoint(sft_root(out))
     if found is None:
@@ -54,7 +54,7 @@ class TraceSource:
     env: str
     env_kwargs: dict
     seed: int
-    """run.seed: the expert's episodes use seeds derived from it (trainer/sft.expert_seeds)."""
+    """run.seed: the expert's episodes use seeds derived from it (earl_megatron/seeds.py expert_seeds)."""
 
 
 class WarmStart:
@@ -98,7 +98,7 @@ class WarmStart:
             lengths = [len(samples[i][0]) for i in batch]
             policy = models.policy
             lay = planner.plan("train", lengths, policy.layout)
-            policy = models.policy_in(lay)
+            policy = models.trainee(lay, planner.recompute["train"])
             res, moved = sft_step(policy, samples, batch, lr=self.lr,
                                   pad_id=self.tok.pad_token_id, shape=self.batch)
             last = step == self.steps - 1

@@ -15,8 +15,8 @@ def _resume_cases(root):
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
-    from earl_megatron.runtime.checkpoint import (CheckpointError, latest_checkpoint,
-                                                  load_checkpoint, save_checkpoint)
+    from earl_megatron.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from earl_megatron.runtime.checkpoint_files import latest_checkpoint
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
     from earl_megatron.models.sharding import reference_weights

@@ -16,6 +16,7 @@ def _safety(root):
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime import checkpoint as ck
+    from earl_megatron.runtime import checkpoint_files as ckf
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
@@ -82,7 +83,7 @@ def _safety(root):
         finally:
             os.replace = real
         groups.destroy_groups()
-        found = ck.find_checkpoint(root)
+        found = ckf.find_checkpoint(root)
         out["after_failure"] = (found.path.name, found.message())
         loop, w = loaded(found.path)
         out["failure_loads_old"] = (loop, diff(w, saved[3]))
@@ -93,14 +94,14 @@ def _safety(root):
         ck.save_checkpoint(mol, root, 3, {"iteration": 3, "again": True}, keep_last=2)
         groups.destroy_groups()
         out["after_resave"] = names()
-        loop, w = loaded(ck.latest_checkpoint(root))
+        loop, w = loaded(ckf.latest_checkpoint(root))
         out["resave_loads_new"] = (loop, diff(w, new))
         # the newest loop.json truncated: the resume falls back to iteration 2, and says so
         if rank == 0:
             f = root / "iter_000003" / "loop.json"
             f.write_text(f.read_text()[:5])
         dist.barrier()
-        found = ck.find_checkpoint(root)
+        found = ckf.find_checkpoint(root)
         out["fallback"] = (found.path.name, found.message())
         loop, w = loaded(found.path)
         out["fallback_loads"] = (loop, diff(w, saved[2]))

@@ -175,16 +175,21 @@ def test_kl_in_the_reward_with_auto_layouts(tmp_path):
 
 
 def test_auto_layouts_change_under_a_memory_budget(tmp_path):
-    # 0.02 GB per rank: TRAIN in DP2 (the whole model's activations per rank, ~24 MiB predicted)
-    # no longer fits, so TRAIN moves to a layout that splits them (CP2 or TP2) while ROLLOUT (a
-    # few MiB) keeps DP2: the stages of one iteration run in different layouts, all in budget
+    # 0.02 GB per rank: TRAIN in DP2 without recompute (the whole model's activations per rank,
+    # ~24 MiB predicted) no longer fits, so TRAIN either moves to a layout that splits them (CP2
+    # or TP2) or, layout.recompute=auto (default), keeps DP2 with recomputation (selective is
+    # the cheapest here), while ROLLOUT (a few MiB) keeps DP2: every stage in budget, and each
+    # iteration's record says which mode TRAIN ran with, and why
     cfg = _cfg(str(tmp_path / "auto"), 2, mode="auto", memory_budget_gb=0.02)
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     assert len(hist) == 2
     for h in hist:
-        lay = h["layouts"]
-        assert lay["train"] != "DP2" and lay["train"] != lay["rollout"], h["layout_reasons"]
+        lay, mode = h["layouts"], h["recompute"]["train"]
+        assert set(h["recompute"]) == {"train"} and mode in ("none", "selective", "full")
+        assert lay["train"] != "DP2" or mode != "none", h["layout_reasons"]
+        assert lay["rollout"] == "DP2", h["layout_reasons"]
         assert all(0 < gb <= 0.02 for gb in h["predicted_memory_gb"].values()), h
+        assert f"recompute={mode} (" in h["layout_reasons"]["train"], h["layout_reasons"]
 
 
 def test_evaluation_after_a_cp_train_layout(tmp_path):

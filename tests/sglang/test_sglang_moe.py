@@ -38,7 +38,7 @@ TOL = 1e-4  # fp32 on both sides
 def test_server_ep_size_from_the_rollout_layout():
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.sglang_server import SGLangConfig, server_command
+    from earl_megatron.rollout.sglang_launch import SGLangConfig, server_command
     from earl_megatron.trainer.sglang_rollout import server_ep
 
     moe, dense = ModelConfig.tiny("qwen3_moe"), ModelConfig.tiny("qwen3")

@@ -22,7 +22,7 @@ import pytest
 
 from earl_megatron.rollout.engine import SamplingParams
 from earl_megatron.rollout.sglang_engine import SGLangConfig, SGLangEngine, SGLangServerError
-from earl_megatron.rollout.sglang_server import server_command
+from earl_megatron.rollout.sglang_launch import server_command
 from earl_megatron.runtime import fault_points
 
 pytestmark = pytest.mark.timeout(1800)

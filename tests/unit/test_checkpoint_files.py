@@ -14,9 +14,9 @@ import shutil
 import pytest
 
 from earl_megatron.config.train import ConfigError, RunConfig
-from earl_megatron.runtime import checkpoint as ck
-from earl_megatron.runtime.checkpoint import (CheckpointError, damage, find_checkpoint,
-                                              latest_checkpoint, retention)
+from earl_megatron.runtime import checkpoint_files as ck
+from earl_megatron.runtime.checkpoint_files import (CheckpointError, damage, find_checkpoint,
+                                                    latest_checkpoint, retention)
 from earl_megatron.trainer.segments import earlier_run
 
 

@@ -229,7 +229,7 @@ def test_no_layout_fits_is_one_line_with_the_config_keys_that_fix_it(capsys):
         f". Fix: layout.memory_budget_gb={budget_gb:g} or more (now 0.25; the smallest layout "
         f"needs {human_bytes(need)} and layout.memory_margin=0.1 stays free)")
     assert budget_gb * GiB * 0.9 >= need > (budget_gb - 0.01) * GiB * 0.9
-    # the selector's suggestions that a config key makes, as that key (recompute has none)
+    # each of the selector's suggestions as the config key that makes it
     cluster = cluster_spec("cpu", nodes=1, devices_per_node=2, device_memory_bytes=2 * GiB)
     sel = Selector(SMOLLM2_MODEL, cluster, config=SelectorConfig(memory_margin=0.1))
     wl = StageWorkload.of(Stage.TRAIN, [128] * 64, micro_batch_tokens=512)
@@ -238,7 +238,18 @@ def test_no_layout_fits_is_one_line_with_the_config_keys_that_fix_it(capsys):
     line = capsys.readouterr().err
     assert "Would fit: 2 nodes (4 devices), e.g. CP2xPP2 at 1.4 GiB; recompute=full" in line
     assert line.endswith("stays free); or 4 ranks (cluster.nodes=2 x 2 per node); or "
+                         "layout.recompute=full (or auto: the selector picks per iteration); or "
                          "algorithm.micro_batch_tokens=256\n")
+    # the rollout's prefill chunk: rollout.prefill_tokens (the embedded engine's)
+    sel = Selector(SMOLLM2_MODEL, cluster_spec("cpu", nodes=1, devices_per_node=2,
+                                               device_memory_bytes=int(0.8 * GiB)),
+                   config=SelectorConfig(memory_margin=0.1))
+    wl = StageWorkload.of(Stage.ROLLOUT, [1024] * 16, responses_in_flight=16)
+    with pytest.raises(SystemExit):
+        reporting_errors(planning, TrainConfig.from_dict({"layout": {"memory_budget_gb": 0.8}}))
+    line = capsys.readouterr().err
+    assert "; or rollout.prefill_tokens=128; or rollout.max_context_tokens=59" in line, line
+    assert "micro_batch_tokens" not in line, line
 
 
 def test_the_command_line_takes_the_model_and_the_tokenizer_from_run_init(tmp_path):

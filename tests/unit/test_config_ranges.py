@@ -88,6 +88,17 @@ BAD = [  # (overrides, the whole message)
      "algorithm.tis_cap=inf must be a finite number"),
     ({"run": {"iterations": -1}}, "run.iterations=-1 must be >= 0"),
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
+    # names that say what trains, and knobs that would do nothing in the mode chosen
+    ({"algorithm": {"name": "ppo"}},
+     "algorithm.name=ppo: earl_megatron trains no critic (no value model, no GAE); PPO-clip "
+     "without a critic over several epochs is algorithm.name=reinforce_pp with "
+     "algorithm.epochs=2 (the recipe algorithm=reinforce_pp_multi_epoch)"),
+    ({"algorithm": {"name": "grpo", "group_size": 4, "gamma": 0.9}},
+     "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (GRPO scores whole episodes, "
+     "no per-turn returns): drop it, or use algorithm.name=reinforce_pp"),
+    ({"cluster": {"inter_node_gbps": 100.0}},
+     "cluster.inter_node_gbps=100.0 does nothing under cluster.preset=cpu (one host, no network "
+     "between ranks): drop it, or use cluster=h100"),
 ]
 
 

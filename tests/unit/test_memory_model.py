@@ -236,12 +236,17 @@ def test_recompute_lowers_activations():
             for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)]
     assert acts[0] >= acts[1] > acts[2]
     # Unfused attention: every one of the 32 layers stores the softmax output (8192 x 8192 per
-    # head, 32/8 heads per tp rank, 2 B) and a 1-byte mask; selective recompute keeps them for
-    # one layer at a time.
+    # head, 32/8 heads per tp rank, 2 B) and a 1-byte mask, K and V repeated to the 4 local
+    # heads and Q (3 x 512 per token); selective recompute keeps instead Megatron's checkpoint
+    # inputs (roped q and k: 512 + 128, the fused qkv output: 768, an int32 mask type) and
+    # rebuilds the core attention of one layer at a time in the backward.
     cpu = ClusterSpec.cpu(ranks=8)
     sel = [memory_breakdown(model, lay, wl, TrainOptions(recompute=r), cluster=cpu).activations
            for r in (Recompute.NONE, Recompute.SELECTIVE)]
-    assert sel[0] - sel[1] == (32 - 1) * 8192 * 8192 * (4 * 2 + 1)
+    s, scores = 8192, 8192 * 8192 * (4 * 2 + 1)
+    dropped = s * 2 * (3 * 512) + scores
+    kept = s * 2 * ((512 + 128) + 768) + 4
+    assert sel[0] - sel[1] == 32 * (dropped - kept) - dropped
 
 
 @settings(max_examples=60, deadline=None)

@@ -33,17 +33,28 @@ def test_main_prints_a_table_per_stage_and_a_png(tool, tmp_path):
     for stage in ("rollout", "logprob", "train"):
         assert f"{stage}: chosen layout" in text
     lines = text.splitlines()
-    # 128K tokens of training does not fit 72B on 128 GPUs without recompute: the last table's
-    # 128K row is all OOM, and the hint names fixes that were checked.
+    # 128K tokens of training fits 72B on 128 GPUs once the selector may recompute (the
+    # default, --recompute auto): every train cell has a layout, with full recompute at 128K
     train_128k = [ln for ln in lines if ln.startswith("│ 128K")][-1]
-    assert train_128k.count("OOM") == 2 and "TP" not in train_128k
-    assert "train 128K: would fit with" in text and "recompute=full" in text
+    assert "OOM" not in train_128k and train_128k.count(" full ") >= 2, train_128k
+    assert "recompute=auto, micro-batch" in text                 # the header says so
     train_1k = [ln for ln in lines if ln.startswith("│ 1K")][-1]
     # chosen layout, seconds, GiB, then the runner-up and its margin, in both columns
     assert train_1k.count("G |") == 2 and train_1k.count("%") == 2
     assert "runner-up" in text                                   # the legend
     assert "valid layouts exceed the budget (DP128" in text      # which layouts are OOM
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_recompute_long_training_is_oom_and_the_fix_is_named(tool):
+    # --recompute none (a run fixed to layout.recompute=none): the 128K train row is all OOM,
+    # and the hint names fixes that were checked, recompute=full among them
+    out = io.StringIO()
+    assert tool.main(ARGS + ["--stages", "train", "--recompute", "none"], out=out) == 0
+    text = out.getvalue()
+    train_128k = [ln for ln in text.splitlines() if ln.startswith("│ 128K")][-1]
+    assert train_128k.count("OOM") == 2 and "TP" not in train_128k
+    assert "train 128K: would fit with" in text and "recompute=full" in text
 
 
 def test_grid_matches_the_selector(tool):
@@ -58,7 +69,7 @@ def test_grid_matches_the_selector(tool):
         current = plan.layout
         assert grid[(stage, 1024, 8)] == plan
         assert plan.predicted_memory_bytes <= sel.budget_bytes
-    assert isinstance(grid[(Stage.TRAIN, 131072, 8)], NoLayoutFitsError)
+    assert isinstance(grid[(Stage.TRAIN, 131072, 8)], NoLayoutFitsError)   # recompute none
     assert tool.cell_text(grid[(Stage.TRAIN, 131072, 8)]) == "OOM"
     plan = grid[(Stage.TRAIN, 1024, 8)]
     margin = plan.runner_up.cost / plan.chosen.cost - 1

@@ -7,12 +7,13 @@ import json
 import pytest
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ClusterConfig, ConfigError,
-                                        LayoutConfig, TrainConfig, sglang_mem_fraction)
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ConfigError, LayoutConfig,
+                                        TrainConfig, sglang_mem_fraction)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.server_restart import model_key
 from earl_megatron.plan.specs import Stage
-from earl_megatron.rollout.sglang_server import SGLangConfig, server_command
+from earl_megatron.rollout.sglang_launch import SGLangConfig, server_command
 from earl_megatron.trainer.planner import StagePlanner
 from earl_megatron.trainer.stages import BatchShape
 
@@ -115,3 +116,38 @@ def test_one_cluster_mapping_honours_the_node_size_and_the_world():
     with pytest.raises(ConfigError, match="cluster.preset.*'tpu'"):
         StagePlanner(big, LayoutConfig(), ClusterConfig(preset="tpu"), 4,
                      distributed_optimizer=True, episodes=8, batch=BatchShape(2))
+
+
+def _budget_planner(recompute: str, mode: str = "auto", budget_gb: float = 0.03) -> StagePlanner:
+    """The demo's tiny model on 4 CPU ranks under a tight budget (as docs/selector.md's run)."""
+    layout = LayoutConfig(mode=mode, memory_budget_gb=budget_gb, recompute=recompute,
+                          **({"rollout": "dp4", "logprob": "dp4", "train": "cp4"}
+                             if mode == "static" else {}))
+    return StagePlanner(ModelConfig.tiny(vocab_size=32), layout, ClusterConfig(), 4,
+                        distributed_optimizer=True, episodes=64, batch=BatchShape(4, 2048))
+
+
+def test_layout_recompute_auto_moves_train_to_recompute_and_back():
+    from earl_megatron.plan.selector import NoLayoutFitsError
+
+    short, long_ = [100] * 64, [250] * 32 + [500] * 32
+    p = _budget_planner("auto")
+    modes = []
+    for lengths in (short, long_, short):
+        p.plan("train", lengths, None)
+        modes.append(p.recompute["train"])
+        assert f"recompute={modes[-1]}" in p.reasons["train"]
+    assert modes[0] == modes[2] == "none" and modes[1] != "none", modes
+    with pytest.raises(NoLayoutFitsError, match="recompute=selective"):
+        _budget_planner("none").plan("train", long_, None)          # fixed: the error says so
+    fixed = _budget_planner("full")
+    fixed.plan("train", short, None)
+    assert fixed.recompute["train"] == "full"
+    # a static layout gets its fastest fitting mode under auto
+    static = _budget_planner("auto", mode="static")
+    assert static.plan("train", long_, None) == ParallelLayout.parse("cp4", 4)
+    assert static.recompute["train"] != "none"
+    static.plan("train", short, None)
+    assert static.recompute["train"] == "none"
+    with pytest.raises(ConfigError, match="layout.recompute='some'"):
+        LayoutConfig(recompute="some")

@@ -23,7 +23,7 @@ def test_cpu_default():
     assert cfg.rollout.engine == "embedded" and cfg.env.name == "connect_four"
 
 
-@pytest.mark.parametrize("override", ["algorithm=grpo", "algorithm=ppo", "env=calculator",
+@pytest.mark.parametrize("override", ["algorithm=grpo", "algorithm=reinforce_pp_multi_epoch", "env=calculator",
                                       "layout=static", "rollout=sglang", "cluster=h100",
                                       "model=qwen2.5-7b", "model=qwen3-8b"])
 def test_every_group_option(override):

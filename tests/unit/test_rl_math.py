@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from earl_megatron.rl.advantages import (grpo_advantage, kl_penalized_reward, local_moments,
+from earl_megatron.rl.advantages import (grpo_advantage, group_means, kl_penalized_reward,
                                          moment_sums, moments_from, normalize,
                                          squared_deviations, tis_weighted, token_returns,
                                          truncated_is_weights, turn_ids, turn_returns)
@@ -18,6 +18,14 @@ from earl_megatron.rl.losses import (PolicyLossConfig, clipped_surrogate, k1_kl,
 MASK = torch.tensor([0., 1., 1., 0., 1., 1.])
 REWARDS = torch.tensor([0., 0., .5, 0., 0., 1.])
 KL = torch.tensor([0., .1, .2, 0., .3, .4])
+
+
+def local_moments(values, group_ids, num_groups, *, unbiased):
+    """One process's statistics from the same pieces runtime/reduce.global_moments all-reduces
+    (the trainer's own path is tested in tests/unit/test_scoring.py)."""
+    sums = moment_sums(values, group_ids, num_groups)
+    return moments_from(sums, squared_deviations(values, group_ids, group_means(sums)),
+                        unbiased=unbiased)
 
 
 def test_turn_returns_credit_each_turn_and_discount_per_turn():

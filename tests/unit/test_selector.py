@@ -17,7 +17,7 @@ from earl_megatron.plan.memory_model import server_pool_fits
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.server_restart import model_key, push_seconds
 from earl_megatron.plan.specs import (GiB, ClusterSpec, DecodeEngine, Recompute, Stage,
-                                      StageWorkload, TrainOptions)
+                                      StageWorkload, TrainOptions, human_bytes)
 
 TINY = ModelConfig.tiny()
 SMALL = ModelConfig.tiny(num_layers=8, hidden_size=512, ffn_hidden_size=2048, vocab_size=4096)
@@ -320,3 +320,65 @@ def test_a_measured_restart_replaces_the_default():
     # a measurement of another tp or another model does not count for tp1 of this model
     other = ProfileTable().record_restart(key, 4, 0.01).record_restart("x", 1, 0.01)
     assert _sglang(60.0, profile=other).plan(SGL_WL, state=live)[0].layout == TP4
+
+
+# ------------------------------------------------------------------ recompute as a choice
+AUTO = SelectorConfig(auto_recompute=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenario=scenarios, ctx=st.integers(64, 40000), seqs=st.integers(1, 64),
+       mb=st.sampled_from([512, 4096, 16384]))
+def test_auto_recompute_picks_the_cheapest_fitting_pair(scenario, ctx, seqs, mb):
+    """TRAIN under auto: the plan is the least-cost fitting (layout, mode) pair, none whenever
+    it fits and is fastest; it fits wherever any fixed mode fits; its memory is its mode's."""
+    model, cluster = scenario
+    wl = StageWorkload.of(Stage.TRAIN, ctx, seqs, micro_batch_tokens=mb)
+    auto = Selector(model, cluster, config=AUTO)
+    fixed = {}
+    for rc in Recompute:
+        try:
+            fixed[rc] = Selector(model, cluster, TrainOptions(recompute=rc)).plan(wl)[0]
+        except NoLayoutFitsError:
+            pass
+    if not fixed:
+        with pytest.raises(NoLayoutFitsError) as e:
+            auto.plan(wl)
+        assert not any(s.startswith("recompute=") for s in e.value.suggestions)
+        return
+    plan = auto.plan(wl)[0]
+    assert plan.chosen.cost <= min(p.chosen.cost for p in fixed.values()) + 1e-12
+    assert plan.predicted_memory_bytes == auto.memory(plan.layout, wl, 0, plan.recompute).total
+    assert plan.predicted_memory_bytes <= auto.budget_bytes
+    if Recompute.NONE in fixed and fixed[Recompute.NONE].chosen.cost <= plan.chosen.cost:
+        assert plan.recompute is Recompute.NONE and plan.layout == fixed[Recompute.NONE].layout
+    assert f"recompute={plan.recompute.value}" in plan.reason
+
+
+def test_auto_recompute_moves_to_full_as_contexts_grow_and_back():
+    # llama3-8b on one H100 node: none fits at 8K, only recomputation at 64K
+    model, cluster = PRESETS["llama3-8b"], ClusterSpec.h100_80gb(nodes=1)
+    sel = Selector(model, cluster, config=AUTO)
+    short, long_ = (StageWorkload.of(Stage.TRAIN, n, 8) for n in (8192, 65536))
+    p1, state = sel.plan(short)
+    p2, state = sel.plan(long_, state=state)
+    p3, _ = sel.plan(short, state=state)
+    assert p1.recompute is Recompute.NONE and p3.recompute is Recompute.NONE
+    assert p2.recompute is not Recompute.NONE
+    with pytest.raises(NoLayoutFitsError):
+        Selector(model, cluster).plan(long_)                   # recompute=none: nothing fits
+    # the reason names the mode, its seconds, and the other modes on that layout
+    none = sel.memory(p2.layout, long_, 0, Recompute.NONE)
+    assert f"recompute={p2.recompute.value} ({p2.predicted_seconds:.3g} s; none needs " \
+           f"{human_bytes(none.total)}, over the budget" in p2.reason, p2.reason
+
+
+def test_auto_recompute_skips_a_mode_that_saves_nothing():
+    # over flash attention (h100) selective keeps what none keeps: never a separate candidate
+    model, cluster = PRESETS["llama3-8b"], ClusterSpec.h100_80gb(nodes=1)
+    plan = Selector(model, cluster, config=AUTO).plan(StageWorkload.of(Stage.TRAIN, 4096, 8))[0]
+    assert plan.runner_up.recompute is not Recompute.SELECTIVE
+    cpu = Selector(SMALL, ClusterSpec.cpu(ranks=2, memory_budget_bytes=64 * GiB), config=AUTO)
+    wl = StageWorkload.of(Stage.TRAIN, 512, 4)
+    assert cpu.memory(ParallelLayout(), wl, 0, Recompute.SELECTIVE).total < \
+        cpu.memory(ParallelLayout(), wl, 0, Recompute.NONE).total       # unfused: it saves

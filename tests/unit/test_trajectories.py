@@ -13,7 +13,7 @@ from earl_megatron.rollout.tokenizer import tool_tokenizer
 from earl_megatron.rollout.trajectories import (Trajectory, TrajectoryFormatError,
                                                 expert_trajectories, read_jsonl,
                                                 trajectory_tokens, write_jsonl)
-from earl_megatron.trainer.sft import expert_seeds, sample_tensors, step_batch, tokenize_traces
+from earl_megatron.trainer.sft import sample_tensors, step_batch, tokenize_traces
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "calculator_traces.jsonl"
 
@@ -104,11 +104,6 @@ def test_sample_tensors_are_label_aligned():
     assert t["input_ids"].tolist() == [2, 5, 9, 7, 0, 0, 0, 0]
     assert t["labels"].tolist() == [5, 9, 7, 0, 0, 0, 0, 0]
     assert t["loss_mask"].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
-
-
-def test_expert_seeds_avoid_rl_and_eval_seeds():
-    seeds = expert_seeds(0, 1000)
-    assert len(set(seeds)) == 1000 and min(seeds) > 10**9 + 10**6
 
 
 @pytest.mark.parametrize("kwargs, why", [({"steps": -1}, "sft.steps"),

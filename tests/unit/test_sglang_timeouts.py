@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from earl_megatron.config.train import ClusterConfig, ConfigError, TrainConfig
+from earl_megatron.config.cluster import ClusterConfig
+from earl_megatron.config.train import ConfigError, TrainConfig
 
 
 def test_defaults_leave_the_restart_logic_inside_the_collective_timeout():

@@ -1,0 +1,106 @@
+"""Plain containers -> configuration dataclasses, and a checkpoint's model merged with the user's keys.
+
+``build(cls, d, path)`` turns a plain dict (Hydra's composed config, as a container) into the
+frozen dataclass ``cls``, recursively: unknown keys, wrong types and non-finite floats are a
+``ConfigError`` naming the key (``section.field``), before the dataclass's own checks run.
+``init_model`` is the same for ``run.init``: the checkpoint's ModelConfig with the model keys the
+user set, checked against it. Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+from earl_megatron.config.checks import ConfigError, check_finite
+from earl_megatron.config.model import INIT_MAY_DIFFER, ModelConfig
+
+
+def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
+    """The model of a run that starts from the checkpoint ``init``, whose config is ``found``,
+    with ``overrides`` ({field: value} the user set, as composed): a field equal to the
+    checkpoint's (floats within a relative 1e-6, None-defaults resolved as ModelConfig resolves
+    them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` takes the value
+    given; any other difference is a ConfigError naming the field, both values and the fix."""
+    hints = typing.get_type_hints(ModelConfig)
+    unknown = sorted(set(overrides) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[f'model.{k}' for k in unknown]}; valid keys of "
+                          f"model: {sorted(hints)}")
+    changes = {}
+    for name, raw in overrides.items():
+        want, have = coerce(hints[name], raw, f"model.{name}"), getattr(found, name)
+        if isinstance(want, float) and isinstance(have, float) and \
+                math.isclose(want, have, rel_tol=1e-6):
+            continue
+        if name in INIT_MAY_DIFFER:
+            changes[name] = want
+            continue
+        try:  # as ModelConfig normalises it (kv_channels=head_dim -> None, None -> the family's)
+            same = found.with_(**{name: want}) == found
+        except (ConfigError, TypeError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(
+                f"model.{name}={want} does not match run.init={init}, whose model has {name}="
+                f"{have}: drop model.{name} to take the checkpoint's value, or point run.init "
+                f"at a checkpoint with {name}={want} (only {', '.join(INIT_MAY_DIFFER)} may "
+                "differ from it)")
+    return found.with_(**changes)  # a bad value of a field that may differ: its ConfigError
+
+
+def build(cls, d: Any, path: str):
+    """The dataclass ``cls`` from the mapping ``d`` found at ``path`` (module docstring)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {[_join(path, k) for k in unknown]}; valid keys of "
+                          f"{path or 'the config'}: {sorted(names)}")
+    kwargs = {}
+    for name, value in d.items():
+        kwargs[name] = coerce(hints[name], value, _join(path, name))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from e
+
+
+def coerce(tp, value, path):
+    """``value`` as the type ``tp`` of the key at ``path`` (nested dataclasses built)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return coerce(args[0], value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float:
+        check_finite(path, value)
+    if tp is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        return tuple(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp in (int, float, str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{path}={value!r} must be {tp.__name__}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{path}={value!r} must be int")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
