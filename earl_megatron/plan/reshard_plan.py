@@ -300,30 +300,47 @@ def plan_reshard(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
         dim = rows[name].split_dim or 0
         per_row = rows[name].numel // rows[name].shape[dim]
         unit.append((name, per_row))
-        held_by = {}
-        for h in before[name]:
-            held_by.setdefault(h.rank, []).append(h)
-        for want in after[name]:
-            mine = held_by.get(want.rank, [])
-            for piece in want.pieces:
-                need = [(piece.start, piece.stop)]
-                # local copies first: rows this rank already holds (under any local name)
-                for h in mine:
-                    for p in h.pieces:
-                        for x, y in list(need):
-                            a, b = max(x, p.start), min(y, p.stop)
-                            if a < b:
-                                local_copies.append(WeightMove(
-                                    name, want.rank, a, b, want.rank, dim, h.local_name,
-                                    want.local_name, h.local_offset(dim, a),
-                                    want.local_offset(dim, a), per_row * (b - a)))
-                                need = _subtract(need, [(a, b)])
-                for a0, b0 in need:
-                    transfers.extend(_cover(name, dim, per_row, a0, b0, want, before[name], load))
+        moves, copies = deliver(name, dim, per_row, after[name], before[name], load)
+        transfers += moves
+        local_copies += copies
     return ReshardPlan(src=src, dst=dst, element_bytes=eb, transfers=tuple(sorted(transfers)),
                        local_copies=tuple(sorted(local_copies)),
                        min_bytes=sum(receive_bytes(cfg, src, dst, element_bytes=eb)),
                        unit_elements=tuple(unit), replicas=_replica_groups(before))
+
+
+def deliver(name: str, dim: int, per_row: int, wants, sources: tuple[Holding, ...],
+            load: list[int], node_of=None) -> tuple[list[WeightMove], list[WeightMove]]:
+    """(transfers, local copies) that give every holding of ``wants`` its rows of full tensor
+    ``name`` from the holdings ``sources``: rows a wanting rank already holds (under any local
+    name) are copied locally; each other row comes once, from the least-loaded source replica
+    (``load``: elements sent per rank so far, updated; with ``node_of``, rank -> node, a
+    replica on the receiver's node first). The one delivery step of every plan:
+    a switch (``plan_reshard``) and a weight transfer to other ranks or layouts
+    (plan/weight_plan.py)."""
+    held_by: dict[int, list[Holding]] = {}
+    for h in sources:
+        held_by.setdefault(h.rank, []).append(h)
+    transfers, local_copies = [], []
+    for want in wants:
+        mine = held_by.get(want.rank, [])
+        for piece in want.pieces:
+            need = [(piece.start, piece.stop)]
+            # local copies first: rows this rank already holds (under any local name)
+            for h in mine:
+                for p in h.pieces:
+                    for x, y in list(need):
+                        a, b = max(x, p.start), min(y, p.stop)
+                        if a < b:
+                            local_copies.append(WeightMove(
+                                name, want.rank, a, b, want.rank, dim, h.local_name,
+                                want.local_name, h.local_offset(dim, a),
+                                want.local_offset(dim, a), per_row * (b - a)))
+                            need = _subtract(need, [(a, b)])
+            for a0, b0 in need:
+                transfers.extend(_cover(name, dim, per_row, a0, b0, want, sources, load,
+                                        node_of))
+    return transfers, local_copies
 
 
 def _replica_groups(held: dict[str, tuple[Holding, ...]]
@@ -338,8 +355,12 @@ def _replica_groups(held: dict[str, tuple[Holding, ...]]
 
 
 def _cover(name: str, dim: int, per_row: int, a0: int, b0: int, want: Holding,
-           sources: tuple[Holding, ...], load: list[int]) -> list[WeightMove]:
-    """Transfers for rows [a0, b0) of ``want``: per source piece, the least-loaded replica."""
+           sources: tuple[Holding, ...], load: list[int], node_of=None) -> list[WeightMove]:
+    """Transfers for rows [a0, b0) of ``want``: per source piece, the least-loaded replica
+    (with ``node_of``: of those on ``want``'s node, if any)."""
+    def far(rank: int) -> bool:
+        return node_of is not None and node_of(rank) != node_of(want.rank)
+
     out = []
     cuts = sorted({a0, b0} | {x for h in sources for p in h.pieces for x in (p.start, p.stop)
                               if a0 < x < b0})
@@ -347,7 +368,7 @@ def _cover(name: str, dim: int, per_row: int, a0: int, b0: int, want: Holding,
         cands = [h for h in sources if any(p.start <= a and b <= p.stop for p in h.pieces)]
         if not cands:
             raise AssertionError(f"{name} rows [{a}, {b}) are held by no source rank")
-        h = min(cands, key=lambda c: (load[c.rank], c.rank))
+        h = min(cands, key=lambda c: (far(c.rank), load[c.rank], c.rank))
         n = per_row * (b - a)
         load[h.rank] += n
         prev = out[-1] if out else None

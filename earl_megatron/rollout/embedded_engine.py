@@ -331,12 +331,13 @@ class EmbeddedEngine:
         """Load weights from a full-weights dict (global Megatron names) or a live model.
 
         A live model (a ModelOnLayout, or a GPTModel / DDP wrapper of one) in the SAME layout is
-        copied parameter by parameter, locally. A ModelOnLayout in another layout is gathered to
-        full tensors first (``gather_full``: collective over the world, small models only; the
-        switcher reshards large ones in memory). Every rank calls it.
+        copied parameter by parameter, locally. A ModelOnLayout in another layout sends each
+        rank the rows of its shard it lacks, point to point (runtime/weight_transfer.py
+        ``load_shards``: the weight plan's ``ShardsIn``; collective over the world, no full
+        tensor anywhere). Every rank calls it.
         """
-        from earl_megatron.weights.gather import gather_full
         from earl_megatron.models.sharding import load_full_weights, unwrap
+        from earl_megatron.runtime.weight_transfer import load_shards
 
         on_layout = self.on_layout
         self._rows = []  # cached keys/values belong to the old weights
@@ -344,7 +345,8 @@ class EmbeddedEngine:
             if source.layout == on_layout.layout:
                 source = source.module()
             else:
-                source = gather_full(source.model, source.cfg, source.layout)
+                load_shards(source, on_layout)
+                return
         if isinstance(source, torch.nn.Module):
             source = unwrap(source)
             src = dict(source.named_parameters())
@@ -352,7 +354,7 @@ class EmbeddedEngine:
             if src.keys() != dst.keys() or any(src[k].shape != dst[k].shape for k in dst):
                 raise ValueError("the live model's parameters do not match this engine's pp_stage "
                                  "(different layout or config); pass its ModelOnLayout, or a "
-                                 "full-weights dict from weights.gather.gather_full")
+                                 "full-weights dict (global Megatron names)")
             for k, p in dst.items():
                 p.copy_(src[k])
         elif isinstance(source, dict):

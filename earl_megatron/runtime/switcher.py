@@ -106,7 +106,7 @@ def plan_names(cfg: ModelConfig, layout: ParallelLayout, pp_rank: int,
                                                          layout.ep)), layout) for n in names}
 
 
-def _params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def plan_params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(live name -> plan name, {plan name: parameter}) of this rank's model."""
     live = dict(on_layout.module().named_parameters())
     lay = on_layout.layout
@@ -139,7 +139,7 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
     old_state, old_ranges, step = optimizer_state(on_layout) if on_layout.optimizer is not None \
         else ({}, {}, None)
     kinds = state_kinds(has_masters(on_layout), step is not None)
-    names, src = _params(on_layout)
+    names, src = plan_params(on_layout)
     old_state, old_ranges = ({names[n]: v for n, v in d.items()} for d in (old_state, old_ranges))
     ddp = hasattr(on_layout.model, "module")
     t2 = time.perf_counter()
@@ -152,7 +152,7 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
     new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
     new_state, new_ranges = install_optimizer_state(new, step) if new.optimizer is not None \
         else ({}, {})
-    names, dst = _params(new)
+    names, dst = plan_params(new)
     new_state, new_ranges = ({names[n]: v for n, v in d.items()} for d in (new_state, new_ranges))
     if new.optimizer is not None and set(kinds) - set(state_kinds(has_masters(new), True)):
         raise ValueError("the new optimizer keeps no fp32 master copies but the old one did; "

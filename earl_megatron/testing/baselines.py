@@ -1,12 +1,14 @@
 """Baselines to measure against (tests, benchmarks; never the trainer): ``switch_via_checkpoint``
-(a layout switch through dist_checkpointing on disk, vs runtime/switcher.py) and
-``dispatch_centralized`` (gather on one root, then scatter, vs runtime/dispatcher.py)."""
+(a layout switch through dist_checkpointing on disk, vs runtime/switcher.py),
+``dispatch_centralized`` (gather on one root, then scatter, vs runtime/dispatcher.py) and
+``allgather_buckets`` (the weight sync before the weight plan: every bucket of every rank's
+shards to every rank, pickled, vs runtime/weight_transfer.py)."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,3 +55,40 @@ def switch_via_checkpoint(on_layout: ModelOnLayout, new_layout: ParallelLayout, 
     stats.rebuild_s += t2 - t1
     stats.transfer_s += t3 - t2
     return new
+
+
+def allgather_buckets(policy: ModelOnLayout, bucket_bytes: int, received: list
+                      ) -> Iterator[dict[str, torch.Tensor]]:
+    """The weight sync as it was: per bucket of whole tensors (model order, at most
+    ``bucket_bytes`` of full tensors), one ``all_gather_object`` of the owners' shards over the
+    world, then every rank unshards the whole bucket. Appends to ``received`` the tensor bytes
+    this rank got from other ranks per bucket (pickling and padding not counted)."""
+    from earl_megatron.models.sharding import unshard
+    from earl_megatron.plan.tensor_table import tensor_table
+    from earl_megatron.weights.gather import owned_shards
+
+    table = tensor_table(policy.cfg)
+    local = owned_shards(policy.model, policy.cfg, policy.layout)
+    size = next(policy.module().parameters()).element_size()
+    buckets, cur, used = [], [], 0
+    for row in table.full_rows:
+        if cur and used + row.numel * size > bucket_bytes:
+            buckets.append(cur)
+            cur, used = [], 0
+        cur.append(row)
+        used += row.numel * size
+    buckets.append(cur)
+    me = dist.get_rank()
+    for bucket in buckets:
+        mine = {r.name: (local[r.name][0], local[r.name][1].detach().cpu().clone())
+                for r in bucket if r.name in local}
+        everything: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, mine)
+        received.append(sum(t.numel() * t.element_size() for k, part in enumerate(everything)
+                            if k != me for _, t in part.values()))
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for part in everything:
+            for name, (tp_rank, t) in part.items():
+                shards.setdefault(name, {})[tp_rank] = t
+        yield {r.name: unshard(r, [shards[r.name][k] for k in sorted(shards[r.name])])
+               for r in bucket}

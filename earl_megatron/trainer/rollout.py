@@ -68,6 +68,16 @@ class Rollout(Protocol):
         ...
 
 
+def weight_sync_metrics(bytes_in_max: int, bytes_in_leader: int, seconds: float) -> dict:
+    """The weight sync's keys in every iteration's record (docs/trainer.md): the most bytes of
+    weights any rank that does not push received (0 under the weight plan), the most a
+    pushing rank (a server's leader) received (at most the model's bytes), and the sync's
+    seconds on its slowest rank."""
+    return {"weight_sync_bytes_in_max": int(bytes_in_max),
+            "weight_sync_bytes_in_leader": int(bytes_in_leader),
+            "weight_sync_s": float(seconds)}
+
+
 class EmbeddedRollout:
     """Episodes decoded by the policy itself (rollout/embedded_engine.py) in its current
     layout; replicas never communicate while decoding (except an MoE layout with ep > 1, whose
@@ -109,7 +119,7 @@ class EmbeddedRollout:
         pass  # the engine decodes with the policy itself: nothing to copy
 
     def metrics(self) -> dict:
-        return {}
+        return weight_sync_metrics(0, 0, 0.0)   # nothing moves (``sync``)
 
     def take_starts(self) -> list[tuple[int, float]]:
         return []

@@ -17,10 +17,11 @@ Invariants:
   weight version (``it<k>``), every /generate answer carries the server's version, and the
   engine raises on a mismatch. Pushes happen after every TRAIN step (``sync``) and before the
   first request of fresh servers (start, layout change).
-- Weights travel in buckets of at most ``rollout.sglang_bucket_mb`` (weights/gather.py
-  ``gather_buckets``: each pp_stage's owners contribute their layers, every rank holds one
-  bucket of others' shards at a time); only the last bucket carries the new version, so no
-  answer matches it before every bucket is in.
+- Weights reach the servers by a weight plan (plan/weight_plan.py, run by
+  runtime/weight_transfer.py): each replica leader receives, point to point, the rows of the
+  train layout's shards it lacks, in buckets of at most ``rollout.sglang_bucket_mb``, converts
+  each bucket to HF names and pushes it; no other rank receives any weight. Only the last
+  bucket carries the new version, so no answer matches it before every bucket is in.
 - Servers start from the model's config.json alone (``--load-format dummy``): nothing of the
   model's size is built or written before they start; the trainer's weights arrive by the
   distributed update before the first request.
@@ -68,7 +69,7 @@ from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episo
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.fault_points import fault_point
-from earl_megatron.trainer.rollout import EpisodeSpec
+from earl_megatron.trainer.rollout import EpisodeSpec, weight_sync_metrics
 
 BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
               "sglang` in a separate venv on GPU machines, then set EARL_SGLANG_PYTHON=<venv>/"
@@ -182,9 +183,12 @@ class SGLangRollout:
         return block, episodes[0]
 
     def sync(self, policy: ModelOnLayout) -> None:
-        """Push the policy's weights (any layout) into every server, bucket by bucket (at most
-        ``bucket_bytes`` each, weights/gather.py): all ranks call it."""
-        from earl_megatron.weights.gather import gather_buckets
+        """Push the policy's weights (any layout) into every server: the weight plan
+        (runtime/weight_transfer.py) assembles each bucket of full tensors (at most
+        ``bucket_bytes``) at the replica leaders only, which convert it to HF names and push it;
+        the other ranks send their shards and receive nothing. All ranks call it."""
+        from earl_megatron.runtime.transport import Traffic
+        from earl_megatron.runtime.weight_transfer import full_weights_at
         from earl_megatron.weights.hf_mapping import to_hf
 
         if self.layout is None:
@@ -198,24 +202,49 @@ class SGLangRollout:
         # replays the buckets pushed so far, untagged (``_repush``)
         self.last_push, self._push_complete = [], False
         total, largest, count = 0, 0, 0
-        for i, n, bucket in gather_buckets(policy.model, policy.cfg, policy.layout,
-                                           self.bucket_bytes):
+        traffic = Traffic()
+        # ranks numbered node by node (torchrun): a leader's rows come from its node first
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        for i, n, bucket in full_weights_at(policy, self.leaders(), self.bucket_bytes, traffic,
+                                            devices_per_node=per_node):
+            count = n
+            if bucket is None:
+                continue   # not a leader: this rank only sent its shards
             hf = sorted(to_hf(self.model_cfg, bucket, partial=True).items())
             del bucket
             size = sum(t.numel() * t.element_size() for _, t in hf)
-            total, largest, count = total + size, max(largest, size), n
-            if self.engine is not None:
-                self.last_push.append(hf)
-                self._push_complete = i == n - 1
-                self._guarded(lambda: self._push(hf, last=i == n - 1),
-                              f"weight push (bucket {i + 1} of {n})")
+            total, largest = total + size, max(largest, size)
+            # kept in host memory for a replay after a server restart (on cuda the bucket was
+            # assembled on the device: it must not stay there)
+            self.last_push.append([(name, t.cpu()) for name, t in hf])
+            self._push_complete = i == n - 1
+            self._guarded(lambda: self._push(hf, last=i == n - 1),
+                          f"weight push (bucket {i + 1} of {n})")
+            del hf
         self._push_complete = True
-        self.stats.update(push_bytes=total, push_buckets=count, push_bucket_max_bytes=largest)
         self._fresh = False
-        self.stats["push_s"] = time.perf_counter() - t0
-        died = torch.tensor([sum(self.engine.restarts) if self.engine is not None else 0])
+        leader = self.engine is not None
+        # [bytes in at a rank that does not push, at a leader, seconds]: the largest over ranks,
+        # and the servers restarted after dying, summed over leaders: the same on every rank
+        worst = torch.tensor([0.0 if leader else traffic.bytes_received,
+                              traffic.bytes_received if leader else 0.0,
+                              time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        died = torch.tensor([sum(self.engine.restarts) if leader else 0])
         dist.all_reduce(died)  # servers restarted after dying, on every leader, this layout
-        self.stats["died"] = int(died)
+        all_bytes = torch.tensor([total, largest], dtype=torch.int64)
+        dist.all_reduce(all_bytes, op=dist.ReduceOp.MAX)  # the leaders' view, on every rank
+        self.stats.update(push_bytes=int(all_bytes[0]), push_buckets=count,
+                          push_bucket_max_bytes=int(all_bytes[1]),
+                          push_s=time.perf_counter() - t0, died=int(died),
+                          bytes_in_max=int(worst[0]), bytes_in_leader=int(worst[1]),
+                          sync_s=float(worst[2]))
+
+    def leaders(self) -> tuple[int, ...]:
+        """The ranks that push (the first rank of every replica of the servers' layout)."""
+        lay = self.layout
+        return tuple(min(r for r in range(self.world) if lay.coords(r).dp == d)
+                     for d in range(lay.dp))
 
     def metrics(self) -> dict:
         """What the iteration's metrics line records about the servers (same on every rank)."""
@@ -227,7 +256,10 @@ class SGLangRollout:
                 "rollout_push_bucket_max_bytes": self.stats["push_bucket_max_bytes"],
                 "rollout_layout_restarts": self.stats["restarts"],
                 "rollout_server_restart_s": self.stats["restart_s"],
-                "rollout_servers_died": self.stats.get("died", 0)}
+                "rollout_servers_died": self.stats.get("died", 0),
+                **weight_sync_metrics(self.stats.get("bytes_in_max", 0),
+                                      self.stats.get("bytes_in_leader", 0),
+                                      self.stats.get("sync_s", 0.0))}
 
     def take_starts(self) -> list[tuple[int, float]]:
         taken, self.starts = self.starts, []

@@ -1,12 +1,12 @@
-"""Gather a sharded GPTModel's parameters into full tensors: all at once, or bucket by bucket.
+"""Gather a sharded GPTModel's parameters (or gradients) into full tensors on every rank.
 
-``gather_full`` (small models, tests): every rank gets every full tensor at once.
-``gather_buckets`` (weight sync to rollout servers): the same tensors in buckets of at most
-``bucket_bytes`` (a tensor larger than that travels alone), one bucket at a time, so no rank
-holds more than one bucket of other ranks' shards at once, whatever the model size or pp; each
-pp_stage's owners contribute their own layers.
+``gather_full`` is the tests' reference (equal logits, weights and gradients across layouts) and
+a debugging aid for small models: one ``all_gather_object`` of every rank's shards, so every
+rank receives the whole model, pickled. Nothing in a run uses it: the weight sync to SGLang
+servers and a model in another layout move weights by a weight plan (plan/weight_plan.py,
+runtime/weight_transfer.py), which the tests check bit-exact against this.
 
-Both are collective over the world: every rank calls them; every rank gets the same
+Collective over the world: every rank calls it; every rank gets the same
 ``{global Megatron name: full tensor}``. Only ranks with dp == cp == 0 contribute (the others
 hold replicas); of an MoE expert's tensors, the ranks with edp == 0 (its ep rank's expert-data-
 parallel replica 0, which need not have dp == 0: EP regroups the tp x cp x dp ranks), each its
@@ -18,18 +18,16 @@ all-reduce).
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.models.sharding import unshard
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.tensor_table import TensorRow, tensor_table
+from earl_megatron.plan.tensor_table import tensor_table
 
 
-def _owned(model, cfg: ModelConfig, layout: ParallelLayout
+def owned_shards(model, cfg: ModelConfig, layout: ParallelLayout
            ) -> dict[str, tuple[int, torch.Tensor]]:
     """{full row name: (shard index, parameter)} of the parameters this rank contributes
     (module docstring; a tied output layer left out)."""
@@ -55,7 +53,7 @@ def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
         raise ValueError(f"what must be 'param' or 'grad', got {what!r}")
     table = tensor_table(cfg)
     mine: dict[str, tuple[int, torch.Tensor]] = {}
-    for name, (tp_rank, p) in _owned(model, cfg, layout).items():
+    for name, (tp_rank, p) in owned_shards(model, cfg, layout).items():
         t = p
         if what == "grad":
             g = getattr(p, "main_grad", None)
@@ -70,52 +68,3 @@ def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
             shards.setdefault(name, {})[tp_rank] = t
     return {name: unshard(table.row(name), [by_rank[r] for r in sorted(by_rank)])
             for name, by_rank in sorted(shards.items())}
-
-
-def weight_buckets(rows: tuple[TensorRow, ...], element_size: int,
-                   bucket_bytes: int) -> list[tuple[TensorRow, ...]]:
-    """Consecutive rows (model order) grouped into buckets of at most ``bucket_bytes`` full
-    bytes; a row larger than that is a bucket of its own. Pure."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    out: list[tuple[TensorRow, ...]] = []
-    cur: list[TensorRow] = []
-    size = 0
-    for row in rows:
-        b = row.numel * element_size
-        if cur and size + b > bucket_bytes:
-            out.append(tuple(cur))
-            cur, size = [], 0
-        cur.append(row)
-        size += b
-    if cur:
-        out.append(tuple(cur))
-    return out
-
-
-def gather_buckets(model, cfg: ModelConfig, layout: ParallelLayout, bucket_bytes: int
-                   ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(index, count, bucket) for each bucket of the model's full parameters (their own dtype,
-    on CPU), one at a time (module docstring). Every rank must consume every bucket: each is
-    one collective."""
-    table = tensor_table(cfg)
-    local = _owned(model, cfg, layout)
-    dtypes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(dtypes, next((p.dtype for _, p in local.values()), None))
-    dtype = next(d for d in dtypes if d is not None)
-    size = torch.empty((), dtype=dtype).element_size()
-    buckets = weight_buckets(table.full_rows, size, bucket_bytes)
-    for i, bucket in enumerate(buckets):
-        mine = {r.name: (local[r.name][0], local[r.name][1].detach().cpu().clone())
-                for r in bucket if r.name in local}
-        everything: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, mine)
-        del mine
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        for part in everything:
-            for name, (tp_rank, t) in part.items():
-                shards.setdefault(name, {})[tp_rank] = t
-        del everything
-        yield i, len(buckets), {r.name: unshard(r, [shards[r.name][k]
-                                                  for k in sorted(shards[r.name])])
-                                for r in bucket}

@@ -10,7 +10,8 @@ per-expert tensors (``mlp.experts.<e>.{gate,up,down}_proj.weight``).
 - world 4, one launch: DP4 (EP1), EP2, EP2xTP2 (sequence parallel) and EP2xPP2, each loading the
   converted checkpoint (dist_checkpointing resharding the expert keys) and the HF directory
   (each rank reads its experts' shards); logits within 1e-4 of transformers (fp32). On EP2 and
-  EP2xPP2 ``gather_full`` and the weight sync's ``gather_buckets`` give back every HF tensor
+  EP2xPP2 ``gather_full`` and the weight sync's buckets (runtime/weight_transfer.py, at two
+  pushing ranks) give back every HF tensor
   bit-exact (the round trip from an EP layout). A trainer checkpoint (model and distributed optimizer) saved on EP2 after two steps
   loads on DP4 (EP1) with every weight equal and the next steps' losses equal; the plain
   optimizer's state, whose chaining differs between ep = 1 and ep > 1, is refused in one line;
@@ -108,17 +109,21 @@ def _convert_and_load_tp1(jobs):
     return stats, logits
 
 
-def _gather_hf(mol, bucket_bytes=None) -> dict:
-    """HF tensors from ``gather_full`` (or, with ``bucket_bytes``, the weight sync's buckets)."""
+def _gather_hf(mol, bucket_bytes=None):
+    """HF tensors from ``gather_full`` (or, with ``bucket_bytes``, the weight sync's buckets at
+    its pushing ranks 1 and 3; None on the others)."""
+    import torch.distributed as dist
+
+    from earl_megatron.runtime.weight_transfer import full_weights_at
     from earl_megatron.weights import hf_mapping as hfm
-    from earl_megatron.weights.gather import gather_buckets, gather_full
+    from earl_megatron.weights.gather import gather_full
 
     if bucket_bytes is None:
         return hfm.to_hf(mol.cfg, gather_full(mol.model, mol.cfg, mol.layout))
     full = {}
-    for _, _, bucket in gather_buckets(mol.model, mol.cfg, mol.layout, bucket_bytes):
-        full.update(bucket)
-    return hfm.to_hf(mol.cfg, full)
+    for _, _, bucket in full_weights_at(mol, (1, 3), bucket_bytes):
+        full.update(bucket or {})
+    return hfm.to_hf(mol.cfg, full) if dist.get_rank() in (1, 3) else None
 
 
 def _four_ranks(paths, hf_dir, ckpt_root):
@@ -143,7 +148,9 @@ def _four_ranks(paths, hf_dir, ckpt_root):
                     out[(path, str(layout))] = logits
                 if name in ROUND_TRIP and path.endswith("/hf"):
                     out[("gathered", path, name)] = _gather_hf(mol)
-                    out[("buckets", path, name)] = _gather_hf(mol, bucket_bytes=50_000)
+                    pushed = _gather_hf(mol, bucket_bytes=50_000)
+                    if pushed is not None:
+                        out[("buckets", path, name)] = pushed
                 groups.destroy_groups()
 
         def step(mol, it):

@@ -12,7 +12,8 @@ earl_megatron.train`` does), world 1, rollout.engine=sglang:
     it 1     the same on the trained weights
 
 Checked in metrics.jsonl: both iterations' ``rollout_logprob_diff_max`` < 1e-4 and each
-iteration sampled from a newer weight version; iteration 0's update was not zero (grad_norm > 0:
+iteration sampled from a newer weight version; the weight plan received no byte on any rank
+(one rank holds the whole model; ``weight_sync_s`` recorded); iteration 0's update was not zero (grad_norm > 0:
 Adam's first step moves every such parameter by ~lr, so stale weights on the server would show
 in iteration 1's diff). Every episode is multi-turn, read back from <run>/samples: the
 environment is the calculator in its JSON tool format (task description, tool messages) with
@@ -126,8 +127,12 @@ def test_sglang_logprobs_equal_megatron_on_real_weights(smollm2_dir, sglang_pyth
         record(f"sglang iteration {it} s", {k: round(v, 1) for k, v in x["seconds"].items()})
         record(f"sglang rollout_logprob_diff it{it}", x["rollout_logprob_diff"])
         record(f"sglang rollout_logprob_diff_max it{it}", x["rollout_logprob_diff_max"])
+        record(f"sglang weight_sync_s it{it}", x["weight_sync_s"])
         assert x["rollout_engine"] == "sglang"
         assert 0 < x["rollout_logprob_diff"] <= x["rollout_logprob_diff_max"] < TOL, x
+        # world 1: the leader holds the whole model, the weight plan moves nothing between
+        # ranks (the all-gather it replaced pickled the 538 MB through all_gather_object)
+        assert x["weight_sync_bytes_in_max"] == x["weight_sync_bytes_in_leader"] == 0, x
     assert lines[0]["grad_norm"] > 0, lines[0]   # the weights iteration 1 sampled had changed
 
     from earl_megatron.trainer.samples import read_samples

@@ -6,7 +6,9 @@ after the first restarts the servers in the new layout and pushes the weights be
 request. Checked on every layout: every rank returns its replica's
 block (DP2: one block per rank; TP2: both ranks the whole batch), the episodes' SGLang logprobs
 equal the trainer's recomputed ones within 1e-4 (fp32), the endpoints changed (2 servers -> 1 ->
-2), and the old servers' ports are free again. Each start is measured once for the planner's profile
+2), the old servers' ports are free again, and the weight plan's bytes: the leaders receive
+exactly what they lack of the model (DP2: nothing; TP2: the tp1 half), rank 1 of TP2 nothing.
+Each start is measured once for the planner's profile
 table, (tp, seconds) with the same seconds on both ranks.
 """
 
@@ -54,8 +56,10 @@ def _play_in_two_layouts(python: str, out: str):
                 tokens = gather_by_sample(ids, [len(e.token_ids) for e in eps])
                 _, diff, _ = rescore(policy, ids, eps, tokens, tok.pad_token_id, BatchShape(2),
                                   temperature=1.0, replace=False)
+                m = rollout.metrics()
                 found.append((str(lay), ids, len(eps), diff, list(rollout.endpoints),
-                              rollout.metrics()["rollout_weight_version"]))
+                              m["rollout_weight_version"],
+                              (m["weight_sync_bytes_in_max"], m["weight_sync_bytes_in_leader"])))
             def ports(ends):
                 return {int(e.split()[0].split(":")[1]) for e in ends}
             # the servers of the first two layouts are stopped (ports the third reused aside)
@@ -68,6 +72,10 @@ def _play_in_two_layouts(python: str, out: str):
 
 
 def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_dir):
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.weight_plan import minimum_recv_bytes
+
     results = run_distributed(_play_in_two_layouts, 2, sglang_python, str(run_dir),
                               timeout=2100, collective_timeout_s=900)
     # the measured starts the planner prices restarts with: (tp, seconds), equal on every rank
@@ -75,8 +83,8 @@ def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_d
     assert all(s > 0 for _, s in results[0][2])
     for rank, (found, freed, _) in enumerate(results):
         print(rank, found)
-        (lay0, ids0, n0, diff0, ends0, v0), (lay1, ids1, n1, diff1, ends1, v1), \
-            (lay2, ids2, n2, diff2, ends2, v2) = found
+        (lay0, ids0, n0, diff0, ends0, v0, b0), (lay1, ids1, n1, diff1, ends1, v1, b1), \
+            (lay2, ids2, n2, diff2, ends2, v2, b2) = found
         for lay, ids, n in ((lay0, ids0, n0), (lay2, ids2, n2)):
             assert lay == "DP2" and ids == ([0, 1] if rank == 0 else [2, 3]) and n == 2
         assert lay1 == "TP2" and ids1 == [0, 1, 2, 3] and n1 == 4
@@ -84,3 +92,7 @@ def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_d
         assert len(ends0) == len(ends2) == 2 and len(ends1) == 1 and "tp2" in ends1[0]
         assert (v0, v1, v2) == ("it1", "it2", "it3")  # a push into each layout's fresh servers
         assert freed
+        # the weight plan: under DP2 both leaders hold the whole model and receive nothing;
+        # under TP2 the one leader (rank 0) receives exactly the tp1 half, rank 1 nothing
+        half = minimum_recv_bytes(ModelConfig.tiny(vocab_size=32), ParallelLayout(tp=2), 0)
+        assert b0 == b2 == (0, 0) and b1 == (0, half) and half > 0, (b0, b1, b2)

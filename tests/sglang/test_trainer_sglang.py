@@ -20,8 +20,9 @@ Checked:
   engine would have raised;
 - nothing of the model's size was written: no weight file under <run>/sglang, whose non-log
   files total less than a tenth of one push;
-- the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB; every strike
-  was followed by a start on a new port;
+- the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB, each leader
+  receiving exactly the tp half it lacks (the weight plan); every strike was followed by a
+  start on a new port;
 - after the run every server's port is free and every server process group is gone.
 """
 
@@ -87,6 +88,9 @@ def _strike(points: Path, plan: list, done: threading.Event, struck: list, error
 def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang_python,
                                                                           run_dir, group_gone,
                                                                           monkeypatch):
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.weight_plan import minimum_recv_bytes
     from earl_megatron.rollout.sglang_server import port_is_free
 
     out = run_dir / "run"
@@ -142,9 +146,13 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
         assert x["layouts"]["rollout"] == "DP2" and len(x["rollout_servers"]) == 2
     # pushes: one before the start evaluation, then one after every TRAIN step
     assert [x["rollout_weight_version"] for x in lines] == ["it2", "it3", "it4"]
+    half = minimum_recv_bytes(ModelConfig.tiny(vocab_size=32), ParallelLayout(tp=2), 0)
     for x in lines:  # bucketed pushes: several buckets, each within the cap but single tensors
         assert x["rollout_push_buckets"] > 3, x["rollout_push_buckets"]
         assert x["rollout_push_bucket_max_bytes"] <= 0.1 * 2**20
+        # the weight plan: both ranks lead a server; each received the other's tp half, once
+        # per push (a re-push after a restart comes from the leader's own copy)
+        assert x["weight_sync_bytes_in_leader"] == half > 0 and x["weight_sync_bytes_in_max"] == 0
     # item 3: the servers started from a config; no copy of the model was written
     files = [p for p in (out / "sglang").rglob("*") if p.is_file()]
     assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]

@@ -1,0 +1,135 @@
+"""Run a weight plan (plan/weight_plan.py): tensors point to point, never pickled objects.
+
+    full_weights_at(policy, pushers, bucket_bytes)   every rank iterates it; at each pusher it
+        yields one bucket of full tensors {global name: tensor} at a time, elsewhere None
+    load_shards(policy, target)                      every rank: ``target``'s parameters (the
+        same ranks, another layout) receive their shards of ``policy``'s weights
+
+Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
+then the bucket's transfers as one round of batched isend/irecv on the world group
+(runtime/transport.py, as the switcher runs its rounds). A rank that neither sends nor receives
+in a bucket posts nothing for it: only the plan's senders and destinations touch weights.
+Tensors stay on the model's device: on GPUs they travel over NCCL and a pusher's buckets are
+already on the device its server's NCCL weight group broadcasts from; on CPU the same code runs
+over gloo.
+
+One small tensor collective per transfer gives every receiver the dtype of every tensor it
+receives (a model may keep tensors in different dtypes): an all-reduce (max) of one code per
+tensor over the world, each sender writing the codes of what it sends.
+
+Memory per rank: a pusher holds one bucket of full tensors (at most ``bucket_bytes``, or one
+tensor larger than that) while its caller converts and pushes it; a sender stages at most one
+bucket of packed non-contiguous shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.plan.weight_plan import FullAt, ShardsIn, WeightPlan, plan_weights
+from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.runtime.switcher import plan_params
+from earl_megatron.runtime.transport import Message, Traffic, run_rounds
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_plan(cfg, src, destinations: tuple, bucket_bytes: int, world_size: int,
+                devices_per_node: Optional[int] = None) -> WeightPlan:
+    """``plan_weights``, memoised: a run pushes from the same few train layouts every iteration."""
+    return plan_weights(cfg, src, destinations, bucket_bytes=bucket_bytes,
+                        world_size=world_size, devices_per_node=devices_per_node)
+
+
+def full_weights_at(policy: ModelOnLayout, pushers, bucket_bytes: int,
+                    traffic: Optional[Traffic] = None, devices_per_node: Optional[int] = None
+                    ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
+    """(index, count, bucket) for each bucket of ``policy``'s full weights: at a rank of
+    ``pushers`` the bucket's full tensors (global Megatron names, the model's dtype and
+    device), elsewhere None. Collective over the world: every rank consumes every bucket.
+    ``devices_per_node``: rows come from a replica on the pusher's node where one exists."""
+    plan = cached_plan(policy.cfg, policy.layout, tuple(FullAt(r) for r in pushers),
+                       bucket_bytes, dist.get_world_size(), devices_per_node)
+    _, src = plan_params(policy)
+    yield from run_weight_plan(plan, src, traffic=traffic)
+
+
+def load_shards(policy: ModelOnLayout, target: ModelOnLayout, bucket_bytes: int = 64 << 20,
+                traffic: Optional[Traffic] = None) -> None:
+    """Copy ``policy``'s weights into ``target``'s parameters (same ranks, any two layouts),
+    each rank receiving only the rows of its ``target`` shard it does not hold in ``policy``."""
+    plan = cached_plan(policy.cfg, policy.layout, (ShardsIn(target.layout),), bucket_bytes,
+                       dist.get_world_size())
+    _, src = plan_params(policy)
+    _, dst = plan_params(target)
+    for _ in run_weight_plan(plan, src, dst=dst, traffic=traffic):
+        pass
+
+
+@torch.no_grad()
+def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
+                    dst: Optional[dict[str, torch.Tensor]] = None,
+                    traffic: Optional[Traffic] = None
+                    ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
+    """Run ``plan`` from this rank's source parameters ``src`` ({plan local name: tensor}) into
+    ``dst`` (this rank's parameters under a ``ShardsIn`` destination, by plan local name), and
+    yield (index, count, full tensors of the bucket at a ``FullAt`` rank, else None) per
+    bucket. Collective over the world (module docstring)."""
+    me = dist.get_rank()
+    traffic = traffic if traffic is not None else Traffic()
+    full_here = me in plan.full_ranks
+    if dst is None and any(isinstance(d, ShardsIn) and me in d.global_ranks()
+                           for d in plan.destinations):
+        raise ValueError(f"rank {me} is a ShardsIn destination of the plan; pass its "
+                         "parameters as dst=")
+    device = next(iter(src.values())).device if src else torch.device("cpu")
+    dtypes = _dtypes(plan, me, src, device)
+    if dst is not None:
+        wrong = sorted({t.dst_local for b in plan.buckets for t in b.transfers
+                        if t.dst == me and dst[t.dst_local].dtype != dtypes[t.name]})
+        if wrong:
+            raise ValueError(f"rank {me}: parameters {wrong[:3]} differ in dtype from the "
+                             "source model's; build both models with the same params_dtype")
+    n = len(plan.buckets)
+    for i, bucket in enumerate(plan.buckets):
+        full: dict[str, torch.Tensor] = {}
+        if full_here:
+            shape = dict(plan.row_shapes)
+            full = {name: torch.empty(shape[name], dtype=dtypes[name], device=device)
+                    for name in bucket.names}
+
+        def into(t) -> torch.Tensor:
+            target = full[t.name] if full_here else dst[t.dst_local]
+            return target.narrow(t.dim, t.dst_offset, t.rows)
+
+        for t in bucket.local_copies:
+            if t.dst == me:
+                into(t).copy_(src[t.src_local].narrow(t.dim, t.src_offset, t.rows))
+        mine = [Message(t.src, t.dst, t.elements * dtypes[t.name].itemsize, t)
+                for t in bucket.transfers if me in (t.src, t.dst)]
+        if mine:
+            run_rounds([mine], me,
+                       lambda m: [src[m.key.src_local].narrow(m.key.dim, m.key.src_offset,
+                                                              m.key.rows)],
+                       lambda m: [into(m.key)], None, traffic)
+        yield i, n, (full if full_here else None)
+        del full
+
+
+def _dtypes(plan: WeightPlan, me: int, src: dict[str, torch.Tensor],
+            device: torch.device) -> dict[str, torch.dtype]:
+    """{full name: dtype} of every tensor that moves, agreed over the world (module docstring)."""
+    names = [name for name, _ in plan.row_shapes]
+    index = {name: k for k, name in enumerate(names)}
+    codes = torch.zeros(len(names), dtype=torch.int64, device=device)
+    for b in plan.buckets:
+        for t in b.transfers + b.local_copies:
+            if t.src == me:
+                codes[index[t.name]] = _DTYPES.index(src[t.src_local].dtype) + 1
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+    return {name: _DTYPES[int(c) - 1] for name, c in zip(names, codes.tolist()) if c}

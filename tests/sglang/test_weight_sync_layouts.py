@@ -1,0 +1,83 @@
+"""The weight plan in the trainer, on real CPU servers (opt-in: EARL_SGLANG_VENV).
+
+One 4-rank job, two trainer runs of 3 iterations with static layouts: rollout TP2xDP2 (two tp2
+servers, leaders 0 and 2), train TP2xDP2 in the first run and PP2xDP2 in the second:
+
+    train TP2xDP2   ranks 0 [tp0] 1 [tp1] | 2 [tp0] 3 [tp1]   leader 0 gets tp1 from 1 or 3,
+                                                                leader 2 the other
+    train PP2xDP2   ranks 0, 1 pp_stage 0 | 2, 3 pp_stage 1   leader 0 gets stage 1 from 2 or 3,
+                                                                leader 2 stage 0 from 0 or 1
+
+Checked on every iteration's metrics line: ``rollout_logprob_diff_max`` < 1e-4 (the servers hold
+the trainer's weights, pushed from that train layout, the first rollout's included), ranks 1
+and 3 received no byte of weights (``weight_sync_bytes_in_max`` == 0), and the busiest leader
+received exactly what it lacks (``plan/weight_plan.minimum_recv_bytes``), less than the
+model's bytes (``rollout_push_bytes``, what a leader pushes); ``weight_sync_s`` > 0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from earl_megatron.config.train import TrainConfig
+from earl_megatron.testing.multiproc import run_distributed
+
+pytestmark = pytest.mark.timeout(2400)  # server starts take minutes on 2 busy cores
+
+TRAIN_LAYOUTS = ("tp2xdp2", "pp2xdp2")
+
+
+def _two_runs(cfgs):
+    from earl_megatron.train import run
+    return [run(cfg) for cfg in cfgs]
+
+
+def _cfg(sglang_python: str, train: str, out) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "model": {"vocab_size": 32},
+        "layout": {"mode": "static", "rollout": "tp2xdp2", "logprob": "tp2xdp2",
+                   "train": train},
+        "env": {"name": "connect_four", "kwargs": {"system_prompt": "",
+                                                   "legal_move_reward": 0.1}},
+        "rollout": {"engine": "sglang", "sglang_python": sglang_python,
+                    "sglang_device": "cpu", "episodes_per_iteration": 4, "max_turns": 3,
+                    "sglang_bucket_mb": 0.1},
+        "algorithm": {"micro_batch_size": 2},
+        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
+                    "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+                    "server_max_restarts": 2},
+        "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
+                "live_view": False},
+    })
+
+
+def test_every_train_layout_pushes_only_to_the_leaders(sglang_python, run_dir):
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.tensor_table import num_parameters
+    from earl_megatron.plan.weight_plan import minimum_recv_bytes
+
+    cfgs = [_cfg(sglang_python, t, run_dir / t) for t in TRAIN_LAYOUTS]
+    run_distributed(_two_runs, 4, cfgs, timeout=2100, collective_timeout_s=900)
+    model = ModelConfig.tiny(vocab_size=32)
+    for train in TRAIN_LAYOUTS:
+        lines = [json.loads(x) for x in (run_dir / train / "metrics.jsonl").read_text()
+                 .splitlines() if x.strip()]
+        lines = [x for x in lines if "iteration" in x]
+        keys = ("iteration", "rollout_logprob_diff_max", "weight_sync_bytes_in_max",
+                "weight_sync_bytes_in_leader", "weight_sync_s", "rollout_push_bytes")
+        print(train, json.dumps([{k: x.get(k) for k in keys} for x in lines]))
+        assert [x["iteration"] for x in lines] == [0, 1, 2]
+        lay = ParallelLayout.parse(train, world_size=4, model=model)
+        lack = max(minimum_recv_bytes(model, lay, r) for r in (0, 2))
+        for x in lines:
+            assert x["layouts"]["train"] == str(lay) and x["layouts"]["rollout"] == "TP2xDP2"
+            assert x["rollout_logprob_diff_max"] < 1e-4, x
+            assert x["weight_sync_bytes_in_max"] == 0, x
+            assert x["weight_sync_bytes_in_leader"] == lack > 0, (x, lack)
+            assert lack < x["rollout_push_bytes"] == 4 * num_parameters(model), x
+            assert x["weight_sync_s"] > 0
+        versions = [int(x["rollout_weight_version"].removeprefix("it")) for x in lines]
+        assert versions == list(range(versions[0], versions[0] + 3))  # one push per TRAIN step
