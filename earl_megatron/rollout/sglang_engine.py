@@ -54,7 +54,7 @@ import os
 import secrets
 import tempfile
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -65,7 +65,7 @@ from earl_megatron.rollout.sglang_launch import (CPU_FLAGS, SGLangConfig, SGLang
                                                  server_command, server_environment,
                                                  server_variables, sglang_sampling_params)
 from earl_megatron.rollout.sglang_server import _Server, _Unreachable, free_ports, port_is_free
-from earl_megatron.rollout.sglang_weights import push_weights, trainer_weight_update_group
+from earl_megatron.rollout.sglang_weights import WeightUpdateGroup, trainer_weight_update_group
 from earl_megatron.runtime.fault_points import fault_point
 
 __all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
@@ -93,7 +93,7 @@ error, an HTTP failure, gloo's errors on a dead peer (RuntimeError subclasses), 
 Each uses one restart attempt."""
 
 
-class SGLangEngine:
+class SGLangEngine(WeightUpdateGroup):
     """``RolloutEngine`` over ``config.num_servers`` supervised SGLang servers.
 
     Starts the servers in the constructor (concurrently) and stops them in ``close()``; use it
@@ -247,74 +247,6 @@ class SGLangEngine:
     def weights(self) -> str:
         """Where the served weights come from: an HF directory, or a distributed push."""
         return self._model_path if self._weights_on_disk else "update_weights_from_distributed"
-
-    @property
-    def weight_update_world_size(self) -> int:
-        """Ranks in the weight-update group: the trainer's rank 0 plus every server TP rank."""
-        return 1 + len(self._servers) * self.config.tp_size
-
-    # -- GPU cluster path: weights pushed from the trainer over NCCL --------------------------
-    def start_init_weights_update_group(self, master_address: str, master_port: int,
-                                        group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> Future:
-        """Join every server's TP ranks to a process group with the trainer as rank 0.
-
-        World size is 1 + num_servers * tp_size; server i's ranks start at 1 + i * tp_size.
-        The servers block until the trainer joins as rank 0 (``trainer_weight_update_group``
-        with the same address, port, world size and group name), so this returns a future: start
-        it, join, then wait on it.
-        """
-        self._check_open()
-        world = self.weight_update_world_size
-        calls = [(s, {"master_address": master_address, "master_port": master_port,
-                      "rank_offset": 1 + s.index * self.config.tp_size, "world_size": world,
-                      "group_name": group_name, "backend": backend}) for s in self._servers]
-        return self._pool.submit(self._post_all, "/init_weights_update_group", calls)
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self._post_all("/destroy_weights_update_group",
-                       [(s, {"group_name": group_name}) for s in self._servers])
-
-    def start_update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]],
-                                              group_name: str = "weight_update_group",
-                                              weight_version: Optional[str] = None) -> Future:
-        """Open a weight-update session and announce HF-named tensors, broadcast from rank 0.
-
-        Returns a future; the trainer broadcasts each tensor on the group in the announced order,
-        then waits on it (the future also closes the session with /end_weight_update).
-        Afterwards the servers' weights exist nowhere on disk: a restarted server needs
-        ``on_restart`` to push them again.
-        """
-        self._check_open()
-        self._weights_on_disk = False
-        # SGLang 0.5.23 refuses weight pushes outside a begin/end_weight_update session.
-        self._post_all("/begin_weight_update", [(s, {}) for s in self._servers])
-        payload = {"names": list(names), "dtypes": list(dtypes),
-                   "shapes": [list(s) for s in shapes], "group_name": group_name,
-                   "flush_cache": True}
-        if weight_version is not None:
-            payload["weight_version"] = weight_version  # every later /generate answer carries it
-            self.expected_version = weight_version
-            for s in self._servers:  # the log says which weights each later answer came from
-                with open(s.log_path, "ab") as log:
-                    log.write(f"\n=== weight version {weight_version}: {len(payload['names'])} "
-                              f"tensors pushed\n".encode())
-
-        def update_then_end() -> list[Any]:
-            try:
-                return self._post_all("/update_weights_from_distributed",
-                                      [(s, payload) for s in self._servers])
-            finally:
-                self._post_all("/end_weight_update", [(s, {}) for s in self._servers])
-
-        return self._pool.submit(update_then_end)
-
-    def push_weights_distributed(self, named_tensors: Sequence[tuple[str, Any]], group: Any,
-                                 group_name: str = "weight_update_group",
-                                 weight_version: Optional[str] = None) -> None:
-        """Broadcast HF-named full tensors from rank 0 of ``group`` (sglang_weights.py)."""
-        push_weights(self, named_tensors, group, group_name, weight_version)
 
     # -- internals ----------------------------------------------------------------------------
     def _check_open(self) -> None:

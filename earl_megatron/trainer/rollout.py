@@ -78,6 +78,22 @@ def weight_sync_metrics(bytes_in_max: int, bytes_in_leader: int, seconds: float)
             "weight_sync_s": float(seconds)}
 
 
+def play_episodes(spec: EpisodeSpec, engine, seeds: Sequence[int], tokenizer, *,
+                  temperature: float, sample_seed: int, opponent: Optional[str] = None,
+                  should_stop: Optional[Callable[[], bool]] = None) -> list[Episode]:
+    """The agent loop over ``seeds`` on ``engine``, one environment each (``opponent`` in place
+    of the environment's own), within the spec's bounds: every rollout's episodes come from
+    here, whichever engine decodes them."""
+    kwargs = dict(spec.env_kwargs)
+    if opponent is not None:
+        kwargs["opponent"] = opponent
+    envs = [make_env(spec.env, **kwargs) for _ in seeds]
+    loop = AgentLoopConfig(max_turns=spec.max_turns, max_context_tokens=spec.max_context_tokens,
+                           max_action_tokens=spec.max_action_tokens, temperature=temperature,
+                           top_p=spec.top_p, seed=sample_seed)
+    return run_episodes(engine, envs, list(seeds), tokenizer, loop, should_stop=should_stop)
+
+
 class EmbeddedRollout:
     """Episodes decoded by the policy itself (rollout/embedded_engine.py) in its current
     layout; replicas never communicate while decoding (except an MoE layout with ep > 1, whose
@@ -95,22 +111,15 @@ class EmbeddedRollout:
 
         sp = self.spec
         block = split_evenly(len(seeds), policy.layout.dp)[policy.coords.dp]
-        kwargs = dict(sp.env_kwargs)
-        if opponent is not None:
-            kwargs["opponent"] = opponent
-        envs = [make_env(sp.env, **kwargs) for _ in block]
         # routing replay needs every prompt token's experts: prefix reuse would skip them
         engine = EmbeddedEngine(policy, pad_token_id=self.tok.pad_token_id, prompts="replica",
                                 reuse_prefix=not sp.routing_replay,
                                 record_routes=sp.routing_replay,
                                 prefill_tokens=sp.prefill_tokens)
-        loop_cfg = AgentLoopConfig(max_turns=sp.max_turns,
-                                   max_context_tokens=sp.max_context_tokens,
-                                   max_action_tokens=sp.max_action_tokens,
-                                   temperature=temperature, top_p=sp.top_p, seed=sample_seed)
         try:
-            episodes = run_episodes(engine, envs, [seeds[i] for i in block], self.tok, loop_cfg,
-                                    should_stop=should_stop)
+            episodes = play_episodes(sp, engine, [seeds[i] for i in block], self.tok,
+                                     temperature=temperature, sample_seed=sample_seed,
+                                     opponent=opponent, should_stop=should_stop)
         finally:
             engine.close()
         return list(block), episodes

@@ -63,13 +63,13 @@ import torch.distributed as dist
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.config.train import ConfigError, sglang_mem_fraction
-from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
+from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.fault_points import fault_point
-from earl_megatron.trainer.rollout import EpisodeSpec, weight_sync_metrics
+from earl_megatron.trainer.rollout import EpisodeSpec, play_episodes, weight_sync_metrics
 
 BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
               "sglang` in a separate venv on GPU machines, then set EARL_SGLANG_PYTHON=<venv>/"
@@ -151,9 +151,9 @@ class SGLangRollout:
         # given) play on the servers as they stand, so they never restart them
         if self.layout is None or (opponent is None and (lay.tp, lay.dp) !=
                                    (self.layout.tp, self.layout.dp)):
-            if lay.pp != 1 or lay.cp != 1:
-                raise ValueError(f"SGLang servers take tp x dp layouts; got {lay} (the selector "
-                                 "offers only pp = cp = 1 rollout layouts for this engine)")
+            problem = rollout_layout_problem(lay, "sglang")
+            if problem:   # the selector offers only such layouts for this engine
+                raise ValueError(f"SGLang rollout: {problem}")
             self._start(ParallelLayout(tp=lay.tp, dp=lay.dp), server_ep(self.model_cfg, lay,
                                                                           self.device))
         if self._fresh:
@@ -165,16 +165,9 @@ class SGLangRollout:
             if self._released:
                 self.engine.resume_memory()
                 self._released = False
-            kwargs = dict(self.spec.env_kwargs)
-            if opponent is not None:
-                kwargs["opponent"] = opponent
-            sp = self.spec
-            cfg = AgentLoopConfig(max_turns=sp.max_turns, max_context_tokens=sp.max_context_tokens,
-                                  max_action_tokens=sp.max_action_tokens, temperature=temperature,
-                                  top_p=sp.top_p, seed=sample_seed)
-            envs = [make_env(sp.env, **kwargs) for _ in block]
-            episodes[0] = run_episodes(self.engine, envs, [seeds[i] for i in block], self.tok,
-                                       cfg)
+            episodes[0] = play_episodes(self.spec, self.engine, [seeds[i] for i in block],
+                                        self.tok, temperature=temperature,
+                                        sample_seed=sample_seed, opponent=opponent)
             if self.device == "cuda":
                 self.engine.release_memory()  # LOGPROB/TRAIN get the GPU back
                 self._released = True

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.models.sharding import unshard
+from earl_megatron.models.sharding import unshard, unwrap
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.tensor_table import tensor_table
 
@@ -36,11 +36,8 @@ def owned_shards(model, cfg: ModelConfig, layout: ParallelLayout
     dense = not (c.dp or c.cp)
     expert = layout.expert_coords(rank).edp == 0
     table = tensor_table(cfg)
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
     out = {}
-    for lname, p in inner.named_parameters():
+    for lname, p in unwrap(model).named_parameters():
         row = table.row(table.global_name_on(lname, layout, rank))
         if not row.tied_to and (expert if row.expert is not None else dense):
             out[row.name] = (row.tp_rank_of(layout, rank), p)
