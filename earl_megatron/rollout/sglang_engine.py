@@ -19,7 +19,8 @@ Invariants (on top of engine.py's contract):
 - A failure outside a supervised request (a weight push, forming the weight-update group)
   surfaces as ``SGLangServerUnreachable``; the caller hands it to ``recover(index)``, which runs
   the same restart-and-restore path, so a death there is handled like one during a rollout.
-- Each engine draws a random API key (``secrets.token_urlsafe``) unless the config names one;
+- Each engine draws a random API key (``secrets.token_hex``: never a leading '-', which SGLang's
+  argument parser would take for an option) unless the config names one;
   requests without it are refused by the servers (sglang_server.py, sglang_launch.py).
 - Only processes this engine started are stopped, by their process group id (each server is
   started in its own session, so its scheduler and detokenizer children go with it).
@@ -111,7 +112,7 @@ class SGLangEngine(WeightUpdateGroup):
             raise FileNotFoundError(f"{config.model_path!r} is not an HF model directory "
                                     f"(no config.json)")
         if config.api_key is None:  # only this process can drive its servers
-            config = dataclasses.replace(config, api_key=secrets.token_urlsafe(32))
+            config = dataclasses.replace(config, api_key=secrets.token_hex(32))
         self.config = config
         self.on_restart = on_restart
         self._log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="earl-sglang-"))

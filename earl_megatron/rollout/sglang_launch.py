@@ -116,6 +116,9 @@ class SGLangConfig:
         if self.host_servers is not None and self.host_servers < self.num_servers:
             raise ValueError(f"host_servers ({self.host_servers}) counts this engine's "
                              f"{self.num_servers} servers too; pass at least that")
+        if self.api_key is not None and self.api_key.startswith("-"):
+            raise ValueError("api_key must not start with '-': SGLang reads its --config file "
+                             "into argv, where such a key is taken for an option")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not (self.startup_timeout_s > 0 and self.request_timeout_s > 0):

@@ -121,6 +121,13 @@ def test_parse_generation_checks_consistency():
         parse_generation({"meta_info": {**item["meta_info"], "finish_reason": {"type": "abort"}}})
 
 
+def test_api_keys_never_start_with_a_dash(tmp_path):
+    # SGLang reads its --config file into argv: a key "-x..." became an option, and the server
+    # died with "argument --api-key: expected one argument" (1 start in ~64 with token_urlsafe)
+    with pytest.raises(ValueError, match="api_key must not start with '-'"):
+        SGLangConfig(python="p", model_path="m", api_key="-abc")
+
+
 def test_missing_venv_gives_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="setup.sh"):
         SGLangEngine(SGLangConfig(python=str(tmp_path / "nope"), model_path=str(tmp_path)))
