@@ -6,7 +6,9 @@ Invariants: ``parse_json_action`` never raises on model output; it returns what 
 of the text is (an answer, a valid calculator call, a malformed call, or nothing), forgiving of
 whitespace and strict about content (module docstring of envs/tool_env.py; docs/envs.md).
 ``tool_call_text`` (what the system prompt shows and the expert writes) parses back to its
-expression: ``parse_json_action(tool_call_text(e)) == ("call", e)``.
+expression: ``parse_json_action(tool_call_text(e)) == ("call", e)``. ``json_system_prompt()`` is
+exactly ``CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])``: the text the agent endpoint
+(earl_megatron/agents/) renders for the system message CALCULATOR_TASK with that one tool.
 """
 
 from __future__ import annotations
@@ -36,16 +38,37 @@ def tool_call_text(expression: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
+HERMES_TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+                       "query.\n\nYou are provided with function signatures within <tools></tools> "
+                       "XML tags:\n<tools>")
+HERMES_TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function "
+                       "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                       '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def hermes_tools_block(tools) -> str:
+    """The Hermes/Qwen2.5 system-prompt section listing ``tools`` (OpenAI tool dicts), starting
+    with its blank-line separator: exactly what Qwen2.5's template appends to the system message
+    when it is given tools, so a template without a tools section shows a model the same text.
+    One schema per line, ``json.dumps`` as the templates' ``tojson`` writes it."""
+    return HERMES_TOOLS_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False)
+                                         for t in tools) + HERMES_TOOLS_FOOTER
+
+
+CALCULATOR_TASK = ("You are a helpful assistant. Answer the user's arithmetic question exactly. "
+                   "You can call a calculator: reply with only the call, for example\n" +
+                   tool_call_text("17*23") + "\nIts result comes back in a tool message. When "
+                   "you know the answer, reply with only the number within <answer></answer> XML "
+                   "tags, for example <answer>391</answer>.")
+"""The calculator's task instruction: the JSON format's system prompt before its tools section.
+An agent program that sends it as its system message with ``tools=[CALCULATOR_SCHEMA]`` shows
+the model ``json_system_prompt()`` exactly (earl_megatron/agents/chat.py)."""
+
+
 def json_system_prompt() -> str:
-    """The JSON format's task description: the tool schema, how to call it, how to answer."""
-    return ("You are a helpful assistant. Answer the user's arithmetic question exactly. You "
-            "can call a calculator.\n\n# Tools\n\nYou are provided with function signatures "
-            "within <tools></tools> XML tags:\n<tools>\n" + json.dumps(CALCULATOR_SCHEMA) +
-            "\n</tools>\n\nTo call the calculator, reply with only a JSON object with the "
-            "function name and arguments within <tool_call></tool_call> XML tags:\n" +
-            tool_call_text("17*23") + "\nIts result comes back in a tool message. When you "
-            "know the answer, reply with only the number within <answer></answer> XML tags, "
-            "for example <answer>391</answer>.")
+    """The JSON format's system prompt: the task (how to call, how to answer), then the tool
+    schema as Hermes/Qwen list it (``CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])``)."""
+    return CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])
 
 
 def parse_json_action(text: str) -> tuple[str, str]:
