@@ -67,7 +67,7 @@ the model ``json_system_prompt()`` exactly (earl_megatron/agents/chat.py)."""
 
 def json_system_prompt() -> str:
     """The JSON format's system prompt: the task (how to call, how to answer), then the tool
-    schema as Hermes/Qwen list it (``CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])``)."""
+    schema as Hermes/Qwen list it: ``CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])``."""
     return CALCULATOR_TASK + hermes_tools_block([CALCULATOR_SCHEMA])
 
 
