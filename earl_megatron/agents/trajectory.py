@@ -15,8 +15,9 @@ Canonical messages: an assistant message in a request that is one of this episod
 stands for the RAW sampled text (the decoded ids, calls written as the model wrote them), so the
 template's text of the conversation is the text the row's tokens already hold.
 
-A request extends a row when (checked newest row first; the newest row's failed check is the
-fork's ``reason``): the row has a completion, its tools equal the request's ("tools changed"),
+A request extends a row when (rows are tried newest first, so an agent that alternates between
+conversations extends each one; the fork's ``reason`` is the failed check of the newest row
+holding a completion): the row has a completion, its tools equal the request's ("tools changed"),
 its canonical messages are a prefix of the request's ("history edited at message i", "turn
 dropped"), and the template text of the row's messages (no generation prompt) is both what the
 row's tokens spell plus what the template closes a turn with, and a prefix of the request's
@@ -144,6 +145,7 @@ class EpisodeTokens:
         self._rows: list[_Row] = []
         self._completions: list[_Completion] = []
         self._by_call_id: dict[str, int] = {}
+        self._by_key: dict[tuple, list[int]] = {}
         self.forks = 0
         """Rows started for a later request (history edited, tools changed, concurrent ...)."""
         self.calls = 0
@@ -224,7 +226,7 @@ class EpisodeTokens:
             (c,) = ids
             if self._completions[c].key == key:
                 return c
-        same = [c for c, done in enumerate(self._completions) if done.key == key]
+        same = self._by_key.get(key, [])
         here = [c for c in same if self._completions[c].position == position]
         return (here or same or [None])[-1]
 
@@ -243,11 +245,6 @@ class EpisodeTokens:
         if not 0 <= prompt.row < len(self._rows):
             raise ValueError(f"prompt.row {prompt.row} is not a row of this episode; complete a "
                              "Prompt that this EpisodeTokens made")
-        row = self._rows[prompt.row]
-        if len(row.tokens) != prompt.start:
-            row = self._branch(prompt)
-        row.append(prompt.ids[prompt.start:], 0)
-        row.append(token_ids, 1, logprobs)
         tok, fmt = self.renderer.tokenizer, self.renderer.fmt
         stopped = bool(token_ids) and token_ids[-1] == fmt.stop_token_ids[0]
         raw = tok.decode(token_ids[:-1] if stopped else token_ids, skip_special_tokens=False)
@@ -255,12 +252,17 @@ class EpisodeTokens:
         if not 0 <= stop_text_cut <= len(text):
             raise ValueError(f"stop_text_cut={stop_text_cut} but the reply has {len(text)} "
                              "characters; pass how many characters the stop string cut")
+        row = self._rows[prompt.row]
+        if len(row.tokens) != prompt.start:
+            row = self._branch(prompt)
+        row.append(prompt.ids[prompt.start:], 0)
+        row.append(token_ids, 1, logprobs)
         reply = self.renderer.parser.parse(text[:len(text) - stop_text_cut],
                                            f"{self.id_tag}{self.calls}")
         index = len(self._completions)
-        self._completions.append(_Completion(raw, reply, _key(
-            reply.content, [(c.name, c.arguments) for c in reply.tool_calls]),
-            len(prompt.messages)))
+        key = _key(reply.content, [(c.name, c.arguments) for c in reply.tool_calls])
+        self._completions.append(_Completion(raw, reply, key, len(prompt.messages)))
+        self._by_key.setdefault(key, []).append(index)
         self._by_call_id.update({c.id: index for c in reply.tool_calls})
         row.messages = list(prompt.messages) + [{"role": "assistant", "content": raw}]
         row.matched = dict(prompt.matched) | {len(prompt.messages): index}

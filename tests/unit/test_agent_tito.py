@@ -81,12 +81,15 @@ def _assistant(reply: Reply, ids: bool = True) -> dict:
     return msg
 
 
-def _sample(ep: EpisodeTokens, prompt, text: str, cut: bool, sampled: list):
+def _sample(ep: EpisodeTokens, prompt, text: str, cut, sampled: list, stop_text_cut: int = 0):
+    """Sample ``text``: closed by the end-of-turn token, cut (``cut`` True: no stop token) or
+    ended by EOS (``cut == "eos"``: a stop token that is not the end-of-turn)."""
     r = ep.renderer
-    ids = r.encode(text) + ([] if cut else [r.fmt.stop_token_ids[0]])
+    end = {False: [r.fmt.stop_token_ids[0]], True: [], "eos": [r.tokenizer.eos_token_id]}[cut]
+    ids = r.encode(text) + end
     lps = [-0.25 - 0.01 * k for k in range(len(ids))]
     sampled.append((prompt.row, ids, lps))
-    return ep.complete(prompt, ids, lps, "length" if cut else "stop")
+    return ep.complete(prompt, ids, lps, "length" if cut is True else "stop", stop_text_cut)
 
 
 def check_row(renderer: ChatRenderer, row, sampled: list):
@@ -122,7 +125,8 @@ TWO_CALLS = tool_call_text("17*23") + "\n" + tool_call_text("391+1")
 def test_tool_conversation_extends_one_row(renderer, send_back):
     ep, sampled = EpisodeTokens(renderer), []
     messages, tools = list(SYSTEM), [CALCULATOR_SCHEMA]
-    script = [(CALL, False), (TWO_CALLS, True), ("  391", False), ("<answer>391</answer>", True)]
+    script = [(CALL, False), (TWO_CALLS, True), ("  391", False), ("392", "eos"),
+              ("<answer>391</answer>", True)]
     for text, cut in script:
         prompt = ep.prompt(messages, tools)
         assert (prompt.forked, prompt.reason, prompt.row) == (False, "", 0)
@@ -133,10 +137,10 @@ def test_tool_conversation_extends_one_row(renderer, send_back):
                          for c in reply.tool_calls]
         else:  # a content-only reply, sent back as content only
             messages.append({"role": "user", "content": [{"type": "text", "text": "again"}]})
-    assert ep.forks == 0 and ep.calls == 4
+    assert ep.forks == 0 and ep.calls == 5
     (row,) = ep.rows()
-    assert (row.turns, row.tool_calls, row.malformed) == (4, 3, 0)
-    assert row.finish_reasons == ("stop", "length", "stop", "length")
+    assert (row.turns, row.tool_calls, row.malformed) == (5, 3, 0)
+    assert row.finish_reasons == ("stop", "length", "stop", "stop", "length")
     check_row(renderer, row, sampled)
     # the prompt of the last turn was the row up to it: the engine saw exactly the row's tokens
     assert list(prompt.ids) == list(row.token_ids[:len(prompt.ids)])
@@ -341,3 +345,46 @@ def test_naive_reencode_differs_from_the_row():
     check_row(renderer, row, sampled)
     full = renderer.messages_text(list(row.messages), [], False)
     assert renderer.encode(full)[:len(row.token_ids)] != list(row.token_ids)
+
+
+# the char template, but assistant turns drop their reasoning: always, or once not last
+_THINK = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == "
+          "'assistant' and DROP %}{{ m['content'].split('</think>')[-1] }}{% else %}"
+          "{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("drop,why", [
+    ("not loop.last", "template re-renders earlier turns (e.g. drops reasoning) once a turn is "
+                      "appended"),
+    ("true", "template re-renders earlier turns (e.g. drops reasoning): the last reply does "
+             "not render as sampled")])
+def test_templates_that_drop_reasoning_fork(drop, why):
+    tok = char_tokenizer()
+    tok.chat_template = _THINK.replace("DROP", drop)
+    renderer = ChatRenderer(tok)
+    ep, sampled = EpisodeTokens(renderer), []
+    messages = [{"role": "user", "content": "2+3?"}]
+    reply = _sample(ep, ep.prompt(messages), "<think>easy</think>5", False, sampled)
+    assert reply.content == "<think>easy</think>5"
+    prompt = ep.prompt(messages + [_assistant(reply), {"role": "user", "content": "6+1?"}])
+    assert (prompt.forked, prompt.reason) == (True, why)
+    assert "<think>" not in tok.decode(list(prompt.ids))  # the fork shows the template's text
+
+
+def test_stop_string_cut_reply_still_extends():
+    renderer = ChatRenderer(char_tokenizer())
+    ep, sampled = EpisodeTokens(renderer), []
+    reply = _sample(ep, ep.prompt(SYSTEM), "391 STOP", True, sampled, stop_text_cut=5)
+    assert reply == Reply("391", (), 0)
+    prompt = ep.prompt(SYSTEM + [_assistant(reply), {"role": "user", "content": "ok"}])
+    assert not prompt.forked
+    _sample(ep, prompt, "ok", False, sampled)
+    (row,) = ep.rows()
+    check_row(renderer, row, sampled)
+    assert row.messages[2] == {"role": "assistant", "content": "391 STOP"}  # as sampled
+    with pytest.raises(ValueError, match="stop_text_cut"):
+        ep.complete(prompt, [40], [-1.0], "stop", stop_text_cut=2)
+    with pytest.raises(ValueError, match="logprob"):
+        ep.complete(prompt, [40], [], "stop")
+    assert ep.rows() == [row] and ep.calls == 2  # a refused completion changes nothing
