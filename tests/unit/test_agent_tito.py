@@ -388,3 +388,22 @@ def test_stop_string_cut_reply_still_extends():
     with pytest.raises(ValueError, match="logprob"):
         ep.complete(prompt, [40], [], "stop")
     assert ep.rows() == [row] and ep.calls == 2  # a refused completion changes nothing
+
+
+def test_alternating_conversations_extend_their_own_rows(renderer):
+    """An agent program that interleaves two conversations (a sub-agent) forks once, then each
+    request extends its own row."""
+    ep, sampled = EpisodeTokens(renderer), []
+    convs = [list(SYSTEM), [SYSTEM[0], {"role": "user", "content": "What is 2*3?"}]]
+    for turn in range(3):
+        for k, messages in enumerate(convs):
+            prompt = ep.prompt(messages, [CALCULATOR_SCHEMA])
+            assert prompt.row == k and prompt.forked == (k == 1 and turn == 0)
+            reply = _sample(ep, prompt, tool_call_text(f"{turn}+{k}"), turn == 1, sampled)
+            messages += [_assistant(reply), {"role": "tool", "tool_call_id": reply.tool_calls[0].id,
+                                             "content": str(turn + k)}]
+    assert ep.forks == 1 and [r.forked_from_reason for r in ep.rows()] == \
+        ["", "history edited at message 1"]
+    for k, row in enumerate(ep.rows()):
+        assert row.turns == 3
+        check_row(renderer, row, [s for s in sampled if s[0] == k])
