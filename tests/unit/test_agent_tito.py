@@ -73,12 +73,10 @@ def renderer(request):
 
 
 def _assistant(reply: Reply, ids: bool = True) -> dict:
-    msg = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        msg["tool_calls"] = [dict({"id": c.id} if ids else {}, type="function",
-                                  function={"name": c.name, "arguments": c.arguments})
-                             for c in reply.tool_calls]
-    return msg
+    calls = [dict({"id": c.id} if ids else {}, type="function",
+                  function={"name": c.name, "arguments": c.arguments}) for c in reply.tool_calls]
+    return dict({"role": "assistant", "content": reply.content}, **{"tool_calls": calls} if calls
+                else {})
 
 
 def _sample(ep: EpisodeTokens, prompt, text: str, cut, sampled: list, stop_text_cut: int = 0):
@@ -155,9 +153,7 @@ def test_replies_parse_with_ids(renderer):
 
 
 def _fork_reason(renderer, edit) -> tuple:
-    ep, sampled = EpisodeTokens(renderer), []
-    tools = [CALCULATOR_SCHEMA]
-    messages = list(SYSTEM)
+    ep, sampled, tools, messages = EpisodeTokens(renderer), [], [CALCULATOR_SCHEMA], list(SYSTEM)
     reply = _sample(ep, ep.prompt(messages, tools), CALL, False, sampled)
     messages += [_assistant(reply), {"role": "tool", "tool_call_id": "call_0_0", "content": "391"}]
     reply = _sample(ep, ep.prompt(messages, tools), "<answer>391</answer>", True, sampled)
@@ -165,19 +161,14 @@ def _fork_reason(renderer, edit) -> tuple:
     messages, tools = edit(messages, tools)
     prompt = ep.prompt(messages + [{"role": "user", "content": "and 2*3?"}], tools)
     _sample(ep, prompt, "<answer>6</answer>", False, sampled)
-    rows = ep.rows()
-    for row in rows:
-        check_row(renderer, row, [s for s in sampled if s[0] == rows.index(row)])
-    return prompt.forked, prompt.reason, ep.forks, len(rows)
-
-
-def _edited(messages, tools):
-    return messages[:3] + [{**messages[3], "content": "392"}] + messages[4:], tools
+    for k, row in enumerate(ep.rows()):
+        check_row(renderer, row, [s for s in sampled if s[0] == k])
+    return prompt.forked, prompt.reason, ep.forks, len(ep.rows())
 
 
 @pytest.mark.parametrize("edit,reason", [
     (lambda m, t: (m, t), ""),
-    (_edited, "history edited at message 3"),
+    (lambda m, t: (m[:3] + [{**m[3], "content": "392"}] + m[4:], t), "history edited at message 3"),
     (lambda m, t: (m[:2] + m[4:], t), "history edited at message 2"),
     (lambda m, t: (m, t + [{"type": "function", "function": {"name": "x"}}]), "tools changed"),
     (lambda m, t: (m[:2] + [{**m[2], "content": "I will check."}] + m[3:], t),
@@ -250,8 +241,8 @@ def test_assistant_tool_calls_render_as_the_model_writes_them(renderer):
 def test_hermes_parser():
     p, call = HermesParser(), ToolCall("call_x_0", "calculator", '{"expression": "17*23"}')
     assert p.parse(tool_call_text("17*23"), "x") == Reply(None, (call,), 0)
-    assert p.parse("no call here ", "x") == Reply("no call here", (), 0)
-    assert p.parse("", "x") == Reply("", (), 0)
+    assert [p.parse(t, "x") for t in ("no call here ", "")] == [Reply("no call here", (), 0),
+                                                                  Reply("", (), 0)]
     bad = ['<tool_call>{"name": "calculator"}</tool_call>', "<tool_call>not json</tool_call>",
            '<tool_call>{"name": "c", "arguments": "x"}</tool_call>', "<tool_call>[1]</tool_call>",
            '<tool_call>{"name": "c", "arguments": {}}']
