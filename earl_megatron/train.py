@@ -103,10 +103,13 @@ def validate(cfg: TrainConfig, world: int) -> None:
     from earl_megatron.plan.layout import InvalidLayoutError, ParallelLayout
     from earl_megatron.plan.rollout_rules import rollout_layout_problem
 
-    try:
-        env_factory(cfg.env.name)
-    except UnknownEnvError as e:
-        raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
+    if cfg.env.name == "agent":
+        _check_agent(cfg)
+    else:
+        try:
+            env_factory(cfg.env.name)
+        except UnknownEnvError as e:
+            raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
     if cfg.rollout.engine == "sglang":
         from earl_megatron.trainer.sglang_rollout import check_sglang_python
         check_sglang_python(cfg.rollout.sglang_python)
@@ -136,12 +139,39 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"< world size {world}: some dp rank would train on nothing")
 
 
+def _check_agent(cfg: TrainConfig) -> None:
+    """env.name=agent: the tasks file reads, the entry and reward import, the agents extra is
+    installed; each problem one ConfigError."""
+    from earl_megatron.agents.programs import AgentConfigError, load_tasks, resolve
+    from earl_megatron.trainer.runner import agent_spec
+
+    try:
+        spec = agent_spec(cfg)
+        load_tasks(spec.tasks)
+        for what in ("entry", "reward"):
+            if getattr(spec, what):
+                resolve(getattr(spec, what), what)
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except (AgentConfigError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    except ImportError as e:
+        raise ConfigError(f"env.name=agent: {e}; pip install 'earl_megatron[agents]'") from None
+    if cfg.env.eval_opponents:
+        raise ConfigError(f"env.eval_opponents={list(cfg.env.eval_opponents)}: agent tasks "
+                          "have no opponents; set env.eval_opponents=[] (evaluations then play "
+                          "the tasks, greedy and sampled)")
+    if cfg.sft.steps and cfg.sft.data is None:
+        raise ConfigError("sft.steps > 0 with env.name=agent needs sft.data=PATH (chat "
+                          "trajectories): agent programs have no scripted expert")
+
+
 def _check_inputs(cfg: TrainConfig) -> None:
     """The environment's kwargs and the files the run reads (sft.data, the tokenizer, run.init's
     config), checked on every rank before any model or group exists: each problem is one
     ConfigError naming its key."""
     from earl_megatron.envs import make_env
-    for opp in (None, *cfg.env.eval_opponents):  # the training env, then each evaluation's
+    for opp in (None, *cfg.env.eval_opponents) if cfg.env.name != "agent" else ():
         kwargs = dict(cfg.env.kwargs) if opp is None else {**cfg.env.kwargs, "opponent": opp}
         try:
             make_env(cfg.env.name, **kwargs)

@@ -94,8 +94,9 @@ class LayoutConfig:
 @dataclass(frozen=True)
 class EnvConfig:
     name: str = "connect_four"
-    """A registered environment (connect_four, tic_tac_toe, calculator; docs/envs.md) or a
-    factory of your own, ``package.module:function``."""
+    """A registered environment (connect_four, tic_tac_toe, calculator; docs/envs.md), a
+    factory of your own, ``package.module:function``, or ``agent``: agent programs of your own
+    through the OpenAI-compatible endpoint (env.kwargs entry, tasks, reward; docs/agents.md)."""
     kwargs: dict = field(default_factory=dict)
     """Passed to make_env(name, **kwargs): opponent, mcts_simulations, invalid_penalty, ..."""
     eval_opponents: tuple = ("random",)
@@ -148,6 +149,17 @@ class RolloutConfig:
     start in its profile table, saved with checkpoints). 60: a server start measured 23-70 s on
     this 2-core CPU when quiet (minutes under load); on GPUs SGLang's imports, weight load and
     CUDA graph capture take about a minute as well."""
+    agent_concurrency: int = 16
+    """env.name=agent: agent programs a replica runs at once (their calls batch together)."""
+    agent_timeout_s: float = 600.0
+    """env.name=agent: seconds an agent program may run; past it its episode is lost (counted
+    in agent_timeouts) and the run goes on."""
+    agent_host: str = "127.0.0.1"
+    """env.name=agent: where the endpoint listens (loopback; 0.0.0.0 for agents on other
+    machines, which then reach the replica leader's host name)."""
+    agent_port: int = 0
+    """env.name=agent: the endpoint's port (0: any free one; each replica leader binds its
+    own)."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
@@ -162,7 +174,10 @@ class RolloutConfig:
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
-                  "prefill_tokens")
+                  "prefill_tokens", "agent_concurrency")
+        if not self.agent_timeout_s > 0 or not 0 <= self.agent_port < 65536:
+            raise ConfigError(f"rollout.agent_timeout_s={self.agent_timeout_s} must be > 0 and "
+                              f"rollout.agent_port={self.agent_port} in [0, 65535]")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0 and "
                               f"rollout.top_p={self.top_p} in (0, 1]")

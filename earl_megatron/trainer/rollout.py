@@ -24,9 +24,11 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from earl_megatron.envs import make_env
 from earl_megatron.plan.specs import PREFILL_TOKENS
+from earl_megatron.agents.server import ServerLimits
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
+from earl_megatron.trainer.agent_rollout import AgentPlayer, AgentSpec, play_agents
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,14 @@ class EpisodeSpec:
     """MoE: the engine records each token's experts into Episode.routes (algorithm.routing_replay)."""
     prefill_tokens: int = PREFILL_TOKENS
     """The embedded engine's prefill chunk (rollout.prefill_tokens)."""
+    agent: Optional[AgentSpec] = None
+    """``env.name=agent``: agent programs play through the endpoint (trainer/agent_rollout.py)
+    instead of the agent loop."""
+
+    def limits(self, temperature: float) -> ServerLimits:
+        return ServerLimits(max_context_tokens=self.max_context_tokens,
+                            max_action_tokens=self.max_action_tokens, max_turns=self.max_turns,
+                            temperature=temperature, top_p=self.top_p)
 
 
 class Rollout(Protocol):
@@ -102,6 +112,8 @@ class EmbeddedRollout:
     def __init__(self, spec: EpisodeSpec, tokenizer):
         self.spec = spec
         self.tok = tokenizer
+        self._player: Optional[AgentPlayer] = None
+        self._replica_groups: dict = {}
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None,
@@ -117,12 +129,53 @@ class EmbeddedRollout:
                                 record_routes=sp.routing_replay,
                                 prefill_tokens=sp.prefill_tokens)
         try:
+            if sp.agent is not None and opponent is None:
+                return self._play_agents(policy, engine, block, seeds, temperature,
+                                         sample_seed, should_stop)
             episodes = play_episodes(sp, engine, [seeds[i] for i in block], self.tok,
                                      temperature=temperature, sample_seed=sample_seed,
                                      opponent=opponent, should_stop=should_stop)
         finally:
             engine.close()
         return list(block), episodes
+
+    def _play_agents(self, policy, engine, block, seeds, temperature, sample_seed,
+                     should_stop):
+        """The replica's leader serves the endpoint; its other ranks decode its batches."""
+        c = policy.coords
+        leader = c.tp == 0 and c.pp == 0 and c.cp == 0
+        if leader and self._player is None:
+            self._player = AgentPlayer(self.spec.agent, self.tok, self.spec.limits(temperature))
+        return play_agents(self._player if leader else None, engine, block, seeds, len(seeds),
+                           self.tok, sample_seed=sample_seed,
+                           limits=self.spec.limits(temperature),
+                           group=self._replica_group(policy), should_stop=should_stop)
+
+    def _replica_group(self, policy):
+        """A gloo group of this rank's rollout replica (leader first), one per layout; None
+        for replicas of one rank."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from earl_megatron.runtime import groups
+
+        layout = policy.layout
+        if layout.tp * layout.pp * layout.cp == 1:
+            return None
+        if layout not in self._replica_groups:
+            world = dist.get_world_size()
+            mine = None
+            for d in range(layout.dp):  # every rank creates every group, in the same order
+                ranks = sorted((r for r in range(world) if layout.coords(r).dp == d),
+                               key=lambda r: (layout.coords(r).tp, layout.coords(r).pp,
+                                              layout.coords(r).cp, r))
+                g = dist.new_group(ranks, backend="gloo",
+                                   timeout=timedelta(seconds=groups.group_timeout_s()))
+                if dist.get_rank() in ranks:
+                    mine = g
+            self._replica_groups[layout] = mine
+        return self._replica_groups[layout]
 
     def sync(self, policy: ModelOnLayout) -> None:
         pass  # the engine decodes with the policy itself: nothing to copy
@@ -134,4 +187,6 @@ class EmbeddedRollout:
         return []
 
     def close(self) -> None:
-        pass
+        if self._player is not None:
+            self._player.close()
+            self._player = None

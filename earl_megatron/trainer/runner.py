@@ -49,6 +49,7 @@ from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.evaluation import evaluate
+from earl_megatron.trainer.agent_rollout import AgentSpec, agent_metrics
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
@@ -61,6 +62,16 @@ from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, adv
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
 from earl_megatron.trainer.stop import StopControl
+
+
+def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
+    """env.name=agent: the agent programs' spec (trainer/agent_rollout.py); None otherwise."""
+    if cfg.env.name != "agent":
+        return None
+    r = cfg.rollout
+    return AgentSpec.from_env_kwargs(dict(cfg.env.kwargs), concurrency=r.agent_concurrency,
+                                     timeout_s=r.agent_timeout_s, host=r.agent_host,
+                                     port=r.agent_port)
 
 
 class Trainer:
@@ -92,7 +103,8 @@ class Trainer:
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p,
-            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens), tokenizer,
+            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens,
+            agent=agent_spec(cfg)), tokenizer,
             model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
             mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
@@ -138,6 +150,9 @@ class Trainer:
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         engine_metrics, tis = {"rollout_engine": cfg.rollout.engine}, {}
+        if cfg.env.name == "agent":
+            from earl_megatron.trainer.scoring import owns_samples
+            engine_metrics.update(agent_metrics(owns_samples(policy), ids, episodes, len(seeds)))
         # routing replay (MoE): the rollout's experts, replayed in every later forward
         routes = {s: e.routes for s, e in zip(ids, episodes)} \
             if cfg.algorithm.routing_replay else None

@@ -68,7 +68,10 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
     REINFORCE++: ``token_returns`` of each episode (``kl``: k1 per token, with
     ``cfg.kl_coef``), normalised by mean and std over every policy token of the iteration.
     GRPO: each episode's reward (minus its summed KL when in the reward) normalised within its
-    group of ``group_size`` consecutive sample ids.
+    group of ``group_size`` consecutive episodes. Sample ``s`` is episode ``s % num_episodes``
+    (an agent episode that forked has rows s, s + n, ...: trainer/agent_rollout.py); only an
+    episode's first row (s < n) with policy tokens counts in its group's statistics, and every
+    row takes its group's.
     """
     owner = owns_samples(policy)
     coef = cfg.kl_coef if kl is not None else 0.0
@@ -76,11 +79,12 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
         g = cfg.group_size
         reward = {s: kl_penalized_reward(samples[s].reward, kl[s] if coef else None, coef)
                   for s in ids}
-        mine = ids if owner else []
+        n = num_episodes
+        mine = [s for s in ids if s < n and samples[s].loss_mask.any()] if owner else []
         moments = global_moments(torch.tensor([reward[s] for s in mine], dtype=torch.float64),
                                  torch.tensor([s // g for s in mine], dtype=torch.long),
-                                 num_episodes // g, unbiased=True)
-        return {s: grpo_advantage(reward[s], s // g, samples[s].loss_mask, moments)
+                                 n // g, unbiased=True)
+        return {s: grpo_advantage(reward[s], (s % n) // g, samples[s].loss_mask, moments)
                 for s in ids}
     returns = {s: token_returns(samples[s].token_rewards, samples[s].loss_mask, cfg.gamma,
                                 kl[s] if coef else None, coef) for s in ids}
@@ -103,7 +107,9 @@ def advantage_check(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int],
         acc = torch.zeros(2, num_episodes // g, dtype=torch.float64)
         for s in ids if owner else []:
             on = samples[s].loss_mask.bool()
-            acc[0, s // g] += adv[s][on][0].item() if on.any() else 0.0
+            if s >= num_episodes or not on.any():
+                continue  # forks repeat their episode's advantage; a lost episode has none
+            acc[0, s // g] += adv[s][on][0].item()
             acc[1, s // g] += 1
         acc = global_sum(acc)
         return {"advantage_group_mean_max":

@@ -69,6 +69,7 @@ from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.fault_points import fault_point
+from earl_megatron.trainer.agent_rollout import AgentPlayer, play_agents
 from earl_megatron.trainer.rollout import EpisodeSpec, play_episodes, weight_sync_metrics
 
 BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
@@ -127,6 +128,7 @@ class SGLangRollout:
         self.engine = None          # this rank's server (replica leaders only)
         self.group = None           # weight-update group with that server (leaders only)
         self.replica_group = None   # ranks of this rank's replica (episodes are broadcast here)
+        self._player = None         # env.name=agent: the leader's endpoint (agent_rollout.py)
         self.version = 0            # pushes so far; the served weights are "it<version>"
         self.last_push: list = []   # HF buckets the server must hold (leaders: re-push on restart)
         self._push_complete = True  # False while a push is under way (last_push is its prefix)
@@ -165,15 +167,25 @@ class SGLangRollout:
             if self._released:
                 self.engine.resume_memory()
                 self._released = False
-            episodes[0] = play_episodes(self.spec, self.engine, [seeds[i] for i in block],
-                                        self.tok, temperature=temperature,
-                                        sample_seed=sample_seed, opponent=opponent)
+            if self.spec.agent is not None and opponent is None:
+                # agent programs through the endpoint; the servers batch their calls
+                if self._player is None:
+                    self._player = AgentPlayer(self.spec.agent, self.tok,
+                                               self.spec.limits(temperature))
+                episodes[0] = play_agents(self._player, self.engine, block, seeds, len(seeds),
+                                          self.tok, sample_seed=sample_seed,
+                                          limits=self.spec.limits(temperature))
+            else:
+                episodes[0] = (block, play_episodes(
+                    self.spec, self.engine, [seeds[i] for i in block], self.tok,
+                    temperature=temperature, sample_seed=sample_seed, opponent=opponent))
             if self.device == "cuda":
                 self.engine.release_memory()  # LOGPROB/TRAIN get the GPU back
                 self._released = True
         if self.replica_group is not None:
             dist.broadcast_object_list(episodes, group=self.replica_group, group_src=0)
-        return block, episodes[0]
+        ids, played = episodes[0]
+        return list(ids), played
 
     def sync(self, policy: ModelOnLayout) -> None:
         """Push the policy's weights (any layout) into every server: the weight plan
@@ -259,6 +271,9 @@ class SGLangRollout:
         return taken
 
     def close(self) -> None:
+        if self._player is not None:
+            self._player.close()
+            self._player = None
         self._stop()
 
     # ------------------------------------------------------------------ servers

@@ -1,0 +1,394 @@
+"""OpenAI's chat completions API over the rollout engine, one URL prefix per RL episode.
+
+    POST {base}/v1/chat/completions     messages, tools, tool_choice, temperature, top_p,
+                                        max_tokens | max_completion_tokens, stop, seed, n=1,
+                                        stream (server-sent events)
+    GET  {base}/v1/models               the one model served
+    POST {base}/reward                  {"reward": float, "info": {...}}: the agent's own score
+    base = http://<host>:<port>/episodes/<id>          (training: one unguessable id an episode)
+    base = http://<host>:<port>                        (``serve``: each request stands alone)
+
+Built on FastAPI and uvicorn (the pair SGLang and vLLM serve this API with), in a daemon thread
+of the replica's leader rank; the handlers run on uvicorn's event loop and never block it: a
+request's prompt goes to the Broker (agents/broker.py) and the handler awaits its Generation.
+
+Each episode keeps its conversation in tokens (agents/trajectory.py: the prompt extends the
+previous call's prompt and completion, or the episode forks); the response is built from the
+sampled ids (content and ``tool_calls`` parsed in the model's own format, ``finish_reason``
+"tool_calls" | "stop" | "length", ``usage``), and the ids themselves ride along in
+``choices[0].token_ids`` (streaming too: the server keeps them either way).
+
+Refusals, in OpenAI's error shape ``{"error": {"message", "type", "code"}}``: a missing or wrong
+key 401; an unknown episode 404, a finished one 410; malformed JSON or fields 400; a prompt that
+leaves no room for one token under ``max_context_tokens`` 400 ``context_length_exceeded``; the
+call after ``max_turns`` 400 ``max_turns_exceeded`` (the episode ends, finish reason
+"max_turns"); while the trainer swaps weights (``pause``) 503 with Retry-After. Invariants: a
+refused request changes no episode; a finished episode's rows never change again.
+"""
+
+# no "from __future__ import annotations": FastAPI reads the handlers' annotations (Request)
+# at definition time, in app()'s scope
+import asyncio
+import json
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from earl_megatron.agents.broker import Broker
+from earl_megatron.agents.chat import ChatRenderer, ChatRequestError
+from earl_megatron.agents.trajectory import EpisodeTokens
+from earl_megatron.rollout.engine import SamplingParams
+
+AGENTS_EXTRA = "pip install 'earl_megatron[agents]' (FastAPI, uvicorn, the openai client)"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_context_tokens: int
+    max_action_tokens: int
+    """Tokens a call samples at most (a request's max_tokens is capped by it)."""
+    max_turns: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    honour_sampling: bool = False
+    """False (training): every call samples at the run's temperature and top_p, the policy the
+    trainer scores (a client's own values are counted in ``sampling_overrides``); True
+    (``serve``): the request's values are used."""
+
+
+@dataclass
+class AgentEpisode:
+    """One episode's state on the server (mutated on the server's loop thread only, read by
+    the trainer after ``close_episode``)."""
+
+    id: str
+    task: dict
+    tokens: EpisodeTokens
+    base_url: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    calls: int = 0
+    tool_calls: int = 0
+    malformed: int = 0
+    sampling_overrides: int = 0
+    finish_reason: str = ""
+    posted: Optional[dict] = None
+    """What the agent posted to {base}/reward."""
+    last_messages: list = field(default_factory=list)
+    """The latest request's messages plus the reply: the conversation as the agent saw it."""
+    closed: bool = False
+
+
+def _error(status: int, message: str, code: str, kind: str = "invalid_request_error",
+           headers: Optional[dict] = None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code,
+                                   "param": None}}, status_code=status, headers=headers)
+
+
+class AgentServer:
+    """The endpoint (module docstring). ``start`` binds and serves; ``open_episode`` gives an
+    agent its base URL; ``close_episode`` ends it (later calls 410)."""
+
+    def __init__(self, tokenizer, broker: Broker, limits: ServerLimits, *,
+                 host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
+                 model_name: str = "policy", per_request_episodes: bool = False):
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"the agent endpoint needs FastAPI and uvicorn ({e}); "
+                              f"{AGENTS_EXTRA}") from None
+        self.renderer = ChatRenderer(tokenizer)
+        self.broker, self.limits = broker, limits
+        self.host, self.port = host, int(port)
+        self.api_key = api_key or "earl-" + secrets.token_hex(16)
+        self.model_name = model_name
+        self.per_request = per_request_episodes
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.finished: set[str] = set()
+        self.paused = False
+        self._server = None
+        self._thread: Optional[threading.Thread] = None
+        self.url = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"the agent endpoint cannot bind {self.host}:{self.port} ({e}); pick "
+                          "another rollout.agent_port (0: any free port)") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off",
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="agent-endpoint", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent endpoint did not start on {self.host}:"
+                                   f"{self.port}")
+            time.sleep(0.01)
+        shown = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        self.url = f"http://{shown}:{self.port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def pause(self) -> None:
+        """Weights are being swapped: live episodes' calls get 503 + Retry-After."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    # ------------------------------------------------------------------ episodes
+    def open_episode(self, task: dict) -> AgentEpisode:
+        eid = secrets.token_urlsafe(18)
+        ep = AgentEpisode(eid, dict(task), EpisodeTokens(self.renderer),
+                          f"{self.url}/episodes/{eid}")
+        self.episodes[eid] = ep
+        self.broker.open_episodes += 1
+        self.broker.poke()
+        return ep
+
+    def close_episode(self, ep: AgentEpisode) -> None:
+        if ep.id in self.episodes:
+            del self.episodes[ep.id]
+            self.finished.add(ep.id)
+            self.broker.open_episodes -= 1
+            self.broker.poke()
+        ep.closed = True
+
+    # ------------------------------------------------------------------ the app
+    def app(self):
+        from fastapi import FastAPI, Request
+
+        app = FastAPI(title="earl_megatron agent endpoint", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+
+        @app.get("/v1/models")
+        async def models_root(request: Request):
+            return self._models(request)
+
+        @app.get("/episodes/{eid}/v1/models")
+        async def models(eid: str, request: Request):
+            return self._episode(eid, request) or self._models(request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_root(request: Request):
+            if not self.per_request:
+                return _error(404, "this endpoint serves episodes: use the base_url your "
+                              "episode was given (/episodes/<id>/v1)", "not_found")
+            refused = self._auth(request)
+            if refused:
+                return refused
+            ep = AgentEpisode("serve", {}, EpisodeTokens(self.renderer), self.url)
+            return await self._chat(ep, request)
+
+        @app.post("/episodes/{eid}/v1/chat/completions")
+        async def chat(eid: str, request: Request):
+            refused = self._episode(eid, request)
+            if refused:
+                return refused
+            if self.paused:
+                return _error(503, "weights are being updated; retry shortly",
+                              "weights_updating", "server_error", {"Retry-After": "1"})
+            ep = self.episodes[eid]
+            async with ep.lock:
+                return await self._chat(ep, request)
+
+        @app.post("/episodes/{eid}/reward")
+        async def reward(eid: str, request: Request):
+            refused = self._episode(eid, request)
+            if refused:
+                return refused
+            body = await self._json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("reward"), (int, float)) \
+                    or isinstance(body.get("reward"), bool):
+                return _error(400, 'post {"reward": <number>, "info": {...}}', "invalid_reward")
+            self.episodes[eid].posted = {"reward": float(body["reward"]),
+                                         "info": dict(body.get("info") or {})}
+            return {"ok": True}
+
+        return app
+
+    def _models(self, request):
+        refused = self._auth(request)
+        return refused or {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "earl"}]}
+
+    def _auth(self, request):
+        got = request.headers.get("authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            return _error(401, "missing or wrong API key: send Authorization: Bearer <the "
+                          "api_key your agent was given>", "invalid_api_key")
+        return None
+
+    def _episode(self, eid: str, request):
+        refused = self._auth(request)
+        if refused:
+            return refused
+        if eid in self.finished:
+            return _error(410, f"episode {eid} has finished; its agent may not call again",
+                          "episode_finished")
+        if eid not in self.episodes:
+            return _error(404, f"no episode {eid} on this server", "episode_not_found")
+        return None
+
+    @staticmethod
+    async def _json(request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return ChatRequestError(f"the request body is not JSON ({e})")
+
+    async def _chat(self, ep: AgentEpisode, request):
+        from earl_megatron.agents.responses import completion_body, stream_body
+
+        body = await self._json(request)
+        try:
+            req = parse_request(body, self.model_name)
+        except ChatRequestError as e:
+            return _error(400, str(e), "invalid_request")
+        lim = self.limits
+        if ep.calls >= lim.max_turns:
+            ep.finish_reason = "max_turns"
+            if ep.id in self.episodes:
+                self.close_episode(ep)
+            return _error(400, f"the episode used its {lim.max_turns} calls "
+                          "(rollout.max_turns); it has ended", "max_turns_exceeded")
+        try:
+            prompt = ep.tokens.prompt(req["messages"], req["tools"])
+        except ChatRequestError as e:
+            return _error(400, str(e), "invalid_request")
+        room = lim.max_context_tokens - len(prompt.ids)
+        if room < 1:
+            return _error(400, f"the prompt is {len(prompt.ids)} tokens; this model's context "
+                          f"is {lim.max_context_tokens} (rollout.max_context_tokens)",
+                          "context_length_exceeded")
+        if lim.honour_sampling:
+            temperature, top_p = req["temperature"], req["top_p"]
+            temperature = lim.temperature if temperature is None else temperature
+            top_p = lim.top_p if top_p is None else top_p
+        else:
+            temperature, top_p = lim.temperature, lim.top_p
+            if req["temperature"] not in (None, lim.temperature) or \
+                    req["top_p"] not in (None, lim.top_p):
+                ep.sampling_overrides += 1
+        max_new = min(req["max_tokens"] or lim.max_action_tokens, lim.max_action_tokens, room)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
+                                stop_token_ids=self.renderer.fmt.stop_token_ids,
+                                seed=req["seed"] if lim.honour_sampling else None)
+        fut = self.broker.submit(prompt.ids, params)
+        try:
+            gen = await asyncio.wrap_future(fut)
+        except Exception as e:  # noqa: BLE001 - the rollout ended under this request
+            return _error(503, f"the rollout engine did not answer ({type(e).__name__}: {e})",
+                          "engine_unavailable", "server_error", {"Retry-After": "1"})
+        ids, logprobs, finish, cut = cut_at_stop(self.renderer, gen, req["stop"])
+        reply = ep.tokens.complete(prompt, ids, logprobs, finish, stop_text_cut=cut)
+        ep.calls += 1
+        ep.tool_calls += len(reply.tool_calls)
+        ep.malformed += reply.malformed
+        finish = "tool_calls" if reply.tool_calls else finish
+        message = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in reply.tool_calls]
+        ep.last_messages = list(req["messages"]) + [message]
+        usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
+                 "total_tokens": len(prompt.ids) + len(ids)}
+        cid = f"chatcmpl-{secrets.token_hex(12)}"
+        if req["stream"]:
+            from fastapi.responses import StreamingResponse
+
+            return StreamingResponse(stream_body(cid, self.model_name, message, finish, ids,
+                                                 usage, req["include_usage"]),
+                                     media_type="text/event-stream")
+        return completion_body(cid, self.model_name, message, finish, ids, usage)
+
+
+def parse_request(body: Any, default_model: str) -> dict:
+    """The fields of a chat completions request this server reads, checked (ChatRequestError
+    names the field and the fix)."""
+    if isinstance(body, ChatRequestError):
+        raise body
+    if not isinstance(body, dict):
+        raise ChatRequestError("the request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ChatRequestError("'messages' must be a non-empty list of chat messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ChatRequestError("'tools' must be a list of {\"type\": \"function\", "
+                               "\"function\": {...}} objects")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ChatRequestError(f"n={n}: this endpoint samples one choice per call (n=1); call "
+                               "again for another sample")
+
+    def number(key, lo, hi):
+        v = body.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ChatRequestError(f"'{key}'={v!r} must be a number in [{lo}, {hi}]")
+        return float(v)
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ChatRequestError(f"max_tokens={max_tokens!r} must be an integer >= 1")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise ChatRequestError("'stop' is a string or a list of up to 4 non-empty strings")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ChatRequestError(f"seed={seed!r} must be an integer")
+    tool_choice = body.get("tool_choice", "auto")
+    if isinstance(tool_choice, dict):
+        tool_choice = "function"
+    if tool_choice not in ("auto", "none", "required", "function"):
+        raise ChatRequestError(f"tool_choice={tool_choice!r}: use auto, none, required or "
+                               "{\"type\": \"function\", ...}")
+    opts = body.get("stream_options") or {}
+    top_p = number("top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        raise ChatRequestError("'top_p' must be in (0, 1]")
+    return {"messages": msgs, "tools": tools or None, "temperature": number("temperature", 0, 2),
+            "top_p": top_p, "max_tokens": max_tokens, "stop": stop, "seed": seed,
+            "tool_choice": tool_choice, "stream": bool(body.get("stream", False)),
+            "include_usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
+            "model": body.get("model") or default_model}
+
+
+def cut_at_stop(renderer: ChatRenderer, gen, stops: list[str]):
+    """(ids, logprobs, finish_reason, characters cut) of a generation cut after the first
+    token whose text completes a ``stop`` string (OpenAI's ``stop``): the tokens after it were
+    never shown to the client; the row keeps the ones up to it (they were sampled), the reply's
+    text ends before the stop string."""
+    ids, lps = list(gen.token_ids), list(gen.logprobs)
+    if stops:
+        for k in range(1, len(ids) + 1):
+            text = renderer.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            at = [text.find(s) for s in stops if s in text]
+            if at:
+                return ids[:k], lps[:k], "stop", len(text) - min(at)
+    return ids, lps, gen.finish_reason, 0

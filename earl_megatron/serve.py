@@ -1,0 +1,92 @@
+"""Serve a checkpoint over OpenAI's chat completions API, to try a policy with any client.
+
+    python -m earl_megatron.serve run.init=DIR [rollout.agent_port=8000] [rollout.agent_host=..]
+    -> serving runs/x/.../hf at http://127.0.0.1:8000/v1 (model "policy", api key earl-...)
+
+``run.init`` is any checkpoint the trainer starts from (an HF directory, a converted one, a
+trainer checkpoint's iteration folder); the recipes and overrides are the trainer's (Hydra), so
+the tokenizer, ``rollout.max_action_tokens`` (tokens a call samples at most),
+``rollout.max_context_tokens`` and ``rollout.temperature``/``top_p`` (the defaults of a request
+that names none) mean what they mean in training. The endpoint is the training one
+(agents/server.py) with each request standing alone (no episode, nothing recorded) and the
+request's own temperature, top_p and seed honoured. ``EARL_API_KEY`` sets the key (default: a
+fresh one, printed). One process, the embedded engine on one rank (world 1); Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+def serve(cfg, *, ready=None, stop: threading.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM); ``ready(server)`` once listening."""
+    from earl_megatron.quiet import quiet_known_warnings
+    quiet_known_warnings()
+    import torch
+
+    from earl_megatron.agents.broker import Broker, ReplicaDriver
+    from earl_megatron.agents.server import AgentServer, ServerLimits
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+    from earl_megatron.runtime.dist import init_distributed
+    from earl_megatron.train import make_tokenizer
+    from earl_megatron.trainer.model_pair import build_model_pair
+
+    rank, world = init_distributed(cfg.cluster.collective_timeout_s, "gloo")
+    if world != 1:
+        raise SystemExit("earl_megatron.serve runs as one process (world 1); start it with "
+                         "python -m, not torchrun")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tok = make_tokenizer(cfg)
+    pair = build_model_pair(cfg.model, ParallelLayout(), None, optimizer=None,
+                            seed=cfg.run.seed, init=cfg.run.init)
+    engine = EmbeddedEngine(pair.policy, pad_token_id=tok.pad_token_id, prompts="replica",
+                            prefill_tokens=cfg.rollout.prefill_tokens)
+    r = cfg.rollout
+    limits = ServerLimits(max_context_tokens=r.max_context_tokens or
+                          cfg.model.max_position_embeddings,
+                          max_action_tokens=r.max_action_tokens, max_turns=2**31 - 1,
+                          temperature=r.temperature, top_p=r.top_p, honour_sampling=True)
+    broker = Broker()
+    broker.open_episodes = 1   # each request stands alone: send it at once
+    server = AgentServer(tok, broker, limits, host=r.agent_host, port=r.agent_port,
+                         api_key=os.environ.get("EARL_API_KEY"), per_request_episodes=True)
+    url = server.start()
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    print(f"serving {cfg.run.init or 'a fresh model'} at {url}/v1 (model "
+          f"{server.model_name!r}, api key {server.api_key})", flush=True)
+    if ready is not None:
+        ready(server)
+    try:
+        ReplicaDriver(engine).lead(broker, stop.is_set, lambda k: k)
+    finally:
+        server.stop()
+        engine.close()
+
+
+def main() -> None:
+    from earl_megatron.quiet import quiet_known_warnings
+    quiet_known_warnings()
+    import hydra
+    from omegaconf import OmegaConf
+
+    from earl_megatron.config.compose import RECIPES
+    from earl_megatron.train import configure, reporting_errors
+
+    @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
+    def _entry(dcfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        cfg = reporting_errors(configure, OmegaConf.to_container(dcfg, resolve=True),
+                               list(HydraConfig.get().overrides.task))
+        reporting_errors(serve, cfg)
+
+    _entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``env.name=agent``: a replica's episodes played by agent programs through the endpoint.
+
+The replica's leader (tp and pp coordinate 0) serves the OpenAI-compatible endpoint
+(agents/server.py, started once and kept across iterations) and runs the agent programs
+(agents/programs.py); its driver (agents/broker.py) batches their calls into the engine's
+``generate`` on every rank of the replica; at the end the leader broadcasts the rows to the
+replica's other ranks, so every rank of a replica holds its samples, as with the built-in loop.
+
+Rows and sample ids. An episode whose agent kept its history is one row; one that edited it
+forked into several (agents/trajectory.py). The i-th episode of an iteration of n has sample id
+i for its first row and i + k*n for its k-th fork, so ``s % n`` is the episode and
+``(s % n) // group_size`` its GRPO group; every row trains with the episode's reward, on its
+last sampled turn. A lost episode (its agent raised or ran past ``rollout.agent_timeout_s``)
+keeps one row with its loss mask zeroed (it trains nothing and counts in no statistic), so
+every episode has a sample and a replica is never empty.
+
+Task of an episode: ``tasks[seed % len(tasks)]`` (GRPO groups share a seed, so a task).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.agents.broker import Broker, ReplicaDriver
+from earl_megatron.agents.programs import builtin_agent, load_tasks, resolve, run_agents
+from earl_megatron.agents.server import AgentServer, ServerLimits
+from earl_megatron.rollout.agent_loop import Episode, RolloutAbandoned
+from earl_megatron.seeds import turn_sample_seed
+
+AGENT_ENV = "agent"
+METRIC_KEYS = ("agent_calls_per_episode", "agent_tool_calls_per_episode",
+               "agent_malformed_tool_calls", "agent_forks", "agent_errors", "agent_timeouts",
+               "agent_sampling_overrides", "agent_reward_mean")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    entry: Optional[str]
+    tasks: str
+    reward: Optional[str]
+    concurrency: int
+    timeout_s: float
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @classmethod
+    def from_env_kwargs(cls, kwargs: dict, *, concurrency: int, timeout_s: float, host: str,
+                        port: int) -> "AgentSpec":
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        unknown = set(kwargs) - {"entry", "tasks", "reward"}
+        if unknown:
+            raise ValueError(f"env.kwargs {sorted(unknown)}: env.name=agent reads entry, tasks "
+                             "and reward only")
+        if not kwargs.get("tasks"):
+            raise ValueError("env.name=agent needs env.kwargs.tasks=PATH (JSONL or parquet, "
+                             "one task per row)")
+        if not kwargs.get("entry") and not kwargs.get("reward"):
+            raise ValueError("env.name=agent without env.kwargs.entry plays the built-in "
+                             "agent, which needs env.kwargs.reward=package.module:function to "
+                             "score its answers")
+        return cls(kwargs.get("entry"), str(kwargs["tasks"]), kwargs.get("reward"),
+                   int(concurrency), float(timeout_s), host, int(port))
+
+
+class AgentPlayer:
+    """The leader's endpoint and agents, kept across iterations (``close`` stops them)."""
+
+    def __init__(self, spec: AgentSpec, tokenizer, limits: ServerLimits):
+        self.spec = spec
+        self.tasks = load_tasks(spec.tasks)
+        self.agent = resolve(spec.entry, "entry") if spec.entry else builtin_agent
+        self.reward = resolve(spec.reward, "reward") if spec.reward else None
+        self.broker = Broker()
+        self.server = AgentServer(tokenizer, self.broker, limits, host=spec.host,
+                                  port=spec.port)
+        self.server.start()
+
+    def play(self, driver: ReplicaDriver, seeds: Sequence[int], sample_seed: int,
+             limits: ServerLimits):
+        """Outcomes of one episode per seed (sampled within ``limits``: the play's temperature,
+        greedy in evaluations); None when told to stop."""
+        import threading
+
+        self.server.limits = limits
+        box: dict = {}
+
+        def agents():
+            try:
+                box["out"] = run_agents(self.server, [self.tasks[s % len(self.tasks)]
+                                                      for s in seeds],
+                                        self.agent, self.reward,
+                                        concurrency=self.spec.concurrency,
+                                        timeout_s=self.spec.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the trainer's thread
+                box["error"] = e
+            finally:
+                self.broker.poke()
+
+        th = threading.Thread(target=agents, name="agents", daemon=True)
+        th.start()
+        finished = driver.lead(self.broker, lambda: not th.is_alive(),
+                               lambda k: turn_sample_seed(sample_seed, k))
+        if not finished:
+            self.broker.fail_all(RolloutAbandoned("the trainer is stopping"))
+            th.join(timeout=30)
+            return None
+        th.join()
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def _runs(mask: Sequence[int]) -> int:
+    return sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
+
+
+def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
+    """An outcome's rows as Episodes (module docstring); the first carries the counts."""
+    ep = outcome.episode
+    rows = ep.tokens.rows() if ep is not None else []
+    counts = {"agent_calls": ep.calls if ep else 0, "agent_tool_calls": ep.tool_calls if ep else 0,
+              "agent_malformed": ep.malformed if ep else 0,
+              "agent_forks": ep.tokens.forks if ep else 0,
+              "agent_sampling_overrides": ep.sampling_overrides if ep else 0,
+              "agent_error": outcome.error, "agent_timeout": outcome.timed_out,
+              "task": ep.task if ep else {}, **outcome.info}
+    finish = "error" if outcome.error else "timeout" if outcome.timed_out else \
+        (ep.finish_reason or "done") if ep else "error"
+    if not rows:
+        pad = tokenizer.pad_token_id or 0
+        return [Episode(env=AGENT_ENV, seed=seed, token_ids=(pad, pad), loss_mask=(0, 0),
+                        logprobs=(0.0, 0.0), reward=0.0, turns=0, finish_reason=finish,
+                        prompt_length=2, actions=(), observations=(), info=counts)]
+    out = []
+    for k, row in enumerate(rows):
+        mask = tuple(0 for _ in row.loss_mask) if outcome.lost else tuple(row.loss_mask)
+        lps = tuple(0.0 for _ in row.logprobs) if outcome.lost else tuple(row.logprobs)
+        turns = _runs(mask)
+        reward = 0.0 if outcome.lost else outcome.reward
+        first = next((i for i, m in enumerate(row.loss_mask) if m), len(mask))
+        info = counts if k == 0 else {"fork": k, "fork_reason": row.forked_from_reason}
+        actions = tuple(m.get("content") or "" for m in row.messages
+                        if m.get("role") == "assistant")[-row.turns:]
+        out.append(Episode(env=AGENT_ENV, seed=seed, token_ids=tuple(row.token_ids),
+                           loss_mask=mask, logprobs=lps, reward=reward, turns=turns,
+                           finish_reason=finish, prompt_length=first, actions=actions,
+                           observations=(), info={**info, "messages": list(row.messages)},
+                           turn_rewards=(0.0,) * max(turns - 1, 0) + ((reward,) if turns
+                                                                      else ())))
+    return out
+
+
+def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], seeds: Sequence[int],
+                n: int, tokenizer, *, sample_seed: int, limits: ServerLimits, group=None,
+                should_stop: Optional[Callable[[], bool]] = None
+                ) -> tuple[list[int], list[Episode]]:
+    """This replica's (sample ids, rows) of episodes ``block`` of the iteration's ``n``.
+    ``player`` is the leader's (None on the replica's other ranks); every rank of the replica
+    calls this with the same ``group`` (its ranks, leader first; None for a replica of one)."""
+    driver = ReplicaDriver(engine, group, leader=player is not None, should_stop=should_stop)
+    box: list = [None]
+    if player is not None:
+        outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits)
+        if outcomes is not None:
+            ids, rows = [], []
+            for i, o in zip(block, outcomes):
+                for k, row in enumerate(outcome_rows(o, seeds[i], tokenizer)):
+                    ids.append(i + k * n)
+                    rows.append(row)
+            box[0] = (ids, rows)
+    elif not driver.follow():
+        box[0] = None
+    if group is not None:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    if box[0] is None:
+        raise RolloutAbandoned("stopped while agents played")
+    return box[0]
+
+
+def agent_metrics(owner: bool, ids: Sequence[int], episodes: Sequence[Episode], n: int) -> dict:
+    """Per-iteration agent metrics over the world (every rank calls; the owner of each replica
+    counts its episodes once)."""
+    acc = torch.zeros(9, dtype=torch.float64)
+    for s, e in zip(ids, episodes):
+        if not owner or s >= n:
+            continue
+        i = e.info
+        lost = bool(i.get("agent_error")) or bool(i.get("agent_timeout"))
+        acc += torch.tensor([1, i.get("agent_calls", 0), i.get("agent_tool_calls", 0),
+                             i.get("agent_malformed", 0), i.get("agent_forks", 0),
+                             bool(i.get("agent_error")), bool(i.get("agent_timeout")),
+                             i.get("agent_sampling_overrides", 0),
+                             0.0 if lost else e.reward], dtype=torch.float64)
+    dist.all_reduce(acc)
+    eps = max(acc[0].item(), 1.0)
+    kept = max(acc[0].item() - acc[5].item() - acc[6].item(), 1.0)
+    return dict(zip(METRIC_KEYS, (acc[1].item() / eps, acc[2].item() / eps, int(acc[3]),
+                                  int(acc[4]), int(acc[5]), int(acc[6]), int(acc[7]),
+                                  acc[8].item() / kept)))

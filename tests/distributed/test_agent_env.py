@@ -1,0 +1,83 @@
+"""``env.name=agent`` end to end on the tiny model, as a user runs it (``earl train``, 2 ranks):
+the rollout replica is tp2, so its leader serves the endpoint and its other rank decodes every
+batch beside it (agents/broker.py ReplicaDriver). The agents (earl_megatron/testing/agents.py
+``probe``) are real programs using the ``openai`` client and httpx: one meets every refusal
+the endpoint answers and records status and code, one forks its episode, one posts its reward,
+one raises, one hangs past ``rollout.agent_timeout_s``. The run goes on through all of them:
+both iterations train, the metrics count each case, the samples hold every episode's task and
+its rows' messages, and every row decodes to the chat template's text of its messages."""
+
+import json
+import os
+import subprocess
+import sys
+
+from earl_megatron.testing.agents import SEEN_OK
+
+KINDS = ("plain", "refusals", "fork", "post", "raise", "hang")
+MAX_TURNS = 3
+
+
+def test_agent_programs_train_through_the_endpoint(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"kind": k, "prompt": "say hi", "max_turns": MAX_TURNS})
+                             + "\n" for k in KINDS))
+    out = tmp_path / "run"
+    args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
+            "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
+            "layout=static", "layout.rollout=tp2", "layout.train=dp2",
+            "layout.logprob=dp2", f"rollout.episodes_per_iteration={len(KINDS)}",
+            f"rollout.max_turns={MAX_TURNS}", "rollout.max_action_tokens=6",
+            "rollout.max_context_tokens=256", "rollout.agent_timeout_s=20",
+            "algorithm.micro_batch_size=2", "run.iterations=2", "run.checkpoint_every=0",
+            "run.eval_every=0", "run.live_view=false", "run.samples_per_iteration=100",
+            f"run.output_dir={out}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "earl_megatron.cli", "train",
+                           "--nproc-per-node", "2", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1]
+    for r in records:
+        m = r.get("metrics", r)
+        assert m["agent_errors"] == 1 and m["agent_timeouts"] == 1, m
+        assert m["agent_forks"] >= 1, m
+        # plain 1, refusals MAX_TURNS, fork 2, post 1 over six episodes
+        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1) / len(KINDS), m
+
+    from transformers import AutoTokenizer  # noqa: F401  (the run's own tokenizer below)
+
+    from earl_megatron.agents.chat import ChatRenderer
+    from earl_megatron.train import make_tokenizer
+    from earl_megatron.config.train import TrainConfig
+
+    cfg = TrainConfig.from_dict(json.loads((out / "resolved.json").read_text()))
+    renderer = ChatRenderer(make_tokenizer(cfg))
+    for it in (0, 1):
+        rows = [json.loads(line) for line in
+                (out / "samples" / f"iter_{it:06d}.jsonl").read_text().splitlines()]
+        firsts = {r["info"]["task"]["kind"]: r for r in rows if "task" in r["info"]}
+        assert set(firsts) == set(KINDS)
+        seen = firsts["refusals"]["info"]["seen"]
+        assert {k: v[0] for k, v in seen.items()} == SEEN_OK, seen
+        assert seen["too_long"][1] == "context_length_exceeded"
+        assert seen["max_turns"][1] == "max_turns_exceeded"
+        assert firsts["refusals"]["reward"] == 1.0
+        assert firsts["post"]["reward"] == 0.5
+        assert firsts["raise"]["finish_reason"] == "error"
+        assert "fails on purpose" in firsts["raise"]["info"]["agent_error"]
+        assert firsts["hang"]["finish_reason"] == "timeout"
+        for lost in ("raise", "hang"):
+            assert firsts[lost]["policy_tokens"] == 0      # a lost episode trains nothing
+        # the refusals agent resends its first messages: each call after the first forks
+        assert firsts["refusals"]["info"]["agent_forks"] == MAX_TURNS - 1
+        assert firsts["fork"]["info"]["agent_forks"] == 1
+        assert len(rows) == len(KINDS) + sum(f["info"]["agent_forks"] for f in firsts.values())
+        forks = [r for r in rows if r["info"].get("fork") and
+                 r["sample"] % len(KINDS) == firsts["fork"]["sample"]]
+        assert [f["info"]["fork_reason"] for f in forks] == ["history edited at message 1"], forks
+        for r in rows:   # token-in/token-out: each row is its messages' template text
+            if r["info"].get("messages"):
+                want = renderer.messages_text(r["info"]["messages"], None, False)
+                assert want.startswith(r["text"]), (r["text"], want)

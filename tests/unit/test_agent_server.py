@@ -1,0 +1,188 @@
+"""The agent endpoint's parts that need no model: the broker's batching rule, the request
+checks, every refusal the server answers before the engine (a real uvicorn server on loopback,
+real HTTP), the response shapes as the ``openai`` package parses them, and the agent programs'
+rewards, failures and files (agents/programs.py). The engine's side runs in
+tests/distributed/test_agent_env.py (tiny model) and tests/real/test_real_agents.py (SmolLM2)."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from earl_megatron.agents.broker import Broker
+from earl_megatron.agents.chat import ChatRequestError
+from earl_megatron.agents.programs import (AgentConfigError, load_tasks, resolve, run_agents)
+from earl_megatron.agents.responses import completion_body, stream_body
+from earl_megatron.agents.server import AgentServer, ServerLimits, parse_request
+from earl_megatron.rollout.engine import Generation, SamplingParams
+from earl_megatron.rollout.tokenizer import char_tokenizer
+
+P1 = SamplingParams(max_new_tokens=4)
+P2 = SamplingParams(max_new_tokens=8)
+
+
+def test_broker_sends_at_once_when_every_open_episode_waits():
+    b = Broker(window_s=60.0)
+    b.open_episodes = 2
+    b.submit([1], P1)
+    t0 = time.monotonic()
+    assert b.take(0.05) == []                      # one of two waits: the window holds it
+    b.submit([2], P1)
+    batch = b.take(5.0)
+    assert [r.prompt for r in batch] == [(1,), (2,)] and time.monotonic() - t0 < 5.0
+
+
+def test_broker_window_releases_a_partial_batch_and_groups_by_params():
+    b = Broker(window_s=0.01)
+    b.open_episodes = 5
+    b.submit([1], P1)
+    b.submit([2], P2)
+    b.submit([3], P1)
+    first = b.take(5.0)
+    assert [r.prompt for r in first] == [(1,), (3,)]   # one generate call takes one params
+    assert [r.prompt for r in b.take(5.0)] == [(2,)]
+    assert b.take(0.01) == []
+
+
+def test_broker_fail_all_answers_every_waiting_request():
+    b = Broker()
+    futs = [b.submit([k], P1) for k in range(3)]
+    b.fail_all(RuntimeError("over"))
+    for f in futs:
+        with pytest.raises(RuntimeError, match="over"):
+            f.result(timeout=1)
+
+
+@pytest.mark.parametrize("body,match", [
+    ([], "JSON object"), ({}, "messages"), ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n=3"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice"),
+])
+def test_parse_request_names_the_bad_field(body, match):
+    with pytest.raises(ChatRequestError, match=match):
+        parse_request(body, "policy")
+
+
+def test_parse_request_reads_openai_fields():
+    req = parse_request({"messages": [{"role": "user", "content": "x"}], "stop": "\n",
+                         "max_completion_tokens": 7, "stream": True,
+                         "stream_options": {"include_usage": True}, "seed": 3}, "policy")
+    assert (req["stop"], req["max_tokens"], req["stream"], req["include_usage"], req["seed"]) \
+        == (["\n"], 7, True, True, 3)
+
+
+@pytest.fixture
+def server():
+    s = AgentServer(char_tokenizer(), Broker(), ServerLimits(max_context_tokens=64,
+                                                             max_action_tokens=4, max_turns=2))
+    s.start()
+    yield s
+    s.stop()
+
+
+def _call(url, key, body=None, raw=None):
+    r = httpx.post(url, headers={"Authorization": f"Bearer {key}"},
+                   content=raw if raw is not None else json.dumps(body), timeout=30)
+    return r.status_code, r.json()["error"]["code"] if r.status_code >= 400 else None, r
+
+
+def test_every_refusal_before_the_engine(server):
+    ep = server.open_episode({"q": 1})
+    url = ep.base_url + "/v1/chat/completions"
+    ok = {"messages": [{"role": "user", "content": "hi"}]}
+    assert _call(url, "nope", ok)[:2] == (401, "invalid_api_key")
+    assert _call(url.replace(ep.id, ep.id + "x"), server.api_key, ok)[:2] == \
+        (404, "episode_not_found")
+    assert _call(url, server.api_key, raw=b"{oops")[:2] == (400, "invalid_request")
+    assert _call(url, server.api_key, {"messages": [{"role": "wizard", "content": "x"}]})[0] \
+        == 400
+    code, err, r = _call(url, server.api_key, {"messages": [{"role": "user",
+                                                             "content": "y" * 200}]})
+    assert (code, err) == (400, "context_length_exceeded") and "64" in r.json()["error"][
+        "message"]
+    server.pause()
+    code, err, r = _call(url, server.api_key, ok)
+    assert (code, err, r.headers["retry-after"]) == (503, "weights_updating", "1")
+    server.resume()
+    assert not ep.tokens.rows()          # no refusal changed the episode
+    server.close_episode(ep)
+    assert _call(url, server.api_key, ok)[:2] == (410, "episode_finished")
+    models = httpx.get(ep.base_url.rsplit("/episodes", 1)[0] + "/v1/models",
+                       headers={"Authorization": f"Bearer {server.api_key}"})
+    assert models.json()["data"][0]["id"] == "policy"
+    # training serves episodes only: the bare path tells the client what to use
+    assert _call(server.url + "/v1/chat/completions", server.api_key, ok)[:2] == \
+        (404, "not_found")
+
+
+def test_response_shapes_parse_with_the_openai_package():
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    msg = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a_0", "type": "function",
+         "function": {"name": "calculator", "arguments": "{\"expression\": \"1+2\"}"}}]}
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    c = ChatCompletion.model_validate(completion_body("c1", "policy", msg, "tool_calls",
+                                                      [7, 8, 9], usage))
+    assert c.choices[0].message.tool_calls[0].function.name == "calculator"
+    assert c.choices[0].model_extra["token_ids"] == [7, 8, 9]
+    events = list(stream_body("c1", "policy", msg, "tool_calls", [7, 8, 9], usage, True))
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e[6:])) for e in events[:-1]]
+    assert chunks[-1].usage.total_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+# ------------------------------------------------------------------ agent programs
+def test_resolve_and_tasks_errors_name_the_fix(tmp_path):
+    with pytest.raises(AgentConfigError, match="package.module:function"):
+        resolve("nocolon", "entry")
+    with pytest.raises(AgentConfigError, match="cannot import"):
+        resolve("no_such_pkg_xyz:f", "entry")
+    with pytest.raises(AgentConfigError, match="has no 'nope'"):
+        resolve("json:nope", "reward")
+    with pytest.raises(AgentConfigError, match="no such file"):
+        load_tasks(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n[1, 2]\n')
+    with pytest.raises(AgentConfigError, match="bad.jsonl:2"):
+        load_tasks(str(bad))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert load_tasks(str(good)) == [{"a": 1}, {"a": 2}]
+
+
+def test_run_agents_rewards_failures_and_timeouts(server):
+    def agent(task, base_url, api_key, model):
+        if task["k"] == "raise":
+            raise ValueError("boom\nsecond line")
+        if task["k"] == "hang":
+            threading.Event().wait()
+        if task["k"] == "none":
+            return None
+        return {"reward": 2.0, "info": {"x": 1}} if task["k"] == "dict" else 1
+
+    async def coro(task, base_url, api_key, model):
+        await asyncio.sleep(0)
+        return 0.25
+
+    tasks = [{"k": k} for k in ("num", "dict", "raise", "hang", "none")]
+    out = run_agents(server, tasks, agent, lambda task, msgs: -1.0, concurrency=2,
+                     timeout_s=2.0)
+    assert [o.reward for o in out] == [1.0, 2.0, 0.0, 0.0, -1.0]
+    assert out[1].info == {"x": 1} and out[2].error.endswith("second line")
+    assert out[3].timed_out and not out[3].error
+    # every episode closed, in every case, and the broker waits on none of them
+    assert len(server.finished) == len(tasks) and not server.episodes
+    assert server.broker.open_episodes == 0
+    none = run_agents(server, [{"k": "none"}], agent, None, concurrency=1, timeout_s=5)
+    assert "no reward" in none[0].error
+    assert run_agents(server, [{}], coro, None, concurrency=1, timeout_s=5)[0].reward == 0.25
