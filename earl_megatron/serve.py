@@ -26,6 +26,16 @@ def serve(cfg, *, ready=None, stop: threading.Event | None = None) -> None:
     quiet_known_warnings()
     import torch
 
+    if torch.cuda.is_available():
+        return _serve(cfg, ready, stop)
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    with cpu_backend():   # Megatron-Core on a host without CUDA (as the trainer runs)
+        return _serve(cfg, ready, stop)
+
+
+def _serve(cfg, ready, stop) -> None:
+    import torch
+
     from earl_megatron.agents.broker import Broker, ReplicaDriver
     from earl_megatron.agents.server import AgentServer, ServerLimits
     from earl_megatron.plan.layout import ParallelLayout

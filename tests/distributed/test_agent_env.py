@@ -28,9 +28,10 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
             "layout=static", "layout.rollout=tp2", "layout.train=dp2",
             "layout.logprob=dp2", f"rollout.episodes_per_iteration={len(KINDS)}",
             f"rollout.max_turns={MAX_TURNS}", "rollout.max_action_tokens=6",
-            "rollout.max_context_tokens=256", "rollout.agent_timeout_s=20",
+            "rollout.max_context_tokens=256", "rollout.agent_timeout_s=10",
             "algorithm.micro_batch_size=2", "run.iterations=2", "run.checkpoint_every=0",
-            "run.eval_every=0", "run.live_view=false", "run.samples_per_iteration=100",
+            "run.eval_every=0", "run.eval_episodes=1", "run.live_view=false",
+            "run.samples_per_iteration=100",
             f"run.output_dir={out}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "earl_megatron.cli", "train",
