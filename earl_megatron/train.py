@@ -104,7 +104,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
     from earl_megatron.plan.rollout_rules import rollout_layout_problem
 
     if cfg.env.name == "agent":
-        _check_agent(cfg)
+        _check_agent(cfg, world)
     else:
         try:
             env_factory(cfg.env.name)
@@ -139,7 +139,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"< world size {world}: some dp rank would train on nothing")
 
 
-def _check_agent(cfg: TrainConfig) -> None:
+def _check_agent(cfg: TrainConfig, world: int) -> None:
     """env.name=agent: the tasks file reads, the entry and reward import, the agents extra is
     installed; each problem one ConfigError."""
     from earl_megatron.agents.programs import AgentConfigError, load_tasks, resolve
@@ -164,6 +164,15 @@ def _check_agent(cfg: TrainConfig) -> None:
     if cfg.sft.steps and cfg.sft.data is None:
         raise ConfigError("sft.steps > 0 with env.name=agent needs sft.data=PATH (chat "
                           "trajectories): agent programs have no scripted expert")
+    if cfg.model.num_experts and cfg.rollout.engine == "embedded":
+        from earl_megatron.plan.layout import ParallelLayout
+        rollout = cfg.layout.static("rollout") if cfg.layout.mode == "static" else None
+        if rollout is None or ParallelLayout.parse(rollout, world_size=world,
+                                                   model=cfg.model).ep > 1:
+            raise ConfigError(
+                "env.name=agent with an MoE model on the embedded engine needs layout=static "
+                "and a layout.rollout with ep=1 (or rollout.engine=sglang): embedded replicas "
+                "with ep > 1 decode in lockstep, which agent programs' own timing cannot follow")
 
 
 def _check_inputs(cfg: TrainConfig) -> None:

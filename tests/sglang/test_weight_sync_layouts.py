@@ -8,6 +8,11 @@ servers, leaders 0 and 2), train TP2xDP2 in the first run and PP2xDP2 in the sec
     train PP2xDP2   ranks 0, 1 pp_stage 0 | 2, 3 pp_stage 1   leader 0 gets stage 1 from 2 or 3,
                                                                 leader 2 stage 0 from 0 or 1
 
+The second run plays agent programs (``env.name=agent``, earl_megatron/testing/agents.py
+``probe``: the ``openai`` client through the endpoint at each server's leader, whose calls the
+SGLang server batches; one agent forks its episode, one posts its reward), so the endpoint's
+rows, forks included, are what the servers sampled and the trainer re-scores.
+
 Checked on every iteration's metrics line: ``rollout_logprob_diff_max`` < 1e-4 (the servers hold
 the trainer's weights, pushed from that train layout, the first rollout's included), ranks 1
 and 3 received no byte of weights (``weight_sync_bytes_in_max`` == 0), and the busiest leader
@@ -34,13 +39,22 @@ def _two_runs(cfgs):
     return [run(cfg) for cfg in cfgs]
 
 
+AGENT_KINDS = ("plain", "fork", "post", "plain")
+
+
 def _cfg(sglang_python: str, train: str, out) -> TrainConfig:
+    env = {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1}}
+    if train == "pp2xdp2":
+        tasks = out.parent / "agent_tasks.jsonl"
+        tasks.write_text("".join(json.dumps({"kind": k, "prompt": "play"}) + "\n"
+                                 for k in AGENT_KINDS))
+        env = {"name": "agent", "eval_opponents": [],
+               "kwargs": {"entry": "earl_megatron.testing.agents:probe", "tasks": str(tasks)}}
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "tp2xdp2", "logprob": "tp2xdp2",
                    "train": train},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "",
-                                                   "legal_move_reward": 0.1}},
+        "env": env,
         "rollout": {"engine": "sglang", "sglang_python": sglang_python,
                     "sglang_device": "cpu", "episodes_per_iteration": 4, "max_turns": 3,
                     "sglang_bucket_mb": 0.1},
@@ -49,7 +63,7 @@ def _cfg(sglang_python: str, train: str, out) -> TrainConfig:
                     "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
                     "server_max_restarts": 2},
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
-                "live_view": False},
+                "live_view": False, "eval_episodes": 2},
     })
 
 
@@ -79,5 +93,8 @@ def test_every_train_layout_pushes_only_to_the_leaders(sglang_python, run_dir):
             assert x["weight_sync_bytes_in_leader"] == lack > 0, (x, lack)
             assert lack < x["rollout_push_bytes"] == 4 * num_parameters(model), x
             assert x["weight_sync_s"] > 0
+            if train == "pp2xdp2":  # the agents: plain 1 call, fork 2, post 1, plain 1
+                assert x["agent_calls_per_episode"] == 5 / 4 and x["agent_forks"] == 1, x
+                assert x["agent_errors"] == x["agent_timeouts"] == 0, x
         versions = [int(x["rollout_weight_version"].removeprefix("it")) for x in lines]
         assert versions == list(range(versions[0], versions[0] + 3))  # one push per TRAIN step
