@@ -111,7 +111,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         except UnknownEnvError as e:
             raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
     if cfg.rollout.engine == "sglang":
-        from earl_megatron.trainer.sglang_rollout import check_sglang_python
+        from earl_megatron.rollout.sglang_launch import check_sglang_python
         check_sglang_python(cfg.rollout.sglang_python)
     _check_inputs(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

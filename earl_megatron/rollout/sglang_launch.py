@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.train import SGLANG_MEM_FRACTION
 from earl_megatron.rollout.engine import SamplingParams
 
@@ -252,3 +254,28 @@ def parse_generation(item: dict[str, Any]) -> tuple[list[int], list[float], str]
     if finish not in ("stop", "length"):
         raise SGLangRequestError(f"SGLang finished a request with {meta.get('finish_reason')!r}")
     return ids, logprobs, finish
+
+
+BUILD_HINT = ("build a CPU venv with `make sglang` (tools/sglang_cpu/setup.sh), or `pip install "
+              "sglang` in a separate venv on GPU machines, then set EARL_SGLANG_PYTHON=<venv>/"
+              "bin/python (recipes/rollout/sglang.yaml reads it) or rollout.sglang_python=...")
+
+
+def check_sglang_python(python: Optional[str], timeout_s: float = 300.0) -> str:
+    """ConfigError unless ``python`` is an executable that imports sglang; its version."""
+    if not python:
+        raise ConfigError(f"rollout.engine=sglang needs rollout.sglang_python; {BUILD_HINT}")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ConfigError(f"rollout.sglang_python={python} is not an executable file; "
+                          f"{BUILD_HINT}")
+    try:
+        r = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"rollout.sglang_python={python}: `import sglang` did not finish in "
+                          f"{timeout_s:.0f} s; {BUILD_HINT}") from None
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
+        raise ConfigError(f"rollout.sglang_python={python} cannot import sglang:\n{tail}\n"
+                          f"{BUILD_HINT}")
+    return r.stdout.strip()
