@@ -12,6 +12,8 @@
   one more (the finished episode); reward 1 when every status is the documented one.
 - ``fork``: two calls, the second with the first exchange edited (the episode forks).
 - ``post``: one call, then the reward posted to ``{base}/reward``; returns None.
+- ``builtin``: the built-in agent (agents/programs.py: the task's ``prompt`` sent once); the
+  run's ``env.kwargs.reward`` (``score`` here) scores the conversation.
 - ``raise``: raises (the episode is lost, ``agent_errors``).
 - ``hang``: never returns (the episode times out, ``agent_timeouts``).
 
@@ -47,6 +49,11 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
 
     kind = task["kind"]
     msgs = [{"role": "user", "content": task.get("prompt", "hi")}]
+    if kind == "builtin":
+        import asyncio
+
+        from earl_megatron.agents.programs import builtin_agent
+        return asyncio.run(builtin_agent(task, base_url, api_key, model))
     if kind == "raise":
         raise RuntimeError("this agent fails on purpose")
     if kind == "hang":
@@ -82,3 +89,9 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
     seen["finished"] = _post(url, api_key, {"messages": msgs})
     ok = all(seen[k][0] == v for k, v in SEEN_OK.items())
     return {"reward": float(ok), "info": {"seen": {k: list(v) for k, v in seen.items()}}}
+
+
+def score(task: dict, messages: list) -> dict:
+    """The run's reward function: 0.25 for a conversation that ends with the model's reply."""
+    ok = messages[-1]["role"] == "assistant" and messages[0]["content"] == task["prompt"]
+    return {"reward": 0.25 if ok else -1.0, "info": {"scored_messages": len(messages)}}

@@ -3,7 +3,8 @@ the rollout replica is tp2, so its leader serves the endpoint and its other rank
 batch beside it (agents/broker.py ReplicaDriver). The agents (earl_megatron/testing/agents.py
 ``probe``) are real programs using the ``openai`` client and httpx: one meets every refusal
 the endpoint answers and records status and code, one forks its episode, one posts its reward,
-one raises, one hangs past ``rollout.agent_timeout_s``. The run goes on through all of them:
+one raises, one hangs past ``rollout.agent_timeout_s``, one is the built-in agent scored by
+``env.kwargs.reward``. The run goes on through all of them:
 both iterations train, the metrics count each case, the samples hold every episode's task and
 its rows' messages, and every row decodes to the chat template's text of its messages."""
 
@@ -14,7 +15,7 @@ import sys
 
 from earl_megatron.testing.agents import SEEN_OK
 
-KINDS = ("plain", "refusals", "fork", "post", "raise", "hang")
+KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "builtin")
 MAX_TURNS = 3
 
 
@@ -25,11 +26,13 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
     out = tmp_path / "run"
     args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
             "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
+            "env.kwargs.reward=earl_megatron.testing.agents:score",
             "layout=static", "layout.rollout=tp2", "layout.train=dp2",
             "layout.logprob=dp2", f"rollout.episodes_per_iteration={len(KINDS)}",
             f"rollout.max_turns={MAX_TURNS}", "rollout.max_action_tokens=6",
             "rollout.max_context_tokens=256", "rollout.agent_timeout_s=10",
             "algorithm.micro_batch_size=2", "run.iterations=2", "run.checkpoint_every=0",
+            # the evaluations play one task: seed 10**9 % 7 = 6, the built-in agent
             "run.eval_every=0", "run.eval_episodes=1", "run.live_view=false",
             "run.samples_per_iteration=100",
             f"run.output_dir={out}"]
@@ -44,8 +47,8 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         m = r.get("metrics", r)
         assert m["agent_errors"] == 1 and m["agent_timeouts"] == 1, m
         assert m["agent_forks"] >= 1, m
-        # plain 1, refusals MAX_TURNS, fork 2, post 1 over six episodes
-        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1) / len(KINDS), m
+        # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1
+        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1) / len(KINDS), m
 
     from transformers import AutoTokenizer  # noqa: F401  (the run's own tokenizer below)
 
@@ -66,6 +69,8 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         assert seen["max_turns"][1] == "max_turns_exceeded"
         assert firsts["refusals"]["reward"] == 1.0
         assert firsts["post"]["reward"] == 0.5
+        assert firsts["builtin"]["reward"] == 0.25                   # env.kwargs.reward scored it
+        assert firsts["builtin"]["info"]["scored_messages"] == 2
         assert firsts["raise"]["finish_reason"] == "error"
         assert "fails on purpose" in firsts["raise"]["info"]["agent_error"]
         assert firsts["hang"]["finish_reason"] == "timeout"

@@ -158,6 +158,11 @@ def test_resolve_and_tasks_errors_name_the_fix(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"a": 1}\n\n{"a": 2}\n')
     assert load_tasks(str(good)) == [{"a": 1}, {"a": 2}]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"q": "1+1", "answer": 2}, {"q": "2*3", "answer": 6}]),
+                   tmp_path / "tasks.parquet")
+    assert load_tasks(str(tmp_path / "tasks.parquet"))[1] == {"q": "2*3", "answer": 6}
 
 
 def test_run_agents_rewards_failures_and_timeouts(server):
