@@ -80,22 +80,8 @@ def _serve(cfg, ready, stop) -> None:
 
 
 def main() -> None:
-    from earl_megatron.quiet import quiet_known_warnings
-    quiet_known_warnings()
-    import hydra
-    from omegaconf import OmegaConf
-
-    from earl_megatron.config.compose import RECIPES
-    from earl_megatron.train import configure, reporting_errors
-
-    @hydra.main(config_path=RECIPES, config_name="config", version_base=None)
-    def _entry(dcfg) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        cfg = reporting_errors(configure, OmegaConf.to_container(dcfg, resolve=True),
-                               list(HydraConfig.get().overrides.task))
-        reporting_errors(serve, cfg)
-
-    _entry()
+    from earl_megatron.train import hydra_entry
+    hydra_entry(serve)
 
 
 if __name__ == "__main__":

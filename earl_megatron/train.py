@@ -358,7 +358,10 @@ def configure(d: dict, overrides: Collection[str] = ()) -> TrainConfig:
     return TrainConfig.from_dict(apply_run_init(d, command_line_keys(overrides)))
 
 
-def main() -> None:
+def hydra_entry(body) -> None:
+    """Compose the recipes with the command line (Hydra), convert to TrainConfig (one line and
+    exit 2 on bad input) and call ``body(cfg)`` with its errors reported the same way: the
+    command line of every entry point (this module, serve.py)."""
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()
     import hydra
@@ -369,16 +372,24 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
         cfg = reporting_errors(configure, OmegaConf.to_container(dcfg, resolve=True),
                                list(HydraConfig.get().overrides.task))
-        t0 = time.time()
-        try:
-            reporting_errors(run, cfg)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"done in {time.time() - t0:.0f} s; metrics in {cfg.run.output_dir}")
+        reporting_errors(body, cfg)
 
     _entry()
+
+
+def _train(cfg: TrainConfig) -> None:
+    t0 = time.time()
+    try:
+        run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done in {time.time() - t0:.0f} s; metrics in {cfg.run.output_dir}")
+
+
+def main() -> None:
+    hydra_entry(_train)
 
 
 if __name__ == "__main__":
