@@ -31,7 +31,6 @@ from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.rl.losses import PolicyLossConfig, masked_sums, policy_loss, ratio_sums
-from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
@@ -66,10 +65,21 @@ def dispatched_microbatches(model: ModelOnLayout, producer: ParallelLayout, ids:
     ``fill`` every dp rank runs as many micro-batches (all-masked rows of the shortest length
     fill in: they add nothing to the loss or the token count). Returns (micro-batches, their
     sample ids, bytes received here)."""
+    return _dispatched(model, producer, ids, local, plan, tensors, fill)[:3]
+
+
+def _dispatched(model: ModelOnLayout, producer: ParallelLayout, ids: list[int], local: dict,
+                plan: MicroBatchPlan, tensors, fill: bool):
+    """``dispatched_microbatches`` and the producer's blocks: ``[dp][0] -> sample ids`` of each
+    rollout replica (from the dispatch's gathered metadata: sample ids need not be contiguous)."""
     lay, me = model.layout, model.coords
-    result, _, _ = dispatch(producer, lay, [SampleMeta(s, plan.length_of[s]) for s in ids], local,
-                            tensors, producer_pp_stages={spec.name: "all" for spec in tensors},
-                            assignment=plan.assignment)
+    result, _, meta = dispatch(producer, lay, [SampleMeta(s, plan.length_of[s]) for s in ids],
+                               local, tensors,
+                               producer_pp_stages={spec.name: "all" for spec in tensors},
+                               assignment=plan.assignment)
+    by_dp: list[set] = [set() for _ in range(producer.dp)]
+    for rank, reported in enumerate(meta):
+        by_dp[producer.coords(rank).dp].update(m.sample_id for m in reported)
     groups_of_ids = [list(mb) for mb in plan.assignment[me.dp]]
     batches = microbatches(result.tensors, groups_of_ids, seq_lens=plan.micro_batch_lengths(me.dp),
                            cp=lay.cp, cp_rank=me.cp, tensors=tensors, device=groups.device())
@@ -77,7 +87,8 @@ def dispatched_microbatches(model: ModelOnLayout, producer: ParallelLayout, ids:
     while len(batches) < count:
         batches += microbatches({}, [[]], seq_lens=[min(plan.length_of.values())], cp=lay.cp,
                                 cp_rank=me.cp, rows=1, tensors=tensors, device=groups.device())
-    return batches, groups_of_ids, int(result.stats.bytes_received)
+    return (batches, groups_of_ids, int(result.stats.bytes_received),
+            [[tuple(sorted(b))] for b in by_dp])
 
 
 def with_routes(model: ModelOnLayout, tensors: tuple, local: dict, ids: list[int],
@@ -132,8 +143,8 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
         local["input_ids"][s], local["labels"][s] = shifted_ids(token_ids[s], length_of[s],
                                                                 pad_id)
     tensors = with_routes(ref, LOGPROB_TENSORS, local, ids, routes, plan)
-    batches, groups_of_ids, received = dispatched_microbatches(ref, producer, ids, local, plan,
-                                                               tensors, fill=False)
+    batches, groups_of_ids, received, blocks = _dispatched(ref, producer, ids, local, plan,
+                                                           tensors, fill=False)
     with replayed(ref, batches, routes):
         out = forward_logprobs(ref, batches, seq_len=plan.longest,
                                micro_batch_size=plan.max_rows, temperature=temperature)
@@ -142,7 +153,6 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
     to_replica = dataclasses.replace(REF_LOGPROBS, pp_stages="all")
     mine = [s for mb in groups_of_ids for s in mb]
-    blocks = [[tuple(b)] for b in split_evenly(len(tokens), producer.dp)]
     returned, _, _ = dispatch(lay, producer, [SampleMeta(s, length_of[s]) for s in mine], back,
                               (to_replica,), producer_pp_stages={REF_LOGPROBS.name: "last"},
                               assignment=blocks)

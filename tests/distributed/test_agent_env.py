@@ -31,7 +31,8 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
             "layout.logprob=dp2", f"rollout.episodes_per_iteration={len(KINDS)}",
             f"rollout.max_turns={MAX_TURNS}", "rollout.max_action_tokens=6",
             "rollout.max_context_tokens=256", "rollout.agent_timeout_s=10",
-            "algorithm.micro_batch_size=2", "run.iterations=2", "run.checkpoint_every=0",
+            "algorithm.micro_batch_size=2", "algorithm.old_logprobs=recompute",
+            "run.iterations=2", "run.checkpoint_every=0",
             # the evaluations play one task: seed 10**9 % 7 = 6, the built-in agent
             "run.eval_every=0", "run.eval_episodes=1", "run.live_view=false",
             "run.samples_per_iteration=100",
@@ -46,7 +47,9 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
     for r in records:
         m = r.get("metrics", r)
         assert m["agent_errors"] == 1 and m["agent_timeouts"] == 1, m
-        assert m["agent_forks"] >= 1, m
+        assert m["agent_forks"] == MAX_TURNS - 1 + 1, m     # refusals' resends, the fork
+        # re-scored (old_logprobs=recompute): the rows' logprobs are the engine's, forks too
+        assert m["rollout_logprob_diff_max"] < 1e-4, m
         # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1
         assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1) / len(KINDS), m
 
