@@ -105,8 +105,9 @@ class AgentPlayer:
         finished = driver.lead(self.broker, lambda: not th.is_alive(),
                                lambda k: turn_sample_seed(sample_seed, k))
         if not finished:
+            # the agents' calls fail from here (503); a program that never calls again is left
+            # to its daemon thread: the trainer checkpoints and exits without waiting for it
             self.broker.fail_all(RolloutAbandoned("the trainer is stopping"))
-            th.join(timeout=30)
             return None
         th.join()
         if "error" in box:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from earl_megatron.testing.agents import SEEN_OK
 
@@ -90,3 +91,38 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
             if r["info"].get("messages"):
                 want = renderer.messages_text(r["info"]["messages"], None, False)
                 assert want.startswith(r["text"]), (r["text"], want)
+
+
+def test_a_stop_request_abandons_a_rollout_of_agents(tmp_path):
+    """The stop file's ``requested`` during a rollout whose agent never returns (``hold``, from
+    iteration 1 on): every rank of the tp2 replica sees the stop at the driver's next tick (the
+    leader's HTTP thread and agents keep nothing from it), iteration 1 is abandoned untrained,
+    iteration 0 checkpointed, exit 0."""
+    out = tmp_path / "run"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"kind": "hold", "prompt": "hi",
+                                 "hold_when": str(out / "metrics.jsonl")}) + "\n")
+    args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
+            "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
+            "layout=static", "layout.rollout=tp2", "layout.train=dp2", "layout.logprob=dp2",
+            "rollout.episodes_per_iteration=2", "rollout.max_action_tokens=4",
+            "algorithm.micro_batch_size=2", "run.iterations=3", "run.checkpoint_every=0",
+            "run.eval_episodes=1", "run.live_view=false", f"run.output_dir={out}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("EARL_STOP_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.cli", "train",
+                             "--nproc-per-node", "2", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 400
+    while not (out / "metrics.jsonl").exists() or \
+            not (out / "metrics.jsonl").read_text().endswith("\n"):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no metrics line for iteration 0 within 400 s"
+        time.sleep(0.1)
+    (out / "stop").write_text("requested\n")
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log[-3000:]
+    assert (out / "stop").read_text() == "stopped 0\n", log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000000"
+    assert [json.loads(x)["iteration"] for x in
+            (out / "metrics.jsonl").read_text().splitlines()] == [0]
