@@ -37,6 +37,7 @@ def evaluate(cfg: TrainConfig, rollout, stop: StopControl, models: ModelPair,
             try:
                 ids, eps = rollout.play(policy, seeds, temperature=temp,
                                         sample_seed=EVAL_SAMPLE_SEED, opponent=opp,
+                                        evaluation=True,
                                         should_stop=stop.replica_should_stop)
             except RolloutAbandoned:
                 ids, eps = [], []

@@ -57,12 +57,14 @@ class EpisodeSpec:
 
 class Rollout(Protocol):
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None,
+             sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
              should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
         """This replica's (sample ids, episodes) of the episodes of ``seeds``. ``should_stop``
         is called by every rank of the replica before every turn; True raises
-        rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout)."""
+        rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout).
+        ``evaluation``: an evaluation's play (``opponent`` in place of the environment's own,
+        or None), which plays on the engine as it stands."""
 
     def sync(self, policy: ModelOnLayout) -> None:
         """After TRAIN: make the engine serve ``policy``'s weights (all ranks call it)."""
@@ -116,7 +118,7 @@ class EmbeddedRollout:
         self._replica_groups: dict = {}
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None,
+             sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
              should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine

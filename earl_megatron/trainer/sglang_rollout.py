@@ -117,7 +117,7 @@ class SGLangRollout:
 
     # ------------------------------------------------------------------ Rollout
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
-             sample_seed: int, opponent: Optional[str] = None,
+             sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
              should_stop: Optional[Callable[[], bool]] = None
              ) -> tuple[list[int], list[Episode]]:
         # ``should_stop`` is a collective over the replica, but here only the replica's first
@@ -125,9 +125,9 @@ class SGLangRollout:
         # honoured at the next stage boundary instead of the next turn
         del should_stop
         lay = policy.layout
-        # training rollouts put the servers in the planned layout; evaluations (an opponent
-        # given) play on the servers as they stand, so they never restart them
-        if self.layout is None or (opponent is None and (lay.tp, lay.dp) !=
+        # training rollouts put the servers in the planned layout; evaluations play on the
+        # servers as they stand, so they never restart them
+        if self.layout is None or (not evaluation and (lay.tp, lay.dp) !=
                                    (self.layout.tp, self.layout.dp)):
             problem = rollout_layout_problem(lay, "sglang")
             if problem:   # the selector offers only such layouts for this engine
