@@ -16,8 +16,8 @@
   run's ``env.kwargs.reward`` (``score`` here) scores the conversation.
 - ``raise``: raises (the episode is lost, ``agent_errors``).
 - ``hang``: never returns (the episode times out, ``agent_timeouts``).
-- ``hold``: ``plain`` until the file ``task["hold_when"]`` exists (the run's metrics.jsonl:
-  iteration 0 recorded), then never returns: a stop request lands in that rollout by
+- ``hold``: ``plain`` until the file ``task["hold_when"]`` holds a line (the run's
+  metrics.jsonl: iteration 0 recorded), then never returns: a stop request lands in that rollout by
   construction, whatever the machine's speed (as testing/envs.py's held game).
 
 ``calculator_client`` (``client`` in the task row: ``openai``, ``openai_async``,
@@ -29,7 +29,6 @@ the tool greedily); reward 1 for the right answer.
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import httpx
@@ -48,6 +47,14 @@ def _post(url: str, key: str, body, raw: bool = False):
     return r.status_code, code
 
 
+def _has_a_line(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.readline().endswith("\n")
+    except FileNotFoundError:
+        return False
+
+
 def probe(task: dict, base_url: str, api_key: str, model: str):
     from openai import OpenAI
 
@@ -60,7 +67,7 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
         return asyncio.run(builtin_agent(task, base_url, api_key, model))
     if kind == "raise":
         raise RuntimeError("this agent fails on purpose")
-    if kind == "hang" or (kind == "hold" and os.path.exists(task["hold_when"])):
+    if kind == "hang" or (kind == "hold" and _has_a_line(task["hold_when"])):
         threading.Event().wait()
     kind = "plain" if kind == "hold" else kind
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
