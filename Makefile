@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
+.PHONY: install demo agent-demo-data selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ $(VENV)/.installed: setup.py
 # `earl train` checks the configuration once, then runs torchrun's launcher (earl_megatron/cli.py).
 demo: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/earl train --nproc-per-node $(NPROC) $(ARGS)
+
+# The files recipes/smollm2_agent.yaml reads (calculator tasks, warm-start traces), in
+# runs/smollm2_agent_data/: make smollm2 agent-demo-data && make demo NPROC=2 ARGS="--config-name smollm2_agent"
+agent-demo-data: install
+	$(PY) -m examples.agents.make_tasks --out runs/smollm2_agent_data
 
 # Every valid layout of the tiny model in one job: same losses on all of them.
 selfcheck: install

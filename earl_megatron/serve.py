@@ -21,7 +21,21 @@ import threading
 
 
 def serve(cfg, *, ready=None, stop: threading.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM); ``ready(server)`` once listening."""
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM); ``ready(server)`` once listening.
+    On a host without CUDA, Megatron runs under the CPU backend, as in training."""
+    import contextlib
+
+    import torch
+
+    backend = contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        from earl_megatron.runtime.cpu_backend import cpu_backend
+        backend = cpu_backend()
+    with backend:
+        _serve(cfg, ready=ready, stop=stop)
+
+
+def _serve(cfg, *, ready=None, stop: threading.Event | None = None) -> None:
     from earl_megatron.quiet import quiet_known_warnings
     quiet_known_warnings()
     import torch

@@ -2,6 +2,9 @@
 
     env.name=agent
     env.kwargs.entry=package.module:function     agent(task, base_url, api_key, model) -> reward
+                                                 (imported from PYTHONPATH or the working
+                                                 directory: examples.agents.calculator_openai:agent
+                                                 from the repository root)
     env.kwargs.tasks=PATH                        JSONL or parquet, one task (a dict) per row
     env.kwargs.reward=package.module:function    optional: reward(task, messages) -> reward
 
@@ -26,6 +29,8 @@ import asyncio
 import importlib
 import inspect
 import json
+import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -42,6 +47,10 @@ def resolve(name: str, what: str) -> Callable:
     module, sep, attr = str(name).partition(":")
     if not sep or not module or not attr:
         raise AgentConfigError(f"env.kwargs.{what}={name!r}: write package.module:function")
+    # the working directory is importable, as under ``python -m`` (the ranks) and uvicorn: the
+    # ``earl`` console script's own sys.path starts at its bin/ directory instead
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError as e:

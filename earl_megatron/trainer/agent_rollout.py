@@ -12,7 +12,9 @@ i for its first row and i + k*n for its k-th fork, so ``s % n`` is the episode a
 ``(s % n) // group_size`` its GRPO group; every row trains with the episode's reward, on its
 last sampled turn. A lost episode (its agent raised or ran past ``rollout.agent_timeout_s``)
 keeps one row with its loss mask zeroed (it trains nothing and counts in no statistic), so
-every episode has a sample and a replica is never empty.
+every episode has a sample and a replica is never empty. Each row's info holds its canonical
+``messages`` and ``tools``: the row decodes to ``ChatRenderer.messages_text(messages, tools,
+False)`` up to the template's end of turn.
 
 Task of an episode: ``tasks[seed % len(tasks)]`` (GRPO groups share a seed, so a task).
 """
@@ -152,7 +154,8 @@ def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
         out.append(Episode(env=AGENT_ENV, seed=seed, token_ids=tuple(row.token_ids),
                            loss_mask=mask, logprobs=lps, reward=reward, turns=turns,
                            finish_reason=finish, prompt_length=first, actions=actions,
-                           observations=(), info={**info, "messages": list(row.messages)},
+                           observations=(), info={**info, "messages": list(row.messages),
+                                                         "tools": list(row.tools)},
                            turn_rewards=(0.0,) * max(turns - 1, 0) + ((reward,) if turns
                                                                       else ())))
     return out
