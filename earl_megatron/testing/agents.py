@@ -29,6 +29,7 @@ the tool greedily); reward 1 for the right answer.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -341,3 +342,26 @@ async def calculator_client(task: dict, base_url: str, api_key: str, model: str)
         raise ValueError(f"task client {client!r}: use one of {CLIENTS}")
     return {"reward": _reward(task, text),
             "info": {"client": client, "tool_calls_fired": calc.fired, "final": text[:200]}}
+
+
+def serve_process(*overrides: str, key: str = "test-key", timeout_s: float = 300.0):
+    """``python -m earl_megatron.serve *overrides`` started as a user starts it, and the URL it
+    printed once listening: (process, base_url). The caller ends the process."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", EARL_API_KEY=key)
+    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.serve", *overrides], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.monotonic() + timeout_s
+    while True:
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.search(rf"at (http://\S+/v1) \(model 'policy', api key {key}\)", line)
+        if m:
+            return proc, m.group(1)
+        if (not line and proc.poll() is not None) or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("earl_megatron.serve did not start:\n" + "".join(lines)[-3000:])

@@ -324,11 +324,14 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
 
 
 def load_mcore_into(model, path: str | os.PathLike) -> None:
-    """dist_checkpointing.load into a bare GPTModel pp_stage (resharding to its layout)."""
+    """dist_checkpointing.load into a bare GPTModel pp_stage (resharding to its layout). A
+    trainer's checkpoint also holds the optimizer and the run's state: only the model's keys
+    are taken (every one of them: strict)."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(path))
-    model.load_state_dict(loaded, strict=True)
+    want = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(want, str(path))
+    model.load_state_dict({k: v for k, v in loaded.items() if k in want}, strict=True)
 
 
 def load_hf_into(model, ckpt: HFCheckpoint, cfg: ModelConfig, layout: ParallelLayout,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from earl_megatron.testing.agents import SEEN_OK
+from earl_megatron.testing.agents import SEEN_OK, serve_process
 
 KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "builtin")
 MAX_TURNS = 3
@@ -54,8 +54,6 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1
         assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1) / len(KINDS), m
 
-    from transformers import AutoTokenizer  # noqa: F401  (the run's own tokenizer below)
-
     from earl_megatron.agents.chat import ChatRenderer
     from earl_megatron.train import make_tokenizer
     from earl_megatron.config.train import TrainConfig
@@ -91,6 +89,18 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
             if r["info"].get("messages"):
                 want = renderer.messages_text(r["info"]["messages"], None, False)
                 assert want.startswith(r["text"]), (r["text"], want)
+
+    # the trained policy, served from the trainer's own checkpoint (with the run's tokenizer)
+    from openai import OpenAI
+
+    proc, url = serve_process(f"run.init={out / 'checkpoints' / 'iter_000001'}",
+                              "rollout.tokenizer=ascii", f"run.output_dir={tmp_path / 'serve'}")
+    try:
+        reply = OpenAI(base_url=url, api_key="test-key", max_retries=0).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "say hi"}], temperature=0)
+        assert reply.choices[0].model_extra["token_ids"]
+    finally:
+        proc.kill()
 
 
 def test_a_stop_request_abandons_a_rollout_of_agents(tmp_path):

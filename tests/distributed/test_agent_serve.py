@@ -7,14 +7,11 @@ The checkpoint is a tiny random Llama saved by transformers with the character t
 the test reads the way a user serves an HF checkpoint: ``run.init=DIR``."""
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
+
+from earl_megatron.testing.agents import serve_process
 
 MSGS = [{"role": "user", "content": "say hi"}]
 
@@ -37,19 +34,8 @@ def _export(out) -> None:
 def served(tmp_path_factory):
     hf = str(tmp_path_factory.mktemp("serve") / "hf")
     _export(hf)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", EARL_API_KEY="test-key")
-    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.serve", f"run.init={hf}",
-                             "rollout.max_action_tokens=8",
-                             f"run.output_dir={tmp_path_factory.mktemp('serve_run')}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, lines, deadline = None, [], time.monotonic() + 300
-    while url is None:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, "no 'serving' line within 300 s:\n" + "".join(lines)
-        lines.append(line)
-        m = re.search(r"at (http://\S+/v1) \(model 'policy', api key test-key\)", line)
-        url = m and m.group(1)
+    proc, url = serve_process(f"run.init={hf}", "rollout.max_action_tokens=8",
+                              f"run.output_dir={tmp_path_factory.mktemp('serve_run')}")
     yield proc, url
     if proc.poll() is None:
         proc.kill()
