@@ -4,7 +4,8 @@
     -> serving runs/x/.../hf at http://127.0.0.1:8000/v1 (model "policy", api key earl-...)
 
 ``run.init`` is any checkpoint the trainer starts from (an HF directory, a converted one, a
-trainer checkpoint's iteration folder); the recipes and overrides are the trainer's (Hydra), so
+trainer checkpoint's iteration folder: give that one the run's ``rollout.tokenizer``, it holds
+no tokenizer); the recipes and overrides are the trainer's (Hydra), so
 the tokenizer, ``rollout.max_action_tokens`` (tokens a call samples at most),
 ``rollout.max_context_tokens`` and ``rollout.temperature``/``top_p`` (the defaults of a request
 that names none) mean what they mean in training. The endpoint is the training one
