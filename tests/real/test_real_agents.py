@@ -45,7 +45,7 @@ def _tasks(path):
     return rows
 
 
-@pytest.mark.timeout(1200)   # ~4 min on an idle machine; 10 under a load of 7 on 2 cores
+@pytest.mark.timeout(1600)   # 10-15 min under a load of 5-17 on 2 shared cores
 def test_real_clients_train_through_the_endpoint(smollm2_dir, scratch_dir, record):
     tasks = _tasks(scratch_dir / "tasks.jsonl")
     out = scratch_dir / "agents"
@@ -65,7 +65,7 @@ def test_real_clients_train_through_the_endpoint(smollm2_dir, scratch_dir, recor
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "earl_megatron.cli", "train",
                            "--nproc-per-node", "2", *args], env=env, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=1500)
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     record("agents: earl train seconds (1 iteration, 10 episodes)", f"{seconds:.0f}")
