@@ -228,17 +228,19 @@ def _solve_openai(task, base_url, api_key, model, calc, stream=False) -> str:
 async def _solve_openai_async(task, base_url, api_key, model, calc) -> str:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
     msgs = _openai_examples(task["question"])
-    for _ in range(CALC_ROUNDS):
-        r = await client.chat.completions.create(model=model, messages=msgs,
-                                                 tools=[_schema()],
-                                                 max_tokens=CALC_MAX_TOKENS)
-        msg = _message_dict(r.choices[0].message)
-        msgs.append(msg)
-        if not msg.get("tool_calls"):
-            return msg["content"] or ""
-        _tool_round(msgs, msg["tool_calls"], calc)
+    # closed before the trainer's event loop ends (an unclosed client's cleanup task would
+    # meet a closed loop)
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2) as client:
+        for _ in range(CALC_ROUNDS):
+            r = await client.chat.completions.create(model=model, messages=msgs,
+                                                     tools=[_schema()],
+                                                     max_tokens=CALC_MAX_TOKENS)
+            msg = _message_dict(r.choices[0].message)
+            msgs.append(msg)
+            if not msg.get("tool_calls"):
+                return msg["content"] or ""
+            _tool_round(msgs, msg["tool_calls"], calc)
     return ""
 
 
@@ -253,10 +255,10 @@ async def _solve_agents_sdk(task, base_url, api_key, model, calc) -> str:
         """Evaluate an arithmetic expression, e.g. 17*23."""
         return calc(expression)
 
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
     agent = agents.Agent(
         name="calculator", instructions=CALC_SYSTEM, tools=[calculator],
-        model=agents.OpenAIChatCompletionsModel(
-            model=model, openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key)),
+        model=agents.OpenAIChatCompletionsModel(model=model, openai_client=client),
         model_settings=agents.ModelSettings(max_tokens=CALC_MAX_TOKENS))
     items: list = []
     for k, (q, expr, value) in enumerate(WORKED):
@@ -270,6 +272,8 @@ async def _solve_agents_sdk(task, base_url, api_key, model, calc) -> str:
         result = await agents.Runner.run(agent, items, max_turns=CALC_ROUNDS)
     except (agents.MaxTurnsExceeded, agents.ModelBehaviorError):
         return ""   # calls past CALC_ROUNDS, or a call of a tool that does not exist
+    finally:
+        await client.close()
     return str(result.final_output or "")
 
 
@@ -285,7 +289,9 @@ async def _solve_langgraph(task, base_url, api_key, model, calc) -> str:
         """Evaluate an arithmetic expression, e.g. 17*23."""
         return calc(expression)
 
-    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model,
+    http = httpx.AsyncClient(timeout=None)  # its own, closed below (langchain-openai's default
+    # async client is shared process-wide and bound to the first event loop that used it)
+    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, http_async_client=http,
                      max_tokens=CALC_MAX_TOKENS, max_retries=2).bind_tools([calculator])
 
     async def call_model(state: MessagesState):
@@ -313,6 +319,8 @@ async def _solve_langgraph(task, base_url, api_key, model, calc) -> str:
                                 {"recursion_limit": 2 * CALC_ROUNDS - 1})
     except GraphRecursionError:
         return ""
+    finally:
+        await http.aclose()
     last = out["messages"][-1]
     return last.content if isinstance(last.content, str) else ""
 
