@@ -61,7 +61,9 @@ def test_real_clients_train_through_the_endpoint(smollm2_dir, scratch_dir, recor
             # episodes, one per client (a static PP2 rollout, one replica for all ten, ran
             # past 15 minutes here)
             "layout.memory_budget_gb=4", "run.iterations=1", "run.checkpoint_every=0",
-            "run.eval_every=0", "run.live_view=false", "run.samples_per_iteration=1000",
+            # the start and end evaluations play one task (seed 10**9 % 10 = 0: openai)
+            "run.eval_every=0", "run.eval_episodes=1", "run.live_view=false",
+            "run.samples_per_iteration=1000",
             f"run.output_dir={out}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     start = time.monotonic()
