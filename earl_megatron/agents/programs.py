@@ -11,7 +11,9 @@
 For each episode the trainer opens an episode on the endpoint (agents/server.py) and calls the
 entry with the task row, the episode's ``base_url`` ({base}/v1, what ``openai.OpenAI`` takes),
 the run's key and the model name. A coroutine function runs on this module's event loop; a
-plain function in a daemon thread of its own; at most ``concurrency`` at once. The episode's
+plain function in a daemon thread of its own; at most ``concurrency`` at once. Coroutines run on
+one event loop for the whole process (``agents_loop``), so a client an agent keeps between
+episodes stays usable from one rollout to the next. The episode's
 reward is, first found: the value the entry returned (a number, or a dict with "reward" and
 optional "info"), what the agent posted to {base}/reward, ``reward(task, messages)`` on the
 conversation as the agent last saw it. Without an entry the built-in agent sends the row's
@@ -208,13 +210,31 @@ async def _one(server, task: dict, agent: Callable, reward_fn: Optional[Callable
         return out
 
 
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_LOOP_LOCK = threading.Lock()
+
+
+def agents_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every coroutine agent of this process runs on, in a daemon thread, the
+    same for every rollout: an agent framework that keeps an async client between calls (as
+    langchain-openai does) finds its loop alive in the next iteration."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="agents-loop", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
 def run_agents(server, tasks: Sequence[dict], agent: Callable,
                reward_fn: Optional[Callable], *, concurrency: int, timeout_s: float
                ) -> list[Outcome]:
-    """Play one episode per task (module docstring); blocks until all are over."""
+    """Play one episode per task (module docstring) on ``agents_loop()``; blocks until all are
+    over."""
     async def main():
         gate = asyncio.Semaphore(max(1, concurrency))
         return await asyncio.gather(*(_one(server, t, agent, reward_fn, timeout_s, gate)
                                       for t in tasks))
 
-    return list(asyncio.run(main()))
+    return list(asyncio.run_coroutine_threadsafe(main(), agents_loop()).result())

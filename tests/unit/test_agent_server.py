@@ -191,3 +191,21 @@ def test_run_agents_rewards_failures_and_timeouts(server):
     none = run_agents(server, [{"k": "none"}], agent, None, concurrency=1, timeout_s=5)
     assert "no reward" in none[0].error
     assert run_agents(server, [{}], coro, None, concurrency=1, timeout_s=5)[0].reward == 0.25
+
+
+_KEPT: dict = {}
+
+
+async def _kept_client_agent(task, base_url, api_key, model):
+    """An agent that keeps one async client for the whole process, as langchain-openai does."""
+    client = _KEPT.setdefault("client", httpx.AsyncClient())
+    r = await client.get(base_url + "/models", headers={"Authorization": f"Bearer {api_key}"})
+    return float(r.status_code == 200)
+
+
+def test_a_client_kept_between_rollouts_stays_usable(server):
+    """Every rollout's agents run on one event loop: an async client made in the first is
+    still bound to a live loop in the second (a loop per rollout closes it under the client)."""
+    for _ in range(2):
+        out = run_agents(server, [{}, {}], _kept_client_agent, None, concurrency=2, timeout_s=30)
+        assert [(o.reward, o.error) for o in out] == [(1.0, ""), (1.0, "")]
