@@ -52,6 +52,13 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
     return found.with_(**changes)  # a bad value of a field that may differ: its ConfigError
 
 
+REPLACED = {
+    "algorithm.tis_cap": "use algorithm.off_policy=tis algorithm.off_policy_cap=<cap> (with "
+                         "algorithm.old_logprobs=recompute), or off_policy=decoupled",
+}
+"""Keys an earlier version read, and what says the same now."""
+
+
 def build(cls, d: Any, path: str):
     """The dataclass ``cls`` from the mapping ``d`` found at ``path`` (module docstring)."""
     if not isinstance(d, dict):
@@ -59,6 +66,9 @@ def build(cls, d: Any, path: str):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
+    for k in unknown:
+        if _join(path, k) in REPLACED:
+            raise ConfigError(f"{_join(path, k)} was replaced: {REPLACED[_join(path, k)]}")
     if unknown:
         raise ConfigError(f"unknown key(s) {[_join(path, k) for k in unknown]}; valid keys of "
                           f"{path or 'the config'}: {sorted(names)}")

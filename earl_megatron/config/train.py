@@ -149,6 +149,10 @@ class RolloutConfig:
     start in its profile table, saved with checkpoints). 60: a server start measured 23-70 s on
     this 2-core CPU when quiet (minutes under load); on GPUs SGLang's imports, weight load and
     CUDA graph capture take about a minute as well."""
+    env_concurrency: int = 16
+    """Environments of a turn stepped at once (threads): a slow tool's wait overlaps across
+    episodes (1: one after another). Each step's own guard (the calculator's tool_timeout_s)
+    stays per call."""
     agent_concurrency: int = 16
     """env.name=agent: agent programs a replica runs at once (their calls batch together)."""
     agent_timeout_s: float = 600.0
@@ -174,7 +178,7 @@ class RolloutConfig:
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
-                  "prefill_tokens", "agent_concurrency")
+                  "prefill_tokens", "agent_concurrency", "env_concurrency")
         if not self.agent_timeout_s > 0 or not 0 <= self.agent_port < 65536:
             raise ConfigError(f"rollout.agent_timeout_s={self.agent_timeout_s} must be > 0 and "
                               f"rollout.agent_port={self.agent_port} in [0, 65535]")
@@ -228,15 +232,35 @@ class AlgorithmConfig:
     old_logprobs: str = "rollout"
     """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled) or "recompute" (the
     policy re-scores its episodes before TRAIN; trainer/old_logprobs.py)."""
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling of the rollout/train mismatch: each sampled token's policy
-    gradient weighted by min(pi_old / pi_rollout, tis_cap) (verl, slime; 2.0 is their usual
-    value). None: off. Needs old_logprobs=recompute (pi_old is the trainer's re-scoring)."""
+    off_policy: str = "none"
+    """How tokens sampled by other weights than the trained ones are corrected, each token's
+    policy-gradient term weighted by w = pi_prox / pi_behav (pi_behav: the engine's logprobs as
+    sampled; pi_prox: the policy re-scoring the batch at the start of TRAIN, which is the PPO
+    ratio's denominator): "none" (no weight); "tis" (truncated importance sampling, verl's and
+    slime's: w capped at ``off_policy_cap``); "decoupled" (decoupled PPO, AReaL's: tokens with
+    w > ``off_policy_cap`` dropped, w otherwise). Both but "none" need old_logprobs=recompute;
+    with max_staleness >= 1 "none" is refused (stale tokens would go uncorrected)."""
+    off_policy_cap: Optional[float] = None
+    """The cap of w: off_policy=tis truncates at it, decoupled drops tokens above it (None: 2.0,
+    verl's and slime's usual value; refused with off_policy=none, which reads no cap)."""
+    max_staleness: int = 0
+    """Asynchronous RL: how many train steps older than the trained weights a trained token's
+    sampling weights may be (docs/async.md). 0: the synchronous loop (every episode played and
+    trained in one iteration). k >= 1: up to (k + 1) batches of episodes are in flight, a
+    rollout stage ends when one batch has finished, and unfinished episodes continue in the
+    next stage (dropped, and counted, when they would break the bound)."""
     routing_replay: bool = False
     """Mixture-of-experts only: the rollout records the experts each token was routed to and
     the LOGPROB (old / reference) and TRAIN forwards reuse them (Megatron-Core's RouterReplay;
     rollout/routing_replay.py), so a token near a routing tie cannot land on other experts in
     training than it did when sampled. Embedded engine only."""
+
+    @property
+    def off_policy_weights(self) -> Optional[tuple[str, float]]:
+        """(mode, cap) of the off-policy weights, or None (off_policy=none)."""
+        if self.off_policy == "none":
+            return None
+        return (self.off_policy, 2.0 if self.off_policy_cap is None else self.off_policy_cap)
 
     def __post_init__(self):
         if self.old_logprobs not in ("rollout", "recompute"):
@@ -272,13 +296,29 @@ class AlgorithmConfig:
                               "returns): drop it, or use algorithm.name=reinforce_pp")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
-        if self.tis_cap is not None:
-            if self.tis_cap <= 0:
-                raise ConfigError(f"algorithm.tis_cap={self.tis_cap} must be > 0 (or null: off)")
-            if self.old_logprobs != "recompute":
-                raise ConfigError("algorithm.tis_cap weights by pi_old / pi_rollout, which needs "
-                                  "the trainer's old logprobs: set algorithm.old_logprobs="
-                                  "recompute (with 'rollout' the ratio is 1 by definition)")
+        if self.off_policy not in ("none", "tis", "decoupled"):
+            raise ConfigError(f"algorithm.off_policy={self.off_policy!r}: use none, tis or "
+                              "decoupled")
+        if self.off_policy_cap is not None and not self.off_policy_cap > 0:
+            raise ConfigError(f"algorithm.off_policy_cap={self.off_policy_cap} must be > 0 (or "
+                              "null: 2.0)")
+        if self.off_policy_cap is not None and self.off_policy == "none":
+            raise ConfigError(f"algorithm.off_policy_cap={self.off_policy_cap} does nothing "
+                              "with algorithm.off_policy=none: set off_policy=tis or decoupled, "
+                              "or drop the cap")
+        if self.off_policy != "none" and self.old_logprobs != "recompute":
+            raise ConfigError(f"algorithm.off_policy={self.off_policy} weights by pi_prox / "
+                              "pi_behav, which needs the trainer's re-scoring: set "
+                              "algorithm.old_logprobs=recompute (with 'rollout' the ratio is 1 "
+                              "by definition)")
+        if self.max_staleness < 0:
+            raise ConfigError(f"algorithm.max_staleness={self.max_staleness} must be >= 0 "
+                              "(0: synchronous)")
+        if self.max_staleness and self.off_policy == "none":
+            raise ConfigError(f"algorithm.max_staleness={self.max_staleness} trains tokens "
+                              "sampled by older weights: choose their correction, "
+                              "algorithm.off_policy=decoupled (or tis), with "
+                              "algorithm.old_logprobs=recompute")
 
 
 @dataclass(frozen=True)
@@ -362,6 +402,22 @@ class TrainConfig:
                 f"algorithm.routing_replay=true records the experts in the embedded engine; "
                 f"rollout.engine={self.rollout.engine!r} does not return them: use "
                 "rollout.engine=embedded or routing_replay=false")
+        k = self.algorithm.max_staleness
+        if k and self.rollout.engine != "embedded":
+            raise ConfigError(
+                f"algorithm.max_staleness={k} carries episodes across rollout stages in the "
+                f"embedded engine; rollout.engine={self.rollout.engine!r} does not yet: use "
+                "rollout.engine=embedded or algorithm.max_staleness=0")
+        if k and self.env.name == "agent":
+            raise ConfigError(
+                f"algorithm.max_staleness={k}: agent programs (env.name=agent) run to their end "
+                "inside one rollout stage; asynchronous RL steps environments of this project's "
+                "Env class: use algorithm.max_staleness=0 with env.name=agent")
+        if k and self.algorithm.routing_replay:
+            raise ConfigError(
+                f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "
+                "that waits across iterations does not keep its experts in a checkpoint yet; "
+                "use one of them")
         if self.algorithm.name == "grpo" and \
                 self.rollout.episodes_per_iteration % self.algorithm.group_size:
             raise ConfigError(

@@ -38,6 +38,10 @@ time, ends THAT episode with ``tool_failure_penalty`` and ``info["tool_error"]``
 cannot kill a thread, so a tool that may hang forever belongs in its own process). The built-in
 calculator runs inline with no clock at all: its work is bounded by counts (below), so the same
 action gets the same observation and reward on an idle machine and on a loaded one.
+``tool_latency_s`` (default 0) makes every calculator call wait that long before it answers, as
+a remote tool (a search API, a code sandbox) does: for tests and benchmarks of rollouts whose
+time goes to tools (the agent loop steps a turn's environments concurrently,
+``rollout.env_concurrency``). The wait changes no observation or reward.
 
 ``expert(seed)`` is the scripted teacher of the supervised warm start: the actions of a full
 episode from ``reset(seed)``, written in the environment's ``tool_format`` (so a warm start on
@@ -65,6 +69,7 @@ import operator
 import random
 import re
 import threading
+import time
 from typing import Callable, Optional
 
 from earl_megatron.envs.base import Env, StepResult
@@ -214,8 +219,13 @@ class CalculatorEnv(Env):
                  invalid_penalty: float = -1.0, system_prompt: str | None = None,
                  tool: Optional[Callable[[str], object]] = None, tool_timeout_s: float = 1.0,
                  tool_failure_penalty: float = -1.0, expert_tool_rate: float = 0.5,
-                 mental_accuracy: float = 0.1, tool_format: str = "tags"):
+                 mental_accuracy: float = 0.1, tool_format: str = "tags",
+                 tool_latency_s: float = 0.0):
         super().__init__(invalid_penalty)
+        if not 0.0 <= tool_latency_s < 60.0:
+            raise ValueError(f"tool_latency_s={tool_latency_s}: use a delay in [0, 60) seconds "
+                             "(0: the calculator answers at once)")
+        self.tool_latency_s = float(tool_latency_s)
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format={tool_format!r}: use one of {TOOL_FORMATS} (\"json\" "
                              "for a real instruct model, docs/envs.md)")
@@ -307,6 +317,8 @@ class CalculatorEnv(Env):
             return StepResult(self._tool_says("tool budget spent", error=True), 0.0, True,
                               {"tool_budget": True, "tool_calls": self.tool_calls})
         self.tool_calls += 1
+        if self.tool_latency_s:
+            time.sleep(self.tool_latency_s)  # a remote tool's round trip; decides nothing
         try:
             # the built-in calculator is bounded by counts and runs inline: no clock decides
             # its reward; a replacement tool gets the thread and its wall-clock guard

@@ -27,14 +27,16 @@ tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding
   broadcast over the episode's policy tokens, ``grpo_advantage``. With KL in the reward the
   episode's summed k1 comes off r_i first (a sequence-level penalty, ``kl_penalized_reward``).
 
-- Truncated importance sampling (TIS; Yao et al. 2025, verl's ``tis_imp_ratio_cap``, slime's
-  ``--use-tis``): the engine that sampled (SGLang, its own kernels) is not the trainer's old
-  policy, so each sampled token's policy-gradient term is weighted by
-  ``w = min(pi_old / pi_rollout, cap)``, detached, ``truncated_is_weights``, applied to the
-  advantages by ``tis_weighted``. Every term of the
-  clipped surrogate (dual clip included) is linear in A and w > 0, so ``w * A`` in place of A is
-  exactly ``w * surrogate``; the KL and entropy terms are not weighted (they are not reached
-  through A).
+- Off-policy weights (``algorithm.off_policy``). The policy that sampled a token (pi_behav: the
+  engine's logprobs, perhaps another engine's kernels, perhaps weights some train steps old)
+  is not the trainer's old policy pi_old (pi_prox: the re-scoring at the start of TRAIN), so
+  each sampled token's policy-gradient term is weighted by ``w = pi_old / pi_rollout``,
+  detached (``off_policy_weights``), applied to the advantages by ``tis_weighted``: truncated
+  importance sampling (TIS; Yao et al. 2025, verl's ``tis_imp_ratio_cap``, slime's
+  ``--use-tis``) caps w; decoupled PPO (Hilton et al. 2022, AReaL's ``behav_imp_weight_cap``)
+  drops the tokens whose w passes the cap. Every term of the clipped surrogate (dual clip
+  included) is linear in A and w >= 0, so ``w * A`` in place of A is exactly ``w *
+  surrogate``; the KL and entropy terms are not weighted (they are not reached through A).
 
 Invariants: advantages are exactly 0 where mask == 0; GRPO's advantages have mean 0 in every
 group of non-identical rewards; REINFORCE++'s have mean 0 over the batch's policy tokens.
@@ -157,20 +159,25 @@ def grpo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Momen
     return a * mask
 
 
-def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> tuple[torch.Tensor, int]:
-    """(weights, truncated): ``min(exp(old_logp - rollout_logp), cap)`` on policy tokens and 1
-    elsewhere, and how many policy tokens the cap truncated (TIS, module docstring)."""
+def off_policy_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                       cap: float, mode: str = "tis") -> tuple[torch.Tensor, int]:
+    """(weights, capped): w = ``exp(old_logp - rollout_logp)`` on policy tokens and 1
+    elsewhere, with w > ``cap`` set to ``cap`` (mode "tis") or to 0, the token dropped (mode
+    "decoupled"); and how many policy tokens the cap touched (module docstring)."""
     if cap <= 0:
-        raise ValueError(f"TIS cap must be > 0, got {cap}")
+        raise ValueError(f"off-policy weight cap must be > 0, got {cap}")
+    if mode not in ("tis", "decoupled"):
+        raise ValueError(f"off-policy weights: mode {mode!r} is not tis or decoupled")
     on = mask.bool()
     ratio = torch.exp(old_logp.double() - rollout_logp.double())
-    weights = torch.where(on, ratio.clamp(max=cap), torch.ones_like(ratio))
+    capped = ratio.clamp(max=cap) if mode == "tis" else \
+        torch.where(ratio > cap, torch.zeros_like(ratio), ratio)
+    weights = torch.where(on, capped, torch.ones_like(ratio))
     return weights.to(old_logp.dtype), int((on & (ratio > cap)).sum())
 
 
 def tis_weighted(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``w * A`` of one sample: ``weights`` (``truncated_is_weights``) cover its first
+    """``w * A`` of one sample: ``weights`` (``off_policy_weights``) cover its first
     predictions, 1 on the padding after them."""
     w = torch.ones_like(advantages)
     w[:weights.numel()] = weights.to(advantages.dtype)

@@ -34,6 +34,14 @@ Invariants (tests check them against a real model):
   policy token follows it, so training would never read it).
 - Sampling is reproducible: turn t uses seed ``turn_sample_seed(config.seed, t)`` (earl_megatron/
   seeds.py) for the whole batch.
+- Every sampled token records the policy version that sampled it (``Episode.versions``, -1 off
+  the loss mask). ``play_turns`` may stop at a turn boundary with episodes still live
+  (``enough``); they continue in a later call, perhaps under newer weights and another layout
+  (their context is prefilled again), and equal an uninterrupted episode at the same weights
+  (tests/distributed/test_async_rl.py). A ``LiveEpisode`` travels as data (``data``) and its
+  environment is rebuilt by ``replay_env``.
+- The environments of a turn step concurrently (``env_concurrency`` threads); results are
+  taken in episode order, so nothing depends on which tool answers first.
 - ``should_stop`` (optional) is called once before every turn, on every rank that runs the loop,
   the same number of times (all ranks of a replica play the same episodes in lockstep, so it may
   be a collective over the replica); when it returns True the loop raises ``RolloutAbandoned``
@@ -43,6 +51,7 @@ Invariants (tests check them against a real model):
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -53,7 +62,12 @@ from earl_megatron.seeds import turn_sample_seed
 
 
 class RolloutAbandoned(Exception):
-    """The caller's ``should_stop`` asked the agent loop to stop before the next turn."""
+    """The caller's ``should_stop`` asked the agent loop to stop before the next turn.
+    ``finished``: the (key, Episode) pairs that had ended by then (``play_turns``)."""
+
+    def __init__(self, message: str, finished: Optional[list] = None):
+        super().__init__(message)
+        self.finished = list(finished or [])
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,9 @@ class Episode:
     """MoE routing replay: int16 [len(token_ids) - 1, layers, topk], the experts the rollout
     routed each input token to (the last turn's Generation.routes: its prompt holds the whole
     episode so far); None unless the engine records routes."""
+    versions: tuple[int, ...] = ()
+    """The policy version (train steps before it) of the weights that sampled each token; -1
+    where loss_mask is 0. An episode carried across rollout stages has several."""
 
     @property
     def num_policy_tokens(self) -> int:
@@ -115,8 +132,12 @@ class Episode:
 
 
 @dataclass
-class _Live:
-    # mutable working state of one episode while the loop runs; frozen into an Episode at the end
+class LiveEpisode:
+    """One episode while it is played: mutable, frozen into an Episode when it ends. A live
+    episode may outlast a rollout stage (``play_turns`` hands back the unfinished ones; the
+    trainer carries them into the next stage: trainer/episode_pool.py). ``env`` is its
+    environment, stepped to the episode's state; everything else is plain data, so an episode
+    moves between ranks as that data and its environment is rebuilt by ``replay_env``."""
     env: Env
     seed: int
     tokens: list[int]
@@ -124,6 +145,8 @@ class _Live:
     logprobs: list[float]
     observations: list[str]
     prompt_length: int
+    versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token; -1 where loss_mask is 0."""
     actions: list[str] = field(default_factory=list)
     roles: list[str] = field(default_factory=lambda: ["user"])
     info: dict = field(default_factory=dict)
@@ -131,11 +154,15 @@ class _Live:
     turns: int = 0
     turn_rewards: list = field(default_factory=list)
     routes: Any = None
+    key: Any = None
+    """The caller's name for the episode (the trainer's: its start iteration and index)."""
 
-    def append(self, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None):
+    def append(self, tokens: Sequence[int], mask: int, logprobs: Sequence[float] | None = None,
+               version: int = -1):
         self.tokens.extend(tokens)
         self.mask.extend([mask] * len(tokens))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+        self.versions.extend([version if mask else -1] * len(tokens))
 
     def freeze(self, finish_reason: str) -> Episode:
         return Episode(env=self.env.name, seed=self.seed, token_ids=tuple(self.tokens),
@@ -144,12 +171,44 @@ class _Live:
                        prompt_length=self.prompt_length, actions=tuple(self.actions),
                        observations=tuple(self.observations), info=dict(self.info),
                        turn_rewards=tuple(self.turn_rewards),
-                       observation_roles=tuple(self.roles), routes=self.routes)
+                       observation_roles=tuple(self.roles), routes=self.routes,
+                       versions=tuple(self.versions))
+
+    def data(self) -> dict:
+        """Everything but the environment (and MoE routes, which the next turn records anew):
+        what moves between ranks and into a checkpoint."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__
+                if k not in ("env", "routes")}
+
+
+def replay_env(env: Env, seed: int, actions: Sequence[str]) -> Env:
+    """``env`` reset to ``seed`` and stepped through ``actions``: the state a live episode's
+    environment had. Exact for every environment whose episode is a pure function of (seed,
+    actions), as the built-in ones are (envs/base.py); a tool with side effects would run
+    again."""
+    env.reset(seed)
+    for a in actions:
+        env.step(a)
+    return env
+
+
+def start_episode(env: Env, seed: int, tokenizer, config: AgentLoopConfig,
+                  key: Any = None) -> LiveEpisode | Episode:
+    """The episode's prompt (reset observation under the chat template), live; or the Episode
+    ended "max_context" when the prompt leaves no room for a turn."""
+    obs = env.reset(seed)
+    prompt = render_prompt(tokenizer, env.system_prompt, obs)
+    live = LiveEpisode(env, int(seed), list(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                       [obs], len(prompt), versions=[-1] * len(prompt), key=key)
+    if len(prompt) > config.max_context_tokens - config.max_action_tokens:
+        return live.freeze("max_context")
+    return live
 
 
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
                  config: AgentLoopConfig = AgentLoopConfig(), *,
-                 should_stop: Optional[Callable[[], bool]] = None) -> list[Episode]:
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 env_concurrency: int = 1, version: int = 0) -> list[Episode]:
     """Play one episode per (env, seed) to the end; Episodes come back in input order.
 
     ``envs`` must be distinct objects (an environment holds one episode's state); ``tokenizer``
@@ -161,65 +220,92 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
     if len({id(e) for e in envs}) != len(envs):
         raise ValueError("the same environment object appears twice; make one per episode "
                          "(e.g. [make_env(name) for _ in seeds])")
+    started = [start_episode(env, seed, tokenizer, config, key=i)
+               for i, (env, seed) in enumerate(zip(envs, seeds))]
+    results = {i: e for i, e in enumerate(started) if isinstance(e, Episode)}
+    live = [e for e in started if isinstance(e, LiveEpisode)]
+    finished, _ = play_turns(engine, live, tokenizer, config, version=version,
+                             should_stop=should_stop, env_concurrency=env_concurrency)
+    results.update((e_key, ep) for e_key, ep in finished)
+    return [results[i] for i in range(len(envs))]
+
+
+def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
+               config: AgentLoopConfig, *, version: int = 0,
+               should_stop: Optional[Callable[[], bool]] = None,
+               enough: Optional[Callable[[list], bool]] = None,
+               env_concurrency: int = 1) -> tuple[list[tuple[Any, Episode]], list[LiveEpisode]]:
+    """Turns of every live episode, batched, until all have ended or ``enough(finished)``
+    (the (key, Episode) pairs ended so far, in the order they ended; checked after every turn)
+    says the stage has what it needs. Returns (finished, still live): the still-live episodes
+    stop at a turn boundary and continue in a later call, under whatever weights the engine then
+    has. Turn t of a call samples with ``turn_sample_seed(config.seed, t)``; every token sampled
+    here is recorded as sampled by ``version``.
+
+    The environments of a turn step concurrently on ``env_concurrency`` threads (1: one after
+    another): a slow tool's wait overlaps across episodes; each environment still sees its own
+    actions in order, and results are taken in episode order, so the outcome does not depend on
+    which step returns first.
+    """
     fmt = chat_format(tokenizer)
     end_of_turn_id = fmt.stop_token_ids[0]
     room = config.max_context_tokens - config.max_action_tokens
-    results: dict[int, Episode] = {}
-    active: list[tuple[int, _Live]] = []
-    for i, (env, seed) in enumerate(zip(envs, seeds)):
-        obs = env.reset(seed)
-        prompt = render_prompt(tokenizer, env.system_prompt, obs)
-        live = _Live(env, int(seed), list(prompt), [0] * len(prompt), [0.0] * len(prompt),
-                     [obs], len(prompt))
-        if len(prompt) > room:
-            results[i] = live.freeze("max_context")
-        else:
-            active.append((i, live))
-
+    finished: list[tuple[Any, Episode]] = []
+    active = list(live)
+    pool = ThreadPoolExecutor(env_concurrency, thread_name_prefix="env-step") \
+        if env_concurrency > 1 else None
     turn = 0
-    while active:
-        if should_stop is not None and should_stop():
-            raise RolloutAbandoned(f"stopped before turn {turn} ({len(active)} episodes live)")
-        params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
-                                max_new_tokens=config.max_action_tokens,
-                                stop_token_ids=fmt.stop_token_ids,
-                                seed=turn_sample_seed(config.seed, turn))
-        generations = engine.generate([live.tokens for _, live in active], params)
-        if len(generations) != len(active):
-            raise RuntimeError(f"engine returned {len(generations)} generations for "
-                               f"{len(active)} prompts; it breaks the RolloutEngine contract")
-        still = []
-        for (i, live), gen in zip(active, generations):
-            live.append(gen.token_ids, 1, gen.logprobs)
-            live.routes = gen.routes
-            live.turns += 1
-            action = tokenizer.decode(list(gen.token_ids), skip_special_tokens=True)
-            result = live.env.step(action)
-            live.actions.append(action)
-            live.observations.append(result.observation)
-            live.roles.append(result.role)
-            live.reward += result.reward
-            live.turn_rewards.append(float(result.reward))
-            live.info.update(result.info)
-            if result.done:
-                results[i] = live.freeze("done")
-                continue
-            if live.turns >= config.max_turns:
-                results[i] = live.freeze("max_turns")
-                continue
-            # the turn counts as closed by the template only if it ended with end-of-turn; a
-            # turn cut by max_action_tokens (or ended by EOS) gets the end-of-turn token as a
-            # template token with loss mask 0
-            stopped = bool(gen.token_ids) and gen.token_ids[-1] == end_of_turn_id
-            nxt = render_next_turn(tokenizer, fmt, result.observation, stopped, result.role)
-            if len(live.tokens) + len(nxt) > room:
-                results[i] = live.freeze("max_context")
-                continue
-            live.append(nxt, 0)
-            still.append((i, live))
-        active = still
-        turn += 1
-    return [results[i] for i in range(len(envs))]
+    try:
+        while active and not (enough is not None and enough(finished)):
+            if should_stop is not None and should_stop():
+                raise RolloutAbandoned(f"stopped before turn {turn} ({len(active)} episodes "
+                                       "live)", finished)
+            params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                                    max_new_tokens=config.max_action_tokens,
+                                    stop_token_ids=fmt.stop_token_ids,
+                                    seed=turn_sample_seed(config.seed, turn))
+            generations = engine.generate([ep.tokens for ep in active], params)
+            if len(generations) != len(active):
+                raise RuntimeError(f"engine returned {len(generations)} generations for "
+                                   f"{len(active)} prompts; it breaks the RolloutEngine contract")
+            actions = [tokenizer.decode(list(gen.token_ids), skip_special_tokens=True)
+                       for gen in generations]
+            steps = list(pool.map(lambda ea: ea[0].env.step(ea[1]),
+                                  zip(active, actions))) if pool is not None else \
+                [ep.env.step(a) for ep, a in zip(active, actions)]
+            still = []
+            for ep, gen, action, result in zip(active, generations, actions, steps):
+                ep.append(gen.token_ids, 1, gen.logprobs, version)
+                ep.routes = gen.routes
+                ep.turns += 1
+                ep.actions.append(action)
+                ep.observations.append(result.observation)
+                ep.roles.append(result.role)
+                ep.reward += result.reward
+                ep.turn_rewards.append(float(result.reward))
+                ep.info.update(result.info)
+                if result.done:
+                    finished.append((ep.key, ep.freeze("done")))
+                    continue
+                if ep.turns >= config.max_turns:
+                    finished.append((ep.key, ep.freeze("max_turns")))
+                    continue
+                # the turn counts as closed by the template only if it ended with end-of-turn;
+                # a turn cut by max_action_tokens (or ended by EOS) gets the end-of-turn token
+                # as a template token with loss mask 0
+                stopped = bool(gen.token_ids) and gen.token_ids[-1] == end_of_turn_id
+                nxt = render_next_turn(tokenizer, fmt, result.observation, stopped, result.role)
+                if len(ep.tokens) + len(nxt) > room:
+                    finished.append((ep.key, ep.freeze("max_context")))
+                    continue
+                ep.append(nxt, 0)
+                still.append(ep)
+            active = still
+            turn += 1
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return finished, active
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ and clipping against what was sampled); "recompute" replaces them by the trainer
 re-scoring runs whenever either is needed: always for SGLang (the diff is the proof of weight
 sync), and for the embedded engine only with "recompute".
 
-``algorithm.tis_cap`` (truncated importance sampling, rl/advantages.py): with "recompute", each
-sampled token is also weighted by min(pi_old / pi_rollout, cap), returned per sample for the
-trainer to apply to the advantages; recorded as ``tis_weight_mean`` (over sampled tokens) and
-``tis_truncated_fraction`` (the fraction the cap truncated).
+``algorithm.off_policy`` (rl/advantages.py): with "recompute", each sampled token is also
+weighted by w = pi_old / pi_rollout, capped ("tis") or dropped past the cap ("decoupled"),
+returned per sample for the trainer to apply to the advantages; recorded as
+``off_policy_weight_mean`` (over sampled tokens) and ``off_policy_capped_fraction`` (the
+fraction the cap touched). Under asynchronous RL pi_rollout is the behaviour policy, weights up
+to ``max_staleness`` train steps old, and pi_old the proximal one (decoupled PPO's names).
 
 Token alignment: Episode.logprobs[j] is the logprob of token j (0.0 where loss_mask is 0); the
 LOGPROB stage returns one value per prediction, entry j - 1 scoring token j.
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.rl.advantages import truncated_is_weights
+from earl_megatron.rl.advantages import off_policy_weights
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.engine import check_prompts
 from earl_megatron.runtime.build import ModelOnLayout
@@ -64,12 +66,14 @@ def recompute_logprobs(policy: ModelOnLayout, sequences: Sequence[Sequence[int]]
 
 def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
             tokens: dict[int, int], pad_id: int, batch: BatchShape, *, temperature: float,
-            replace: bool, tis_cap: Optional[float] = None, routes: Optional[dict] = None
+            replace: bool, weights: Optional[tuple[str, float]] = None,
+            routes: Optional[dict] = None
             ) -> tuple[list[Episode], dict, dict[int, torch.Tensor]]:
     """(episodes, metrics, tis): the policy's logprobs of this replica's episodes (in the layout
     it played in), their distance to the engine's, the episodes with the trainer's logprobs when
-    ``replace``, and with ``tis_cap`` each sample's TIS weights (one per prediction, 1 off the
-    sampled tokens; empty without). ``routes``: routing replay's experts per sample (MoE).
+    ``replace``, and with ``weights`` = (mode, cap) each sample's off-policy weights
+    (rl/advantages.py ``off_policy_weights``: one per prediction, 1 off the sampled tokens;
+    empty without). ``routes``: routing replay's experts per sample (MoE).
     Collective over the world."""
     if temperature <= 0:
         raise ValueError("re-scoring needs the sampling temperature > 0 (greedy rollouts have "
@@ -89,8 +93,8 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
         if diff.numel():
             total[:2] += torch.tensor([float(diff.sum()), diff.numel()], dtype=torch.float64)
             worst = torch.maximum(worst, diff.max().reshape(1))
-        if tis_cap is not None:
-            tis[s], cut = truncated_is_weights(mine, theirs, mask, tis_cap)
+        if weights is not None:
+            tis[s], cut = off_policy_weights(mine, theirs, mask, weights[1], weights[0])
             total[2:] += torch.tensor([float(tis[s][mask].sum()), cut], dtype=torch.float64)
         if replace:
             lp = [0.0] + [float(v) if m else 0.0 for v, m in zip(mine.tolist(), mask.tolist())]
@@ -104,7 +108,7 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
     n = max(float(total[1]), 1.0)
     found = {"rollout_logprob_diff": float(total[0]) / n,
              "rollout_logprob_diff_max": float(worst[0])}
-    if tis_cap is not None:
-        found.update(tis_weight_mean=float(total[2]) / n,
-                     tis_truncated_fraction=float(total[3]) / n)
+    if weights is not None:
+        found.update(off_policy_weight_mean=float(total[2]) / n,
+                     off_policy_capped_fraction=float(total[3]) / n)
     return out, found, tis

@@ -29,7 +29,7 @@ planner holds nothing else between iterations.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.cluster import ClusterConfig
@@ -55,9 +55,12 @@ class StagePlanner:
     def __init__(self, model: ModelConfig, layout: LayoutConfig, cluster: ClusterConfig,
                  world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
                  sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, in_flight: Optional[int] = None):
         self.model, self.layout_cfg, self.world = model, layout, world
         self.episodes, self.batch, self.prefill_tokens = episodes, batch, prefill_tokens
+        self.in_flight = in_flight or episodes
+        """Episodes a rollout stage decodes at once: the batch, or (k + 1) batches under
+        asynchronous RL (algorithm.max_staleness = k)."""
         self.auto = layout.mode == "auto"
         auto_recompute = layout.recompute == "auto"
         self.opts = TrainOptions(distributed_optimizer=distributed_optimizer,
@@ -141,13 +144,20 @@ class StagePlanner:
         self.profile = self.profile.record_restart(model_key(self.model), tp, seconds)
         self.selector = replace(self.selector, profile=self.profile)
 
-    def rollout_lengths(self) -> list[int]:
-        """Rollout plans on the last iteration's episode lengths (the first: a prompt budget)."""
-        return self.last_lengths or [FIRST_ROLLOUT_TOKENS] * self.episodes
+    def rollout_lengths(self, carried: Sequence[int] = ()) -> list[int]:
+        """Rollout plans on the last iteration's episode lengths (the first: a prompt budget)
+        for the episodes it starts, and on the contexts of the ones it continues (``carried``,
+        asynchronous RL: they go on growing from there)."""
+        new = self.last_lengths or [FIRST_ROLLOUT_TOKENS] * self.episodes
+        if not carried:
+            return new
+        # the new episodes grow as the last batch did; the carried ones from where they are
+        return list(new)[:max(self.in_flight - len(carried), 0)] + \
+            [c + max(new) for c in carried]
 
     def _workload(self, stage: str, lengths: list[int]) -> StageWorkload:
         if stage == "rollout":
-            return StageWorkload.of(Stage.ROLLOUT, lengths, responses_in_flight=self.episodes,
+            return StageWorkload.of(Stage.ROLLOUT, lengths, responses_in_flight=self.in_flight,
                                     micro_batch_tokens=self.prefill_tokens)
         longest = max(lengths)
         tokens = self.batch.micro_batch_size * longest

@@ -48,6 +48,8 @@ class EpisodeSpec:
     agent: Optional[AgentSpec] = None
     """``env.name=agent``: agent programs play through the endpoint (trainer/agent_rollout.py)
     instead of the agent loop."""
+    env_concurrency: int = 1
+    """Environments of a turn stepped at once (rollout.env_concurrency)."""
 
     def limits(self, temperature: float) -> ServerLimits:
         return ServerLimits(max_context_tokens=self.max_context_tokens,
@@ -58,13 +60,14 @@ class EpisodeSpec:
 class Rollout(Protocol):
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
              ) -> tuple[list[int], list[Episode]]:
         """This replica's (sample ids, episodes) of the episodes of ``seeds``. ``should_stop``
         is called by every rank of the replica before every turn; True raises
         rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout).
         ``evaluation``: an evaluation's play (``opponent`` in place of the environment's own,
-        or None), which plays on the engine as it stands."""
+        or None), which plays on the engine as it stands. ``version``: the policy's version
+        (train steps behind it), recorded on every sampled token (Episode.versions)."""
 
     def sync(self, policy: ModelOnLayout) -> None:
         """After TRAIN: make the engine serve ``policy``'s weights (all ranks call it)."""
@@ -90,9 +93,17 @@ def weight_sync_metrics(bytes_in_max: int, bytes_in_leader: int, seconds: float)
             "weight_sync_s": float(seconds)}
 
 
+def loop_config(spec: EpisodeSpec, temperature: float, sample_seed: int) -> AgentLoopConfig:
+    """The agent loop's bounds for one rollout of ``spec``."""
+    return AgentLoopConfig(max_turns=spec.max_turns, max_context_tokens=spec.max_context_tokens,
+                           max_action_tokens=spec.max_action_tokens, temperature=temperature,
+                           top_p=spec.top_p, seed=sample_seed)
+
+
 def play_episodes(spec: EpisodeSpec, engine, seeds: Sequence[int], tokenizer, *,
                   temperature: float, sample_seed: int, opponent: Optional[str] = None,
-                  should_stop: Optional[Callable[[], bool]] = None) -> list[Episode]:
+                  should_stop: Optional[Callable[[], bool]] = None, version: int = 0
+                  ) -> list[Episode]:
     """The agent loop over ``seeds`` on ``engine``, one environment each (``opponent`` in place
     of the environment's own), within the spec's bounds: every rollout's episodes come from
     here, whichever engine decodes them."""
@@ -100,10 +111,9 @@ def play_episodes(spec: EpisodeSpec, engine, seeds: Sequence[int], tokenizer, *,
     if opponent is not None:
         kwargs["opponent"] = opponent
     envs = [make_env(spec.env, **kwargs) for _ in seeds]
-    loop = AgentLoopConfig(max_turns=spec.max_turns, max_context_tokens=spec.max_context_tokens,
-                           max_action_tokens=spec.max_action_tokens, temperature=temperature,
-                           top_p=spec.top_p, seed=sample_seed)
-    return run_episodes(engine, envs, list(seeds), tokenizer, loop, should_stop=should_stop)
+    loop = loop_config(spec, temperature, sample_seed)
+    return run_episodes(engine, envs, list(seeds), tokenizer, loop, should_stop=should_stop,
+                        env_concurrency=spec.env_concurrency, version=version)
 
 
 class EmbeddedRollout:
@@ -119,7 +129,7 @@ class EmbeddedRollout:
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
              ) -> tuple[list[int], list[Episode]]:
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
@@ -136,10 +146,28 @@ class EmbeddedRollout:
                                          sample_seed, should_stop)
             episodes = play_episodes(sp, engine, [seeds[i] for i in block], self.tok,
                                      temperature=temperature, sample_seed=sample_seed,
-                                     opponent=opponent, should_stop=should_stop)
+                                     opponent=opponent, should_stop=should_stop,
+                                     version=version)
         finally:
             engine.close()
         return list(block), episodes
+
+    def play_pool(self, policy: ModelOnLayout, pool, iteration: int, *, sample_seed: int,
+                  should_stop: Optional[Callable[[], bool]] = None):
+        """Asynchronous RL's stage (trainer/episode_pool.py): this replica's block of the batch,
+        its live episodes continued and new ones started, on the policy as it stands."""
+        from earl_megatron.rollout.embedded_engine import EmbeddedEngine
+
+        sp = self.spec
+        engine = EmbeddedEngine(policy, pad_token_id=self.tok.pad_token_id, prompts="replica",
+                                reuse_prefix=not sp.routing_replay,
+                                record_routes=sp.routing_replay,
+                                prefill_tokens=sp.prefill_tokens)
+        try:
+            return pool.stage(policy, engine, iteration, sample_seed=sample_seed,
+                              should_stop=should_stop)
+        finally:
+            engine.close()
 
     def _play_agents(self, policy, engine, block, seeds, temperature, sample_seed,
                      should_stop):

@@ -18,8 +18,16 @@ the values it uses.
 Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
 trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
 the policy before TRAIN (trainer/old_logprobs.py). SGLang rollouts are always re-scored, to
-record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.tis_cap``
-weights the advantages by the truncated pi_old / pi_rollout after the advantage check.
+record rollout_logprob_diff[_max]; epochs > 1 reuse the old logprobs. ``algorithm.off_policy``
+weights the advantages by pi_old / pi_rollout (capped, or past the cap dropped) after the
+advantage check.
+
+Asynchronous RL (``algorithm.max_staleness`` = k >= 1, trainer/episode_pool.py, docs/async.md):
+"play the iteration's episodes" becomes "continue the episodes in flight and start new ones, up
+to (k + 1) batches, until one batch of groups has finished"; the rest carry over to the next
+iteration's rollout, in whatever layout it plans (with their contexts counted), and the pool is
+part of every checkpoint. k = 0 is the synchronous loop above, unchanged (a parity test against
+records of the loop before the pool existed).
 
 Where a run starts (the newest complete checkpoint, the warm start's, or fresh) is
 trainer/resume.py's; the evaluations (start, every run.eval_every, end) trainer/evaluation.py's.
@@ -48,6 +56,7 @@ from earl_megatron.runtime.checkpoint import base_hf_config, save_checkpoint
 from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
 from earl_megatron.trainer.data import episode_tensors
+from earl_megatron.trainer.episode_pool import staleness_metrics
 from earl_megatron.trainer.evaluation import evaluate
 from earl_megatron.trainer.agent_rollout import AgentSpec, agent_metrics
 from earl_megatron.trainer.model_pair import ModelPair
@@ -58,7 +67,7 @@ from earl_megatron.trainer.rollout import EpisodeSpec
 from earl_megatron.trainer.rollout_engines import make_rollout
 from earl_megatron.trainer.samples import SampleWriter
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
-                                           kl_to_reference)
+                                           kl_to_reference, owns_samples)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
 from earl_megatron.trainer.stop import StopControl
@@ -98,19 +107,31 @@ class Trainer:
                                     episodes=r.episodes_per_iteration, batch=self.batch,
                                     sglang_mem_fraction=frac,
                                     sglang_restart_s=r.sglang_restart_s,
-                                    prefill_tokens=r.prefill_tokens)
+                                    prefill_tokens=r.prefill_tokens,
+                                    in_flight=(a.max_staleness + 1) * r.episodes_per_iteration)
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
             max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p,
             routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens,
-            agent=agent_spec(cfg)), tokenizer,
+            agent=agent_spec(cfg), env_concurrency=r.env_concurrency), tokenizer,
             model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
             mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
+        self.pool = None
+        """Asynchronous RL (algorithm.max_staleness >= 1): the episodes in flight between
+        rollout stages (trainer/episode_pool.py); None: the synchronous loop."""
+        if a.max_staleness:
+            from earl_megatron.trainer.episode_pool import EpisodePool
+            from earl_megatron.trainer.rollout import loop_config
+            self.pool = EpisodePool(cfg.env.name, dict(cfg.env.kwargs), tokenizer,
+                                    loop_config(self.rollout.spec, r.temperature, 0),
+                                    batch=r.episodes_per_iteration, group_size=a.group_size,
+                                    max_staleness=a.max_staleness, run_seed=cfg.run.seed,
+                                    env_concurrency=r.env_concurrency)
         self.history: list[dict] = []
         self.stop = StopControl.for_run(self.out)
         self._completed: dict = {}
@@ -130,29 +151,39 @@ class Trainer:
         cfg, plan, t = self.cfg, self.planner, StageTimer()
         ref = models.reference
         with t("plan+switch"):
-            layouts = {"rollout": plan.plan("rollout", plan.rollout_lengths(),
+            carried = self.pool.begin() if self.pool is not None else ()
+            layouts = {"rollout": plan.plan("rollout", plan.rollout_lengths(carried),
                                             models.policy.layout,
                                             plan.weight_bytes(ref and ref.layout))}
             policy = models.policy_in(layouts["rollout"])
+        n, pool_metrics = cfg.rollout.episodes_per_iteration, {}
         with t("rollout"):
-            seeds = episode_seeds(cfg.run.seed, it, cfg.rollout.episodes_per_iteration,
-                                  cfg.algorithm.group_size)
             try:
-                ids, episodes = self.rollout.play(policy, seeds,
-                                                  temperature=cfg.rollout.temperature,
-                                                  sample_seed=rollout_sample_seed(cfg.run.seed, it),
-                                                  should_stop=self.stop.replica_should_stop)
+                if self.pool is not None:   # asynchronous: episodes carry over
+                    out = self.rollout.play_pool(
+                        policy, self.pool, it, sample_seed=rollout_sample_seed(cfg.run.seed, it),
+                        should_stop=self.stop.replica_should_stop)
+                    ids, episodes, pool_metrics = out.ids, out.episodes, out.metrics
+                else:
+                    seeds = episode_seeds(cfg.run.seed, it, n, cfg.algorithm.group_size)
+                    ids, episodes = self.rollout.play(
+                        policy, seeds, temperature=cfg.rollout.temperature,
+                        sample_seed=rollout_sample_seed(cfg.run.seed, it),
+                        should_stop=self.stop.replica_should_stop, version=it)
             except RolloutAbandoned:
                 ids, episodes = [], []
         self._record_server_starts()
         if self.stop.world_should_stop():  # every rank, abandoned or not: stop untrained
+            if self.pool is not None:
+                self.pool.untake()
             return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
-        engine_metrics, tis = {"rollout_engine": cfg.rollout.engine}, {}
+        engine_metrics, tis = {"rollout_engine": cfg.rollout.engine, **pool_metrics}, {}
+        engine_metrics.update(staleness_metrics(owns_samples(policy), episodes, it,
+                                                cfg.algorithm.max_staleness))
         if cfg.env.name == "agent":
-            from earl_megatron.trainer.scoring import owns_samples
-            engine_metrics.update(agent_metrics(owns_samples(policy), ids, episodes, len(seeds)))
+            engine_metrics.update(agent_metrics(owns_samples(policy), ids, episodes, n))
         # routing replay (MoE): the rollout's experts, replayed in every later forward
         routes = {s: e.routes for s, e in zip(ids, episodes)} \
             if cfg.algorithm.routing_replay else None
@@ -162,7 +193,7 @@ class Trainer:
                     policy, ids, episodes, tokens, self.tok.pad_token_id, self.batch,
                     temperature=cfg.rollout.temperature,
                     replace=cfg.algorithm.old_logprobs == "recompute",
-                    tis_cap=cfg.algorithm.tis_cap, routes=routes)
+                    weights=cfg.algorithm.off_policy_weights, routes=routes)
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
@@ -185,10 +216,10 @@ class Trainer:
             kl, kl_metrics = kl_to_reference(policy, ids, samples,
                                              in_reward=cfg.algorithm.kl_mode == "reward")
             metrics.update(kl_metrics)  # beside the engine's (rollout_engine, logprob diffs)
-        adv = advantages(self.adv, policy, ids, samples, len(seeds),
+        adv = advantages(self.adv, policy, ids, samples, n,
                          kl=kl if self.adv.kl_coef else None)
-        metrics.update(advantage_check(self.adv, policy, ids, samples, adv, len(seeds)))
-        if tis:  # TIS: w * A trains exactly w * surrogate (rl/advantages.py)
+        metrics.update(advantage_check(self.adv, policy, ids, samples, adv, n))
+        if tis:  # off-policy weights: w * A trains exactly w * surrogate (rl/advantages.py)
             adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
         with t("switch"):
             trainee = models.trainee(layouts["train"], plan.recompute["train"])
@@ -218,6 +249,11 @@ class Trainer:
         self.history.extend(begin.history)
         self._saved, self._sft_start, self._sft_history = (begin.saved, begin.sft_step,
                                                            begin.sft_history)
+        if begin.pool and self.pool is not None:
+            self.pool.restore(begin.pool)
+        elif begin.pool and begin.pool["entries"]:
+            messages.append(f"the checkpoint held {len(begin.pool['entries'])} episodes in "
+                            "flight; algorithm.max_staleness=0 drops them")
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
@@ -324,7 +360,8 @@ class Trainer:
                  "history": self.history, "last_lengths": self.planner.last_lengths,
                  "ref_layout": str(ref.layout) if ref is not None else None,
                  "selector": self.planner.state_json(done["selector"]),
-                 "profile": self.planner.profile_json()}
+                 "profile": self.planner.profile_json(),
+                 "pool": self.pool.state() if self.pool is not None else None}
         save_checkpoint(policy, self.out / "checkpoints", it, state,
                         keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
                         hf_config=base_hf_config(self.cfg.run.init))

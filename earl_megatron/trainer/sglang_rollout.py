@@ -118,7 +118,7 @@ class SGLangRollout:
     # ------------------------------------------------------------------ Rollout
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
              ) -> tuple[list[int], list[Episode]]:
         # ``should_stop`` is a collective over the replica, but here only the replica's first
         # rank runs the agent loop (the others wait in the broadcast): a stop request is
@@ -154,7 +154,8 @@ class SGLangRollout:
             else:
                 episodes[0] = (block, play_episodes(
                     self.spec, self.engine, [seeds[i] for i in block], self.tok,
-                    temperature=temperature, sample_seed=sample_seed, opponent=opponent))
+                    temperature=temperature, sample_seed=sample_seed, opponent=opponent,
+                    version=version))
             if self.device == "cuda":
                 self.engine.release_memory()  # LOGPROB/TRAIN get the GPU back
                 self._released = True

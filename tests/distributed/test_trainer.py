@@ -147,18 +147,20 @@ def test_recomputed_old_logprobs_with_the_embedded_engine(tmp_path):
     # algorithm.old_logprobs=recompute: the policy re-scores its episodes (in the TP2 rollout
     # layout) before TRAIN, and the engine's logprobs agree with it within 1e-4 in fp32; with
     # TIS on, the weights pi_old / pi_rollout are then 1 within the same bound, none truncated
-    cfg = _cfg(str(tmp_path / "re"), 2, {"old_logprobs": "recompute", "tis_cap": 2.0},
+    cfg = _cfg(str(tmp_path / "re"), 2, {"old_logprobs": "recompute", "off_policy": "tis"},
                mode="static", rollout="tp2", logprob="tp2", train="dp2")
     hist = run_distributed(_train, 2, cfg, timeout=400)[0]
     for h in hist:
         assert h["rollout_engine"] == "embedded"
         assert 0 <= h["rollout_logprob_diff"] <= h["rollout_logprob_diff_max"] < 1e-4, h
-        assert abs(h["tis_weight_mean"] - 1) < 1e-4 and h["tis_truncated_fraction"] == 0, h
+        assert abs(h["off_policy_weight_mean"] - 1) < 1e-4, h
+        assert h["off_policy_capped_fraction"] == 0, h
         assert abs(h["advantage_mean"]) < 1e-6  # checked before the weights
     with pytest.raises(ConfigError, match="old_logprobs=recompute"):
-        TrainConfig.from_dict({"algorithm": {"tis_cap": 2.0}})
-    with pytest.raises(ConfigError, match="tis_cap=-1"):
-        TrainConfig.from_dict({"algorithm": {"tis_cap": -1, "old_logprobs": "recompute"}})
+        TrainConfig.from_dict({"algorithm": {"off_policy": "tis"}})
+    with pytest.raises(ConfigError, match="off_policy_cap=-1"):
+        TrainConfig.from_dict({"algorithm": {"off_policy": "tis", "off_policy_cap": -1,
+                                             "old_logprobs": "recompute"}})
     with pytest.raises(ConfigError, match="algorithm.old_logprobs='both'"):
         TrainConfig.from_dict({"algorithm": {"old_logprobs": "both"}})
 

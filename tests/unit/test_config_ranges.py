@@ -84,8 +84,14 @@ BAD = [  # (overrides, the whole message)
     ({"sft": {"lr": 0.0}}, "sft.lr=0.0 must be > 0 (or null: algorithm.lr)"),
     ({"algorithm": {"lr": NAN}}, "algorithm.lr=nan must be a finite number"),
     ({"rollout": {"temperature": NAN}}, "rollout.temperature=nan must be a finite number"),
-    ({"algorithm": {"tis_cap": INF, "old_logprobs": "recompute"}},
-     "algorithm.tis_cap=inf must be a finite number"),
+    ({"algorithm": {"off_policy_cap": INF, "off_policy": "tis", "old_logprobs": "recompute"}},
+     "algorithm.off_policy_cap=inf must be a finite number"),
+    ({"algorithm": {"max_staleness": -1}}, "algorithm.max_staleness=-1 must be >= 0 (0: "
+                                           "synchronous)"),
+    ({"rollout": {"env_concurrency": 0}}, "rollout.env_concurrency=0 must be >= 1"),
+    ({"algorithm": {"tis_cap": 2.0}}, "algorithm.tis_cap was replaced: use "
+     "algorithm.off_policy=tis algorithm.off_policy_cap=<cap> (with algorithm.old_logprobs="
+     "recompute), or off_policy=decoupled"),
     ({"run": {"iterations": -1}}, "run.iterations=-1 must be >= 0"),
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
     # names that say what trains, and knobs that would do nothing in the mode chosen

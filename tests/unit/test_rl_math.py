@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from earl_megatron.rl.advantages import (grpo_advantage, group_means, kl_penalized_reward,
                                          moment_sums, moments_from, normalize,
                                          squared_deviations, tis_weighted, token_returns,
-                                         truncated_is_weights, turn_ids, turn_returns)
+                                         off_policy_weights, turn_ids, turn_returns)
 from earl_megatron.rl.losses import (PolicyLossConfig, clipped_surrogate, k1_kl, k3_kl,
                                      masked_sums, policy_loss, ratio_sums)
 
@@ -172,16 +172,22 @@ def test_tis_weighted_pads_with_one():
         [0.5, -4.0, 3.0, 0.0]
 
 
-def test_tis_weights_by_hand():
+def test_off_policy_weights_by_hand():
     old = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.3, 0.6]))
     rollout = torch.log(torch.tensor([0.5, 0.4, 0.3, 0.3, 0.1]))
     mask = torch.tensor([0., 1., 1., 0., 1.])
-    w, cut = truncated_is_weights(old, rollout, mask, cap=2.0)
+    w, cut = off_policy_weights(old, rollout, mask, cap=2.0, mode="tis")
     # 0.2/0.4 = 0.5; 0.9/0.3 = 3 -> 2; off-mask 1; 0.6/0.1 = 6 -> 2
     assert w.tolist() == pytest.approx([1.0, 0.5, 2.0, 1.0, 2.0])
     assert cut == 2
-    with pytest.raises(ValueError, match="TIS cap must be > 0"):
-        truncated_is_weights(old, rollout, mask, cap=0.0)
+    # decoupled PPO drops the tokens past the cap instead (AReaL's behaviour weight mask)
+    w, cut = off_policy_weights(old, rollout, mask, cap=2.0, mode="decoupled")
+    assert w.tolist() == pytest.approx([1.0, 0.5, 0.0, 1.0, 0.0])
+    assert cut == 2
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        off_policy_weights(old, rollout, mask, cap=0.0)
+    with pytest.raises(ValueError, match="mode 'both'"):
+        off_policy_weights(old, rollout, mask, cap=2.0, mode="both")
 
 
 @pytest.mark.parametrize("ratio_cap", [None, 3.0])

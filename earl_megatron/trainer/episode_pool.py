@@ -1,0 +1,298 @@
+"""Asynchronous RL's rollout stage: episodes in flight across iterations (algorithm.max_staleness
+>= 1, embedded engine).
+
+The rules are plan/staleness.py's; this module moves the episodes. Every rank runs ``stage``:
+
+    gather      each replica's leader gives the world its pool (all_gather_object)
+    drop        groups that would break the bound (counted in ``pool_dropped``)
+    admit       new groups up to (k + 1) batches held, seeds from seeds.episode_seeds
+    place       groups to the rollout layout's replicas (sticky while the layout stays)
+    play        this replica's live episodes, batched, until its quota of groups has finished
+                (agent_loop.play_turns; an episode that moved is rebuilt by replay_env)
+    pick        the oldest finished groups, quota of them, become this replica's block of the
+                batch (sample ids group-aligned: group j of the batch holds ids j*g .. j*g+g-1)
+    keep        the rest (unfinished, finished and waiting) stay in this replica's pool
+
+Every rank of a replica plays the same episodes in lockstep (the embedded engine decodes on all
+of them), so every rank of a replica holds the same pool; only the leader's copy travels.
+Episodes continue under the new weights at their next turn: their context is re-prefilled in
+whatever layout the selector picked, and each token keeps the version that sampled it
+(``Episode.versions``).
+
+A stop during the stage (``RolloutAbandoned``) keeps the pool consistent: what played stays
+played (turn boundaries only), what finished stays finished; ``state()``/``restore()`` put the
+pool into a checkpoint and back, so a resumed run continues the same episodes (rebuilt by
+replay) and none is trained twice or half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from earl_megatron.envs import make_env
+from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, pick_trained,
+                                          replica_quotas, too_stale)
+from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
+                                              RolloutAbandoned, play_turns, replay_env,
+                                              start_episode)
+from earl_megatron.seeds import episode_seeds
+
+
+@dataclass
+class Entry:
+    """One episode of the pool: live (``live``) or finished and waiting to train (``episode``)."""
+
+    key: tuple[int, int]
+    """(the iteration it started in, its index among that iteration's episodes)."""
+    seed: int
+    group_size: int
+    live: Optional[LiveEpisode] = None
+    episode: Optional[Episode] = None
+
+    @property
+    def group(self) -> tuple[int, int]:
+        return (self.key[0], self.key[1] // self.group_size)
+
+    def oldest(self) -> Optional[int]:
+        versions = self.episode.versions if self.episode is not None else self.live.versions
+        sampled = [v for v in versions if v >= 0]
+        return min(sampled) if sampled else None
+
+    def portable(self) -> dict:
+        """What travels between ranks and into a checkpoint (no environment object)."""
+        return {"key": self.key, "seed": self.seed, "group_size": self.group_size,
+                "live": None if self.live is None else self.live.data(),
+                "episode": self.episode}
+
+
+@dataclass
+class StageOutcome:
+    ids: list[int]
+    episodes: list[Episode]
+    metrics: dict = field(default_factory=dict)
+
+
+class EpisodePool:
+    def __init__(self, env: str, env_kwargs: dict, tokenizer, loop: AgentLoopConfig, *,
+                 batch: int, group_size: int, max_staleness: int, run_seed: int,
+                 env_concurrency: int):
+        self.env, self.env_kwargs, self.tok, self.loop = env, dict(env_kwargs), tokenizer, loop
+        self.batch, self.g, self.k = batch, group_size, max_staleness
+        self.run_seed, self.env_concurrency = run_seed, env_concurrency
+        self.entries: list[Entry] = []
+        """This replica's pool after the last stage (the same on every rank of the replica)."""
+        self.layout = None
+        self.replica: Optional[int] = None
+        self.leader = False
+        self._restored: Optional[list[dict]] = None
+        self._restored_layout: Optional[str] = None
+        self._pending: Optional[tuple] = None
+        """``begin``'s gathered pool (and the layout it was saved in, after a restore)."""
+        self._taken: list[Entry] = []
+        """The last stage's batch, until it trains (``untake`` puts it back)."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def untake(self) -> None:
+        """The last stage's batch did not train (told to stop before TRAIN): back into the
+        pool, finished and waiting."""
+        self.entries = self._taken + self.entries
+        self._taken = []
+
+    def state(self) -> dict:
+        """The whole pool (every replica's) as JSON, the same on every rank: for the
+        checkpoint's loop state. Collective over the world."""
+        return {"layout": None if self.layout is None else str(self.layout),
+                "entries": [_to_json(d) for d in self._gather()]}
+
+    def restore(self, state: dict) -> None:
+        """The pool a checkpoint saved (``state``); its episodes stay on their replicas when
+        the rollout layout is the one they were saved in, else are dealt out anew."""
+        self._restored = [_from_json(d) for d in state["entries"]]
+        self._restored_layout = state["layout"]
+        self.entries, self.layout, self.replica, self.leader = [], None, None, False
+
+    # ------------------------------------------------------------------ one stage
+    def begin(self) -> list[int]:
+        """Gathers the world's pool for the next ``stage`` (collective) and returns the contexts
+        (tokens) of its live episodes, which the selector plans the rollout stage with."""
+        if self._restored is not None:
+            self._pending = (self._restored, self._restored_layout)
+            self._restored = None
+        else:
+            self._pending = (self._gather(), None)
+        return sorted(len(d["live"]["tokens"]) for d in self._pending[0]
+                      if d["live"] is not None)
+
+    def stage(self, policy, engine, it: int, *, sample_seed: int,
+              should_stop: Optional[Callable[[], bool]] = None) -> StageOutcome:
+        """This replica's block of iteration ``it``'s batch (module docstring). ``engine``
+        decodes for this replica with the policy's weights (version ``it``)."""
+        lay = policy.layout
+        if self._pending is None:
+            self.begin()
+        everyone, saved_layout = self._pending
+        self._pending = None
+        same = str(lay) == saved_layout if saved_layout is not None else lay == self.layout
+        self._taken = []
+        mine_before = {e.key: e for e in self.entries}
+
+        groups: dict[tuple, list[dict]] = {}
+        for d in everyone:
+            groups.setdefault((d["key"][0], d["key"][1] // d["group_size"]), []).append(d)
+        states, dropped = [], 0
+        for gkey, members in sorted(groups.items()):
+            oldest = [o for o in (_oldest(d) for d in members) if o is not None]
+            st = GroupState(gkey, len(members), min(oldest) if oldest else None,
+                            all(d["episode"] is not None for d in members),
+                            members[0].get("replica"))
+            if too_stale(st.oldest, it, self.k):
+                dropped += st.size
+            else:
+                states.append(st)
+        held = sum(s.size for s in states)
+        new = admissible(self.k, self.batch, self.g, held)
+        quotas = replica_quotas(self.batch // self.g, lay.dp)
+        where, placed = assign_groups(states, new, quotas, self.k, same)
+        r = policy.coords.dp
+        kept_keys = {s.key for s in states if where[s.key] == r}
+
+        # this replica's episodes: carried ones (local objects when they stayed), then new ones
+        entries: list[Entry] = []
+        for gkey in sorted(kept_keys):
+            for d in sorted(groups[gkey], key=lambda d: d["key"]):
+                local = mine_before.get(d["key"]) if same else None
+                entries.append(local if local is not None else self._rebuild(d))
+        seeds = episode_seeds(self.run_seed, it, new * self.g, self.g)
+        for j, rep in enumerate(placed):
+            if rep != r:
+                continue
+            for m in range(self.g):
+                i = j * self.g + m
+                started = start_episode(make_env(self.env, **self.env_kwargs), seeds[i],
+                                        self.tok, self.loop, key=(it, i))
+                e = Entry((it, i), seeds[i], self.g)
+                if isinstance(started, Episode):
+                    e.episode = started
+                else:
+                    e.live = started
+                entries.append(e)
+        quota = quotas[r]
+
+        def complete(extra: list) -> list[GroupState]:
+            done = {e.key for e in entries if e.episode is not None} | {k for k, _ in extra}
+            out = {}
+            for e in entries:
+                out.setdefault(e.group, []).append(e.key in done)
+            return [GroupState(gk, len(v), None, True) for gk, v in out.items() if all(v)]
+
+        lives = [e.live for e in entries if e.live is not None]
+        loop = AgentLoopConfig(**{**self.loop.__dict__, "seed": sample_seed})
+        try:
+            finished, _ = play_turns(engine, lives, self.tok, loop, version=it,
+                                     should_stop=should_stop,
+                                     enough=lambda f: len(complete(f)) >= quota,
+                                     env_concurrency=self.env_concurrency)
+        except RolloutAbandoned as stop:
+            finished = stop.finished
+            self._keep(lay, r, entries, finished)
+            raise
+        self._keep(lay, r, entries, finished)
+
+        done = [GroupState(gk, self.g, _group_oldest(self.entries, gk), True)
+                for gk in {s.key for s in complete([])}]
+        chosen = pick_trained(done, quota)
+        offset = sum(quotas[:r])
+        ids, episodes, train_keys = [], [], set()
+        for pos, gk in enumerate(chosen):
+            members = sorted((e for e in self.entries if e.group == gk), key=lambda e: e.key)
+            for m, e in enumerate(members):
+                ids.append((offset + pos) * self.g + m)
+                episodes.append(e.episode)
+                train_keys.add(e.key)
+        self._taken = [e for e in self.entries if e.key in train_keys]
+        self.entries = [e for e in self.entries if e.key not in train_keys]
+        return StageOutcome(ids, episodes, {"pool_carried": held, "pool_admitted": new * self.g,
+                                            "pool_dropped": dropped})
+
+    # ------------------------------------------------------------------ helpers
+    def _keep(self, lay, r: int, entries: list[Entry], finished: list) -> None:
+        got = dict(finished)
+        for e in entries:
+            if e.key in got:
+                e.episode, e.live = got[e.key], None
+        c = _coords(lay)
+        self.entries, self.layout, self.replica, self.leader = entries, lay, r, c
+
+    def _gather(self) -> list[dict]:
+        mine = [dict(e.portable(), replica=self.replica) for e in self.entries] \
+            if self.leader else []
+        got: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(got, mine)
+        return [d for part in got for d in part]
+
+    def _rebuild(self, d: dict) -> Entry:
+        e = Entry(tuple(d["key"]), d["seed"], d["group_size"], episode=d["episode"])
+        if d["live"] is not None:
+            env = replay_env(make_env(self.env, **self.env_kwargs), d["seed"],
+                             d["live"]["actions"])
+            e.live = LiveEpisode(env=env, **{**d["live"], "key": e.key})
+        return e
+
+
+def _to_json(d: dict) -> dict:
+    ep = d["episode"]
+    if ep is not None:
+        ep = {f.name: getattr(ep, f.name) for f in dataclasses.fields(ep) if f.name != "routes"}
+    return {**d, "key": list(d["key"]), "episode": ep,
+            "live": None if d["live"] is None else {**d["live"], "key": list(d["key"])}}
+
+
+def _from_json(d: dict) -> dict:
+    ep = d["episode"]
+    if ep is not None:
+        ep = Episode(**{k: tuple(v) if isinstance(v, list) else v for k, v in ep.items()})
+    return {**d, "key": tuple(d["key"]), "episode": ep}
+
+
+def _coords(lay) -> bool:
+    """Is this rank its rollout replica's leader (tp, pp, cp coordinate 0)?"""
+    c = lay.coords(dist.get_rank())
+    return c.tp == 0 and c.pp == 0 and c.cp == 0
+
+
+def _oldest(d: dict) -> Optional[int]:
+    versions = d["episode"].versions if d["episode"] is not None else d["live"]["versions"]
+    sampled = [v for v in versions if v >= 0]
+    return min(sampled) if sampled else None
+
+
+def _group_oldest(entries: list[Entry], gkey) -> Optional[int]:
+    got = [o for o in (e.oldest() for e in entries if e.group == gkey) if o is not None]
+    return min(got) if got else None
+
+
+def staleness_metrics(owner: bool, episodes: list[Episode], iteration: int,
+                      max_staleness: int) -> dict:
+    """``staleness_mean``, ``staleness_max`` and ``staleness_shares`` ({age: fraction}) over the
+    trained tokens of the world's batch (every rank calls; one rank per replica counts)."""
+    import torch
+
+    from earl_megatron.plan.staleness import staleness, token_ages
+
+    counts = torch.zeros(max_staleness + 1, dtype=torch.float64)
+    if owner:
+        for e in episodes:
+            for age, n in token_ages(e.versions, e.loss_mask, iteration).items():
+                if not 0 <= age <= max_staleness:
+                    raise RuntimeError(f"a trained token is {age} versions old in iteration "
+                                       f"{iteration}, past algorithm.max_staleness="
+                                       f"{max_staleness}: the episode pool broke its bound")
+                counts[age] += n
+    dist.all_reduce(counts)
+    st = staleness({a: int(n) for a, n in enumerate(counts.tolist())}, int(counts.sum()))
+    return {"staleness_mean": st.mean, "staleness_max": st.max,
+            "staleness_shares": {str(a): f for a, f in st.shares.items()}}

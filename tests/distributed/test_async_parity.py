@@ -1,0 +1,264 @@
+"""k=0 parity: with ``algorithm.max_staleness: 0`` (the synchronous loop) the trainer reproduces,
+iteration for iteration, the records of the synchronous trainer as it was before asynchronous RL
+existed (commit 7974335). Two 2-rank runs of 3 iterations each, launched once:
+
+- ``demo``: the CPU demo's choices (recipes/config.yaml: Connect Four against a random
+  opponent, REINFORCE++, layout=auto under the demo's 0.25 GB per-rank budget, lr 1e-2,
+  length-grouped micro-batches of 2048 tokens) at test size (vocab 32, 8 episodes of at most
+  4 turns);
+- ``grpo``: the same game trained by GRPO (groups of 2 episodes that share a seed), static
+  layouts.
+
+Each rank's history of each run (the records ``earl_megatron.train.run`` returns, one per
+iteration; the ranks' records differ in ``dispatch_bytes``, what that rank received) minus the
+keys measured in wall time (``TIMING_KEYS``) equals that rank's history in
+tests/distributed/golden/async_parity_{demo,grpo}.json: integers, booleans, strings (layouts,
+the selector's reasons, whose predicted seconds come from the analytic time model, not a clock)
+exactly, floats within rel 1e-6 / abs 1e-7. Why a tolerance at all: on one machine two runs
+are bit-identical (the golden files were generated twice and compared byte for byte), but a CPU
+with other vector units (AVX-512 against AVX2, another BLAS kernel) may sum in another order and
+round the last bits differently; anything the asynchronous change breaks (another batch, another
+policy version, another order of updates) moves the gradient norms and policy ratios by far
+more than 1e-6 (a learning rate 0.1% off moves iteration 1's gradient norm by 1.3e-4 relative).
+
+Regenerating the golden files (only when the synchronous numbers are MEANT to change, e.g. a new
+model init; never to make this test pass after a trainer change):
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python tests/distributed/test_async_parity.py
+
+The generator runs the same configs with ``algorithm.max_staleness`` left out when the config
+does not know it (it did not exist at 7974335, where the files were generated) and set to 0
+when it does; the test itself always passes ``STALENESS`` explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from earl_megatron.config.train import AlgorithmConfig, TrainConfig
+from earl_megatron.testing.multiproc import run_distributed
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+STALENESS = {"max_staleness": 0}
+"""The asynchronous trainer's switch, off: every run of this test passes it explicitly."""
+
+TIMING_KEYS = frozenset({
+    "seconds",          # {stage: wall seconds} of the iteration (record.StageTimer)
+    "weight_sync_s",    # the weight sync's wall seconds (trainer/rollout.weight_sync_metrics)
+})
+"""Top-level record keys measured in wall time, left out of the comparison. Every other key of
+a record at 7974335 is a function of the config and the seed (``test_timing_keys_are_known``
+fails on a new key whose name says it is a time, so it gets listed here, or renamed)."""
+
+ADDED_KEYS = frozenset({"staleness_mean", "staleness_max", "staleness_shares"})
+"""Record keys the asynchronous trainer adds (none of them in the golden files): not compared,
+except that at k=0 every trained token is fresh (``check_added_at_k0``). Any other key missing
+from a record, or new in it, fails the test: list a new metric here once its k=0 value is known.
+(The names are those of the asynchronous change in progress on 2026-12-03.)"""
+
+TIMING_HINTS = ("second", "time", "elapsed", "wall", "per_s", "throughput", "profile", "clock")
+"""Substrings of a key name that say it is measured in wall time (besides a "_s"/"_ms" suffix)."""
+
+
+def _connect_four(eval_opponents=("random",)) -> dict:
+    # recipes/env/connect_four.yaml's kwargs; evaluation: random only (mcts is slow), 1 episode
+    return {"name": "connect_four",
+            "kwargs": {"opponent": "random", "invalid_penalty": -1.0, "legal_move_reward": 0.1,
+                       "show_history": False, "system_prompt": ""},
+            "eval_opponents": list(eval_opponents)}
+
+
+def _run_cfg(out: str) -> dict:
+    # checkpoints: only the final one (0: at the end and on SIGTERM); evaluation: start and end
+    # with 1 episode per opponent and mode (it does not touch the training streams)
+    return {"seed": 0, "iterations": 3, "output_dir": out, "checkpoint_every": 0,
+            "eval_every": 0, "eval_episodes": 1, "live_view": False, "resume": False,
+            "samples_per_iteration": 0}
+
+
+CASES = {
+    "demo": lambda out: {
+        "model": {"vocab_size": 32},
+        "layout": {"mode": "auto", "memory_budget_gb": 0.25},
+        "env": _connect_four(),
+        "rollout": {"engine": "embedded", "episodes_per_iteration": 8, "max_turns": 4},
+        "algorithm": {"name": "reinforce_pp", "lr": 1.0e-2, "micro_batch_tokens": 2048},
+        "run": _run_cfg(out),
+    },
+    "grpo": lambda out: {
+        "model": {"vocab_size": 32},
+        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
+        "env": _connect_four(),
+        "rollout": {"engine": "embedded", "episodes_per_iteration": 8, "max_turns": 4},
+        "algorithm": {"name": "grpo", "group_size": 2, "lr": 1.0e-2, "micro_batch_size": 4},
+        "run": _run_cfg(out),
+    },
+}
+"""Each case's config as a dict, given its output_dir, without the staleness key."""
+
+
+def _with(d: dict, algorithm_extra: dict) -> dict:
+    return {**d, "algorithm": {**d["algorithm"], **algorithm_extra}}
+
+
+def _train_all(root: str, algorithm_extra: dict) -> dict:
+    from earl_megatron.train import run
+
+    return {case: run(TrainConfig.from_dict(_with(make(f"{root}/{case}"), algorithm_extra)))
+            for case, make in CASES.items()}
+
+
+def _json(x):
+    """What the record is as JSON (tuples -> lists, numpy/torch scalars refused)."""
+    return json.loads(json.dumps(x))
+
+
+def strip_timing(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in _json(h).items() if k not in TIMING_KEYS} for h in history]
+
+
+def _close(a, b, where: str, problems: list[str]) -> None:
+    """Compare golden ``a`` with actual ``b``: floats rel 1e-6 / abs 1e-7, the rest exactly."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            problems.append(f"{where}: keys differ: only golden {sorted(set(a) - set(b))}, "
+                            f"only now {sorted(set(b) - set(a))}")
+        for k in sorted(set(a) & set(b)):
+            _close(a[k], b[k], f"{where}.{k}", problems)
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            problems.append(f"{where}: length {len(a)} golden, {len(b)} now")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{where}[{i}]", problems)
+    elif isinstance(a, float) and isinstance(b, float):
+        if not (a == b or (math.isnan(a) and math.isnan(b))
+                or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7)):
+            problems.append(f"{where}: golden {a!r}, now {b!r} (diff {b - a:.3g})")
+    elif type(a) is not type(b) or a != b:
+        problems.append(f"{where}: golden {a!r} ({type(a).__name__}), now {b!r} "
+                        f"({type(b).__name__})")
+
+
+def check_added_at_k0(rec: dict) -> None:
+    """With max_staleness 0 every trained token was sampled by the policy it trains."""
+    if "staleness_max" in rec:
+        assert rec["staleness_max"] == 0, rec
+    if "staleness_mean" in rec:
+        assert rec["staleness_mean"] == 0, rec
+
+
+def compare(golden: list[dict], now: list[dict]) -> list[str]:
+    problems: list[str] = []
+    _close(golden, now, "history", problems)
+    return problems
+
+
+def _nontrivial(case: str, hist: list[dict]) -> None:
+    """The golden numbers can catch a change: every update had a signal and moved the policy,
+    the episodes differ from iteration to iteration. REINFORCE++'s loss is ~1e-7 by construction
+    (one on-policy epoch: ratio 1, batch-normalised advantages of mean 0, so the surrogate is
+    their mean); its gradient is not, and the gradient norms are compared to 1e-6."""
+    assert [h["iteration"] for h in hist] == [0, 1, 2], case
+    assert all(h["loss"] != 0 for h in hist), (case, [h["loss"] for h in hist])
+    if case == "grpo":
+        assert all(abs(h["loss"]) > 1e-2 for h in hist), [h["loss"] for h in hist]
+    assert all(h["grad_norm"] > 0.1 for h in hist), (case, [h["grad_norm"] for h in hist])
+    assert len({h["grad_norm"] for h in hist}) == len(hist), case
+    assert len({h["reward"] for h in hist}) > 1, (case, [h["reward"] for h in hist])
+    assert len({h["mean_context"] for h in hist}) > 1, case
+
+
+def _load(case: str) -> dict:
+    return json.loads((GOLDEN / f"async_parity_{case}.json").read_text())
+
+
+def test_golden_files_are_nontrivial():
+    for case, make in CASES.items():
+        g = _load(case)
+        assert len(g["histories"]) == 2, case
+        for hist in g["histories"]:
+            _nontrivial(case, hist)
+        # the ranks agree on everything but what each received
+        assert [{**h, "dispatch_bytes": 0} for h in g["histories"][0]] == \
+            [{**h, "dispatch_bytes": 0} for h in g["histories"][1]], case
+        # the test's config is the generator's (a config edit needs regenerated files)
+        assert g["config"] == _with(make("OUT"), {}), case
+
+
+def _timed_keys(x, where="") -> list[str]:
+    if isinstance(x, list):
+        return [k for v in x for k in _timed_keys(v, where)]
+    if not isinstance(x, dict):
+        return []
+    out = []
+    for k, v in x.items():
+        low = k.lower()
+        if any(s in low for s in TIMING_HINTS) or low.endswith(("_s", "_ms")):
+            out.append(f"{where}{k}")
+        out += _timed_keys(v, f"{where}{k}.")
+    return out
+
+
+def test_timing_keys_are_known():
+    for case in CASES:
+        timed = _timed_keys(_load(case)["histories"])
+        assert not timed, (case, timed, "list them in TIMING_KEYS, or rename them")
+
+
+def test_max_staleness_0_reproduces_the_synchronous_trainer(tmp_path):
+    results = run_distributed(_train_all, 2, str(tmp_path), STALENESS, timeout=600)
+    for case in CASES:
+        golden = _load(case)["histories"]
+        for rank, result in enumerate(results):
+            now = strip_timing(result[case])
+            for h in now:
+                check_added_at_k0(h)
+            now = [{k: v for k, v in h.items() if k not in ADDED_KEYS} for h in now]
+            problems = compare(golden[rank], now)
+            assert not problems, (f"{case}, rank {rank}: {len(problems)} differences:\n"
+                                  + "\n".join(problems[:40]))
+
+
+# ------------------------------------------------------------------ the generator
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def generate(root: str) -> None:
+    known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    extra = STALENESS if set(STALENESS) <= known else {}
+    results = run_distributed(_train_all, 2, root, extra, timeout=900)
+    GOLDEN.mkdir(exist_ok=True)
+    for case, make in CASES.items():
+        hists = [strip_timing(r[case]) for r in results]
+        for hist in hists:
+            _nontrivial(case, hist)
+        doc = {"about": "tests/distributed/test_async_parity.py: the synchronous trainer's "
+                        "records, timing keys left out; regenerate only by its __main__",
+               "commit": _commit(), "algorithm_extra": extra,
+               "excluded_keys": sorted(TIMING_KEYS),
+               "config": _with(make("OUT"), {}), "histories": hists}
+        path = GOLDEN / f"async_parity_{case}.json"
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path} ({len(hists)} ranks x {len(hists[0])} records)")
+
+
+if __name__ == "__main__":
+    import os
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # as tests/conftest.py
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    with tempfile.TemporaryDirectory(prefix="earl-parity-") as d:
+        generate(d if len(sys.argv) < 2 else sys.argv[1])
