@@ -19,10 +19,12 @@ Episodes continue under the new weights at their next turn: their context is re-
 whatever layout the selector picked, and each token keeps the version that sampled it
 (``Episode.versions``).
 
-A stop during the stage (``RolloutAbandoned``) keeps the pool consistent: what played stays
-played (turn boundaries only), what finished stays finished; ``state()``/``restore()`` put the
-pool into a checkpoint and back, so a resumed run continues the same episodes (rebuilt by
-replay) and none is trained twice or half.
+A stop during the stage (or after it, before TRAIN) rewinds the pool to what it was before the
+stage (``rewind``): the checkpoint of the last completed iteration holds that pool, and the
+resumed run replays the stage exactly, as the synchronous loop replays an abandoned iteration.
+``state()``/``restore()`` put the pool into a checkpoint and back (the episodes' environments
+rebuilt by replay), so a resumed run continues the same episodes and none is trained twice or
+half.
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ from earl_megatron.envs import make_env
 from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, pick_trained,
                                           replica_quotas, too_stale)
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
-                                              RolloutAbandoned, play_turns, replay_env,
-                                              start_episode)
+                                              play_turns, replay_env, start_episode)
 from earl_megatron.seeds import episode_seeds
 
 
@@ -92,19 +93,24 @@ class EpisodePool:
         self._restored_layout: Optional[str] = None
         self._pending: Optional[tuple] = None
         """``begin``'s gathered pool (and the layout it was saved in, after a restore)."""
-        self._taken: list[Entry] = []
-        """The last stage's batch, until it trains (``untake`` puts it back)."""
+        self._before: tuple = ([], None)
+        """The pool before the last stage and the layout it was in (``rewind``)."""
 
     # ------------------------------------------------------------------ checkpoints
-    def untake(self) -> None:
-        """The last stage's batch did not train (told to stop before TRAIN): back into the
-        pool, finished and waiting."""
-        self.entries = self._taken + self.entries
-        self._taken = []
+    def rewind(self) -> None:
+        """The last stage will not train (told to stop during or after it): the pool goes back
+        to what it was before the stage, so the resumed run replays the stage exactly (the
+        synchronous loop's rule for an abandoned iteration). Every rank calls it."""
+        self._restored, self._restored_layout = self._before
+        self.entries, self.layout, self.replica, self.leader = [], None, None, False
 
     def state(self) -> dict:
         """The whole pool (every replica's) as JSON, the same on every rank: for the
-        checkpoint's loop state. Collective over the world."""
+        checkpoint's loop state. Collective over the world (unless rewound or restored and
+        not yet played: then every rank holds it whole)."""
+        if self._restored is not None:
+            return {"layout": self._restored_layout,
+                    "entries": [_to_json(d) for d in self._restored]}
         return {"layout": None if self.layout is None else str(self.layout),
                 "entries": [_to_json(d) for d in self._gather()]}
 
@@ -123,7 +129,7 @@ class EpisodePool:
             self._pending = (self._restored, self._restored_layout)
             self._restored = None
         else:
-            self._pending = (self._gather(), None)
+            self._pending = (self._gather(), None if self.layout is None else str(self.layout))
         return sorted(len(d["live"]["tokens"]) for d in self._pending[0]
                       if d["live"] is not None)
 
@@ -135,9 +141,8 @@ class EpisodePool:
         if self._pending is None:
             self.begin()
         everyone, saved_layout = self._pending
-        self._pending = None
-        same = str(lay) == saved_layout if saved_layout is not None else lay == self.layout
-        self._taken = []
+        self._pending, self._before = None, (everyone, saved_layout)
+        same = str(lay) == saved_layout   # the groups' replica numbers mean the same replicas
         mine_before = {e.key: e for e in self.entries}
 
         groups: dict[tuple, list[dict]] = {}
@@ -191,15 +196,10 @@ class EpisodePool:
 
         lives = [e.live for e in entries if e.live is not None]
         loop = AgentLoopConfig(**{**self.loop.__dict__, "seed": sample_seed})
-        try:
-            finished, _ = play_turns(engine, lives, self.tok, loop, version=it,
-                                     should_stop=should_stop,
-                                     enough=lambda f: len(complete(f)) >= quota,
-                                     env_concurrency=self.env_concurrency)
-        except RolloutAbandoned as stop:
-            finished = stop.finished
-            self._keep(lay, r, entries, finished)
-            raise
+        finished, _ = play_turns(engine, lives, self.tok, loop, version=it,
+                                 should_stop=should_stop,
+                                 enough=lambda f: len(complete(f)) >= quota,
+                                 env_concurrency=self.env_concurrency)
         self._keep(lay, r, entries, finished)
 
         done = [GroupState(gk, self.g, _group_oldest(self.entries, gk), True)
@@ -213,7 +213,6 @@ class EpisodePool:
                 ids.append((offset + pos) * self.g + m)
                 episodes.append(e.episode)
                 train_keys.add(e.key)
-        self._taken = [e for e in self.entries if e.key in train_keys]
         self.entries = [e for e in self.entries if e.key not in train_keys]
         return StageOutcome(ids, episodes, {"pool_carried": held, "pool_admitted": new * self.g,
                                             "pool_dropped": dropped})

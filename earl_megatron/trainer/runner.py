@@ -175,7 +175,7 @@ class Trainer:
         self._record_server_starts()
         if self.stop.world_should_stop():  # every rank, abandoned or not: stop untrained
             if self.pool is not None:
-                self.pool.untake()
+                self.pool.rewind()
             return None
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]

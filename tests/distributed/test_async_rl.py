@@ -120,3 +120,113 @@ def test_k1_run_carries_episodes_within_the_bound(tmp_path):
         assert abs(sum(h["staleness_shares"].values()) - 1) < 1e-9
         assert "off_policy_weight_mean" in h and 0 <= h["off_policy_capped_fraction"] <= 1
         assert h["pool_carried"] + h["pool_admitted"] <= 8 + 0  # never past (k + 1) batches
+
+
+ASYNC_RUN = ["model.vocab_size=32", "layout=static", "layout.rollout=dp2", "layout.logprob=dp2",
+             "layout.train=tp2", "env.eval_opponents=[]", "rollout.episodes_per_iteration=4",
+             "rollout.max_turns=4", "algorithm.micro_batch_size=2",
+             "algorithm.old_logprobs=recompute", "algorithm.off_policy=decoupled",
+             "algorithm.max_staleness=1", "run.iterations=4", "run.eval_episodes=2",
+             "run.live_view=false"]
+
+
+def _launch(out, *extra, checkpoint_every=1):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("EARL_STOP_FILE", None)   # the default: <run>/stop
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", "-m", "earl_megatron.train",
+                             f"run.output_dir={out}", f"run.checkpoint_every={checkpoint_every}",
+                             *ASYNC_RUN, *extra], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def test_sigkill_with_episodes_in_flight_then_resume(tmp_path):
+    """torchrun killed with SIGKILL during iteration 2's rollout, once checkpoint 1 is published
+    (the held Connect Four of earl_megatron/testing/envs.py holds every step once metrics.jsonl
+    has 2 lines, so iteration 2 cannot complete on any machine), with
+    episodes in flight since iteration 1: checkpoint 1 holds them (live, with their versions),
+    the relaunch rebuilds their environments by replay and continues them, and its metrics
+    equal an uninterrupted run's line for line."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    part = tmp_path / "part"
+    proc = _launch(part, "env.name=earl_megatron.testing.envs:held_connect_four",
+                   f"+env.kwargs.hold_when={part / 'metrics.jsonl'}", "+env.kwargs.hold_lines=2")
+    deadline = time.monotonic() + 400
+    ckpt = part / "checkpoints" / "iter_000001" / "loop.json"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpt.exists():   # published whole (renamed into place); iteration 2 then holds
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for w in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            w.kill()
+    proc.wait()
+    psutil.wait_procs(workers, timeout=60)
+    assert len((part / "metrics.jsonl").read_text().splitlines()) == 2
+    loop = json.loads(ckpt.read_text())
+    live = [e for e in loop["pool"]["entries"] if e["live"] is not None]
+    assert loop["iteration"] == 1 and live, "no episode was in flight at the checkpoint"
+    assert all(max(e["live"]["versions"]) <= 1 for e in live)
+
+    proc = _launch(part)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    resolved = json.loads((part / "resolved.json").read_text())
+    resolved["run"]["output_dir"] = str(tmp_path / "full")
+    full = run_distributed(_train, 2, TrainConfig.from_dict(resolved), timeout=400)[0]
+    strip = [{k: v for k, v in h.items() if k != "seconds"} for h in full]
+    assert [h["iteration"] for h in resumed] == [0, 1, 2, 3]
+    assert [{k: v for k, v in h.items() if k != "seconds"} for h in resumed] == strip
+    assert any(h["staleness_max"] == 1 for h in full[2:])
+
+
+def test_stop_during_a_rollout_rewinds_the_pool_and_the_rerun_replays_it(tmp_path):
+    """The run's stop file, written while iteration 2's rollout holds (the held Connect Four),
+    with no periodic checkpoint: the stage is abandoned, the pool rewinds to what it was before
+    it (the episodes still in flight from iteration 1, none of iteration 2's), checkpoint 1 holds
+    that, and the rerun replays iteration 2 exactly: its metrics equal an uninterrupted run's."""
+    import time
+
+    out = tmp_path / "run"
+    proc = _launch(out, "env.name=earl_megatron.testing.envs:held_connect_four",
+                   f"+env.kwargs.hold_when={out / 'metrics.jsonl'}", "+env.kwargs.hold_lines=2",
+                   checkpoint_every=0)
+    deadline = time.monotonic() + 400
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    (out / "stop").write_text("requested\n")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert (out / "stop").read_text() == "stopped 1\n"
+    loop = json.loads((out / "checkpoints" / "iter_000001" / "loop.json").read_text())
+    keys = [e["key"] for e in loop["pool"]["entries"]]
+    assert keys and all(k[0] <= 1 for k in keys), keys   # nothing iteration 2 started
+    assert any(e["live"] is not None for e in loop["pool"]["entries"])
+
+    proc = _launch(out, checkpoint_every=0)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    resumed = [json.loads(x) for x in metrics.read_text().splitlines()]
+    resolved = json.loads((out / "resolved.json").read_text())
+    resolved["run"]["output_dir"] = str(tmp_path / "full")
+    full = run_distributed(_train, 2, TrainConfig.from_dict(resolved), timeout=400)[0]
+    strip = [{k: v for k, v in h.items() if k != "seconds"} for h in full]
+    assert [{k: v for k, v in h.items() if k != "seconds"} for h in resumed] == strip
