@@ -6,8 +6,9 @@
      "policy_tokens": 24, "info": {"unparsable": true, "tool_calls": 0, ...},
      "actions": ["17*23 = 381."],
      "text": "<|im_start|>system\\n...<|im_start|>assistant\\n17*23 = 381.<|im_end|>",
+     "turn_versions": [3],
      "segments": [{"trained": false, "text": "<|im_start|>system\\n...assistant\\n"},
-                  {"trained": true, "text": "17*23 = 381.<|im_end|>"}, ...]}
+                  {"trained": true, "text": "17*23 = 381.<|im_end|>", "version": 3}, ...]}
 
 ``text`` is the episode's whole token sequence decoded with special tokens kept: the
 conversation exactly as the model saw it (the chat template's tokens, the environment's and
@@ -15,7 +16,10 @@ the tools' output, the sampled turns). ``segments`` cut it where the loss mask c
 ``trained`` true is what the policy sampled (and trains on), false is the prompt, the
 template's tokens between turns and what the environment or a tool answered. ``actions`` are
 the sampled turns as the environment received them (decoded without special tokens), so a
-reward of "unparsable" can be read against what was parsed.
+reward of "unparsable" can be read against what was parsed. ``turn_versions`` (and each
+trained segment's ``version``) name the policy version that sampled each turn: the iteration
+itself in the synchronous loop, older ones for an episode carried across iterations by
+asynchronous RL (docs/async.md).
 
 Which samples: those rank 0's rollout replica played (every rank of a replica holds the same
 episodes, so no collective runs), ``per_iteration`` of them evenly spaced over its sample ids
@@ -63,13 +67,19 @@ def decode_sample(it: int, sample: int, e: Episode, tokenizer) -> dict:
     def dec(ids):
         return tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    cut, at = [], 0
+    for trained, ids in segments(e.token_ids, e.loss_mask):
+        seg = {"trained": trained, "text": dec(ids)}
+        if trained:   # the version of the weights that sampled this turn
+            seg["version"] = e.versions[at] if e.versions else it
+        cut.append(seg)
+        at += len(ids)
     return {"iteration": it, "sample": sample, "env": e.env, "seed": e.seed,
             "reward": e.reward, "turn_rewards": list(e.turn_rewards),
             "finish_reason": e.finish_reason, "turns": e.turns, "tokens": len(e.token_ids),
             "policy_tokens": e.num_policy_tokens, "info": dict(e.info),
             "actions": list(e.actions), "text": dec(e.token_ids),
-            "segments": [{"trained": trained, "text": dec(ids)}
-                         for trained, ids in segments(e.token_ids, e.loss_mask)]}
+            "turn_versions": [c["version"] for c in cut if c["trained"]], "segments": cut}
 
 
 def sample_file(out: Path, it: int) -> Path:

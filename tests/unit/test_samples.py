@@ -68,6 +68,8 @@ def test_samples_file_holds_the_conversation_as_the_model_saw_it(tmp_path):
         3, 1.0, [0.0, 1.0], "done", 2)
     assert r["info"] == {"correct": True, "tool_calls": 1, "tool_error": False}
     assert r["tokens"] == len(eps[0][0].token_ids)
+    assert r["turn_versions"] == [3, 3]   # no versions recorded: the iteration's own
+
     assert r["policy_tokens"] == sum(eps[0][0].loss_mask)
     assert shown == [rows[-1]]
     # a replayed iteration (resume) replaces its file: never a sample twice
@@ -79,6 +81,21 @@ def test_samples_file_holds_the_conversation_as_the_model_saw_it(tmp_path):
     SampleWriter(tmp_path / "r1", 2, tok, enabled=False).write(0, [1], [eps[0][0]])
     assert not (tmp_path / "off").exists() and not (tmp_path / "r1").exists()
 
+
+def test_each_turn_shows_the_version_that_sampled_it(tmp_path):
+    import dataclasses
+
+    tok = tool_tokenizer()
+    e, _ = _episode(tok, seed=0)
+    # a carried episode: its first turn sampled by version 2, its second by version 3
+    first = e.loss_mask.index(1)
+    second = first + e.loss_mask[first:].index(0) + e.loss_mask[first:][
+        e.loss_mask[first:].index(0):].index(1)
+    versions = [(-1 if not m else 2 if i < second else 3) for i, m in enumerate(e.loss_mask)]
+    SampleWriter(tmp_path, 1, tok).write(3, [0], [dataclasses.replace(e, versions=tuple(versions))])
+    r, = read_samples(tmp_path, 3)
+    assert r["turn_versions"] == [2, 3]
+    assert [s.get("version") for s in r["segments"]] == [None, 2, None, 3]
 
 def test_live_view_shows_the_end_of_the_latest_sample():
     row = {"iteration": 4, "sample": 2, "reward": -1.0, "finish_reason": "done", "turns": 1,
