@@ -100,9 +100,9 @@ class ReplicaDriver:
     ``should_stop``: the trainer's stop check, called by every rank of the replica the same
     number of times (before every batch and every ``tick_s`` without one)."""
 
-    def __init__(self, engine, group=None, *, leader: bool = True,
+    def __init__(self, engine, group=None, *,
                  should_stop: Optional[Callable[[], bool]] = None, tick_s: float = 1.0):
-        self.engine, self.group, self.leader = engine, group, leader
+        self.engine, self.group = engine, group
         self.should_stop = should_stop
         self.tick_s = float(tick_s)
         self.batches = 0

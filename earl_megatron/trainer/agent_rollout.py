@@ -124,18 +124,24 @@ def _runs(mask: Sequence[int]) -> int:
     return sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
 
 
+COUNT_KEYS = ("agent_calls", "agent_tool_calls", "agent_malformed", "agent_forks",
+              "agent_sampling_overrides")
+"""An episode's counts its first row's info carries (``outcome_rows``)."""
+
+
 def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
     """An outcome's rows as Episodes (module docstring); the first carries the counts."""
     ep = outcome.episode
-    rows = ep.tokens.rows() if ep is not None else []
-    counts = {"agent_calls": ep.calls if ep else 0, "agent_tool_calls": ep.tool_calls if ep else 0,
-              "agent_malformed": ep.malformed if ep else 0,
-              "agent_forks": ep.tokens.forks if ep else 0,
-              "agent_sampling_overrides": ep.sampling_overrides if ep else 0,
-              "agent_error": outcome.error, "agent_timeout": outcome.timed_out,
-              "task": ep.task if ep else {}, **outcome.info}
-    finish = "error" if outcome.error else "timeout" if outcome.timed_out else \
-        (ep.finish_reason or "done") if ep else "error"
+    if ep is None:   # the agent never reached the endpoint
+        rows, counts = [], {**dict.fromkeys(COUNT_KEYS, 0), "task": {}}
+        finish = "timeout" if outcome.timed_out and not outcome.error else "error"
+    else:
+        rows = ep.tokens.rows()
+        counts = dict(zip(COUNT_KEYS, (ep.calls, ep.tool_calls, ep.malformed, ep.tokens.forks,
+                                       ep.sampling_overrides)), task=ep.task)
+        finish = "error" if outcome.error else "timeout" if outcome.timed_out else \
+            (ep.finish_reason or "done")
+    counts.update(agent_error=outcome.error, agent_timeout=outcome.timed_out, **outcome.info)
     if not rows:
         pad = tokenizer.pad_token_id or 0
         return [Episode(env=AGENT_ENV, seed=seed, token_ids=(pad, pad), loss_mask=(0, 0),
@@ -168,7 +174,7 @@ def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], see
     """This replica's (sample ids, rows) of episodes ``block`` of the iteration's ``n``.
     ``player`` is the leader's (None on the replica's other ranks); every rank of the replica
     calls this with the same ``group`` (its ranks, leader first; None for a replica of one)."""
-    driver = ReplicaDriver(engine, group, leader=player is not None, should_stop=should_stop)
+    driver = ReplicaDriver(engine, group, should_stop=should_stop)
     box: list = [None]
     if player is not None:
         outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits)
