@@ -325,7 +325,13 @@ def layout_fix(e, cfg: TrainConfig) -> str:
         elif m := re.match(r"recompute=(\w+)", text):
             fixes.append(f"layout.recompute={m[1]} (or auto: the selector picks per iteration)")
         elif m := re.match(r"responses_in_flight=(\d+)", text):
-            fixes.append(f"rollout.episodes_per_iteration={m[1]}")
+            # in flight: (k + 1) batches under asynchronous RL (algorithm.max_staleness = k)
+            k = cfg.algorithm.max_staleness
+            batch = int(m[1]) // (k + 1) // cfg.algorithm.group_size * cfg.algorithm.group_size
+            if batch >= 1:
+                fixes.append(f"rollout.episodes_per_iteration={batch}")
+            if k:
+                fixes.append(f"algorithm.max_staleness={k - 1} (fewer batches in flight)")
         elif m := re.match(r"contexts up to (\d+) tokens", text):
             fixes.append(f"rollout.max_context_tokens={m[1]}")
     return ". Fix: " + "; or ".join(fixes) if fixes else ""

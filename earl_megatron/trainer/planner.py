@@ -147,13 +147,14 @@ class StagePlanner:
     def rollout_lengths(self, carried: Sequence[int] = ()) -> list[int]:
         """Rollout plans on the last iteration's episode lengths (the first: a prompt budget)
         for the episodes it starts, and on the contexts of the ones it continues (``carried``,
-        asynchronous RL: they go on growing from there)."""
+        asynchronous RL), each planned at the last batch's longest length or its own."""
         new = self.last_lengths or [FIRST_ROLLOUT_TOKENS] * self.episodes
         if not carried:
             return new
-        # the new episodes grow as the last batch did; the carried ones from where they are
+        # the new episodes grow as the last batch did; a carried one is from the last batch's
+        # long tail (it outlived a stage): planned at the longest length, or its own if longer
         return list(new)[:max(self.in_flight - len(carried), 0)] + \
-            [c + max(new) for c in carried]
+            [max(c, max(new)) for c in carried]
 
     def _workload(self, stage: str, lengths: list[int]) -> StageWorkload:
         if stage == "rollout":

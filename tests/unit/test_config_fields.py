@@ -274,3 +274,20 @@ def test_the_command_line_takes_the_model_and_the_tokenizer_from_run_init(tmp_pa
         lines = [x for x in proc.stderr.splitlines() if x and not x.startswith("[rank")]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), \
             proc.stderr[-3000:]
+
+
+def test_fewer_responses_in_flight_under_asynchronous_rl_is_a_smaller_batch_or_k():
+    # (k + 1) batches are in flight with algorithm.max_staleness = k: the selector's
+    # responses_in_flight=74 is a batch of 37 at k = 1 (whole groups), or k = 0
+    from earl_megatron.plan.specs import Stage
+    from earl_megatron.plan.what_fits import NoLayoutFitsError
+    from earl_megatron.train import layout_fix
+
+    e = NoLayoutFitsError(Stage.ROLLOUT, 1, None, ("responses_in_flight=74",))
+    sync = TrainConfig.from_dict({})
+    assert layout_fix(e, sync) == ". Fix: rollout.episodes_per_iteration=74"
+    k1 = TrainConfig.from_dict({"algorithm": {"max_staleness": 1, "off_policy": "decoupled",
+                                              "old_logprobs": "recompute", "name": "grpo",
+                                              "group_size": 4}})
+    assert layout_fix(e, k1) == (". Fix: rollout.episodes_per_iteration=36; or "
+                                 "algorithm.max_staleness=0 (fewer batches in flight)")
