@@ -128,8 +128,24 @@ def check_config(trainer_args: Sequence[str], world: Optional[int], local: Optio
 
 def failure_line(error, log_dir: Path) -> str:
     """One line for torchrun's ChildFailedError: the first failing rank, how it ended, the last
-    line of its stderr log and the log's path."""
-    rank, failure = error.get_first_failure()
+    line of its stderr log and the log's path. A bad input found while training (a layout that
+    no longer fits) is reported by rank 0 alone and every rank exits 2: when the first to exit
+    has nothing in its log, the line is that of a rank that exited 2 and said why."""
+    first, failure0 = error.get_first_failure()
+    said = []
+    ranks = sorted(error.failures.items(), key=lambda rf: rf[0] != first)
+    if failure0.exitcode != 2:
+        ranks = ranks[:1]
+    for rank, failure in ranks:
+        if failure.exitcode != failure0.exitcode:
+            continue
+        log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
+        if log is None or not log.is_file():
+            log = _stderr_log(log_dir, failure.local_rank)
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                 if ln.strip()] if log is not None else []
+        said.append((bool(lines), rank, failure, log, lines))
+    _, rank, failure, log, lines = next((x for x in said if x[0]), said[0])
     code = failure.exitcode
     if code is not None and code < 0:
         try:
@@ -138,13 +154,7 @@ def failure_line(error, log_dir: Path) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with status {code}"
-    log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
-    if log is None or not log.is_file():
-        log = _stderr_log(log_dir, failure.local_rank)
-    last = ""
-    if log is not None:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        last = f": {lines[-1]}" if lines else ""
+    last = f": {lines[-1]}" if lines else ""
     where = f"; log {log}" if log is not None else f"; logs under {log_dir}"
     return f"earl train: rank {rank} (pid {failure.pid}) {how}{last}{where}"
 
