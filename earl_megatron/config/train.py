@@ -403,11 +403,6 @@ class TrainConfig:
                 f"rollout.engine={self.rollout.engine!r} does not return them: use "
                 "rollout.engine=embedded or routing_replay=false")
         k = self.algorithm.max_staleness
-        if k and self.rollout.engine != "embedded":
-            raise ConfigError(
-                f"algorithm.max_staleness={k} carries episodes across rollout stages in the "
-                f"embedded engine; rollout.engine={self.rollout.engine!r} does not yet: use "
-                "rollout.engine=embedded or algorithm.max_staleness=0")
         if k and self.env.name == "agent":
             raise ConfigError(
                 f"algorithm.max_staleness={k}: agent programs (env.name=agent) run to their end "

@@ -17,8 +17,11 @@ With ``max_staleness`` k (algorithm.max_staleness):
   no trained token is older than k.
 - **The stage's end**: a replica's rollout stage ends once ``quota`` of its groups have
   finished (``replica_quotas``: the batch's groups split over the replicas as evenly as
-  ``rollout.engine.split_evenly`` splits them); the oldest finished groups train
-  (``pick_trained``), the rest wait and the unfinished continue next stage.
+  ``rollout.engine.split_evenly`` splits them) and none of its live groups ``must_finish``
+  (one that could not continue into the next stage is waited for, so a long episode is never
+  dropped for being long); the oldest finished groups train (``pick_trained``), the rest wait
+  and the unfinished continue next stage. A drop then happens only to a pool restored under a
+  smaller k.
 - **Placement** (``assign_groups``): a group stays on its replica while the rollout layout
   stays the same (its environment lives there); after a layout change the carried groups are
   dealt out again, oldest first, and new groups fill each replica to (k + 1) x its quota.
@@ -54,6 +57,13 @@ def too_stale(oldest: Optional[int], iteration: int, max_staleness: int) -> bool
     """Would a group whose oldest sampled token is version ``oldest`` break the bound if trained
     in ``iteration`` or later?"""
     return oldest is not None and iteration - oldest > max_staleness
+
+
+def must_finish(oldest: Optional[int], iteration: int, max_staleness: int) -> bool:
+    """Must a live group finish in iteration ``iteration``'s stage? It must when it could not
+    continue into the next one (``too_stale`` there): the stage plays on until it has, so the
+    bound is kept by waiting for the group, not by dropping it."""
+    return too_stale(oldest, iteration + 1, max_staleness)
 
 
 def admissible(max_staleness: int, batch: int, group_size: int, held: int) -> int:

@@ -1,5 +1,5 @@
 """Asynchronous RL's rollout stage: episodes in flight across iterations (algorithm.max_staleness
->= 1, embedded engine).
+>= 1; the embedded engine or SGLang servers).
 
 The rules are plan/staleness.py's; this module moves the episodes. Every rank runs ``stage``:
 
@@ -8,13 +8,16 @@ The rules are plan/staleness.py's; this module moves the episodes. Every rank ru
     admit       new groups up to (k + 1) batches held, seeds from seeds.episode_seeds
     place       groups to the rollout layout's replicas (sticky while the layout stays)
     play        this replica's live episodes, batched, until its quota of groups has finished
-                (agent_loop.play_turns; an episode that moved is rebuilt by replay_env)
+                and no live group is at the bound (agent_loop.play_turns; an episode that
+                moved is rebuilt by replay_env)
     pick        the oldest finished groups, quota of them, become this replica's block of the
                 batch (sample ids group-aligned: group j of the batch holds ids j*g .. j*g+g-1)
     keep        the rest (unfinished, finished and waiting) stay in this replica's pool
 
 Every rank of a replica plays the same episodes in lockstep (the embedded engine decodes on all
-of them), so every rank of a replica holds the same pool; only the leader's copy travels.
+of them), so every rank of a replica holds the same pool; only the leader's copy travels. With
+SGLang the replica's leader alone plays, through its server, and holds the pool; the other
+ranks ``follow`` and get the outcome by broadcast.
 Episodes continue under the new weights at their next turn: their context is re-prefilled in
 whatever layout the selector picked, and each token keeps the version that sampled it
 (``Episode.versions``).
@@ -36,8 +39,8 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from earl_megatron.envs import make_env
-from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, pick_trained,
-                                          replica_quotas, too_stale)
+from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, must_finish,
+                                          pick_trained, replica_quotas, too_stale)
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
                                               play_turns, replay_env, start_episode)
 from earl_megatron.seeds import episode_seeds
@@ -133,10 +136,21 @@ class EpisodePool:
         return sorted(len(d["live"]["tokens"]) for d in self._pending[0]
                       if d["live"] is not None)
 
+    def follow(self, lay) -> None:
+        """The stage of a rank that holds none of its replica's episodes (SGLang: the replica's
+        leader plays through its server and broadcasts the outcome)."""
+        everyone, saved_layout = self._pending if self._pending is not None else ([], None)
+        self._pending, self._before = None, (everyone, saved_layout)
+        self.entries, self.layout, self.leader = [], lay, False
+        self.replica = lay.coords(dist.get_rank()).dp
+
     def stage(self, policy, engine, it: int, *, sample_seed: int,
-              should_stop: Optional[Callable[[], bool]] = None) -> StageOutcome:
+              should_stop: Optional[Callable[[], bool]] = None,
+              leader: Optional[bool] = None) -> StageOutcome:
         """This replica's block of iteration ``it``'s batch (module docstring). ``engine``
-        decodes for this replica with the policy's weights (version ``it``)."""
+        decodes for this replica with the policy's weights (version ``it``). ``leader``: this
+        rank's copy of the pool is the one that travels (default: tp, pp, cp coordinate 0;
+        every rank of the replica plays)."""
         lay = policy.layout
         if self._pending is None:
             self.begin()
@@ -194,13 +208,23 @@ class EpisodePool:
                 out.setdefault(e.group, []).append(e.key in done)
             return [GroupState(gk, len(v), None, True) for gk, v in out.items() if all(v)]
 
+        def enough(extra: list) -> bool:
+            """The replica's quota of groups finished, and no live group left that could not
+            continue into the next stage."""
+            done_groups = complete(extra)
+            if len(done_groups) < quota:
+                return False
+            finished = {gs.key for gs in done_groups}
+            return not any(must_finish(_group_oldest(entries, gk), it, self.k)
+                           for gk in {e.group for e in entries} - finished)
+
         lives = [e.live for e in entries if e.live is not None]
         loop = AgentLoopConfig(**{**self.loop.__dict__, "seed": sample_seed})
         finished, _ = play_turns(engine, lives, self.tok, loop, version=it,
                                  should_stop=should_stop,
-                                 enough=lambda f: len(complete(f)) >= quota,
+                                 enough=enough,
                                  env_concurrency=self.env_concurrency)
-        self._keep(lay, r, entries, finished)
+        self._keep(lay, r, entries, finished, leader)
 
         done = [GroupState(gk, self.g, _group_oldest(self.entries, gk), True)
                 for gk in {s.key for s in complete([])}]
@@ -218,13 +242,14 @@ class EpisodePool:
                                             "pool_dropped": dropped})
 
     # ------------------------------------------------------------------ helpers
-    def _keep(self, lay, r: int, entries: list[Entry], finished: list) -> None:
+    def _keep(self, lay, r: int, entries: list[Entry], finished: list,
+              leader: Optional[bool]) -> None:
         got = dict(finished)
         for e in entries:
             if e.key in got:
                 e.episode, e.live = got[e.key], None
-        c = _coords(lay)
-        self.entries, self.layout, self.replica, self.leader = entries, lay, r, c
+        self.entries, self.layout, self.replica = entries, lay, r
+        self.leader = _coords(lay) if leader is None else leader
 
     def _gather(self) -> list[dict]:
         mine = [dict(e.portable(), replica=self.replica) for e in self.entries] \

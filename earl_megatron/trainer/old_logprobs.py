@@ -8,6 +8,9 @@ before TRAIN), it records the mismatch over sampled tokens (loss mask 1):
     rollout_logprob_diff      mean |logp_train - logp_rollout|
     rollout_logprob_diff_max  max  |logp_train - logp_rollout|
 
+over the tokens the current weights sampled (asynchronous RL's older tokens differ by the train
+steps since, which the off-policy weights correct, docs/async.md).
+
 In fp32 with weights synced every iteration both stay below 1e-4 (tested with SGLang on CPU):
 a larger value means the engine served other weights than the trainer's.
 
@@ -67,13 +70,14 @@ def recompute_logprobs(policy: ModelOnLayout, sequences: Sequence[Sequence[int]]
 def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
             tokens: dict[int, int], pad_id: int, batch: BatchShape, *, temperature: float,
             replace: bool, weights: Optional[tuple[str, float]] = None,
-            routes: Optional[dict] = None
+            routes: Optional[dict] = None, version: Optional[int] = None
             ) -> tuple[list[Episode], dict, dict[int, torch.Tensor]]:
     """(episodes, metrics, tis): the policy's logprobs of this replica's episodes (in the layout
     it played in), their distance to the engine's, the episodes with the trainer's logprobs when
     ``replace``, and with ``weights`` = (mode, cap) each sample's off-policy weights
     (rl/advantages.py ``off_policy_weights``: one per prediction, 1 off the sampled tokens;
-    empty without). ``routes``: routing replay's experts per sample (MoE).
+    empty without). ``version``: the policy's; the diff covers only tokens it sampled (an
+    asynchronous run's older tokens differ by the train steps since, not by the engine). ``routes``: routing replay's experts per sample (MoE).
     Collective over the world."""
     if temperature <= 0:
         raise ValueError("re-scoring needs the sampling temperature > 0 (greedy rollouts have "
@@ -81,21 +85,25 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
     recomputed, _ = reference_logprobs(policy, policy.layout, ids,
                                        {s: e.token_ids for s, e in zip(ids, episodes)}, tokens,
                                        pad_id, batch, temperature=temperature, routes=routes)
-    # [sum |diff|, sampled tokens, sum of TIS weights, truncated tokens]
-    total = torch.zeros(4, dtype=torch.float64)
+    # [sum |diff|, fresh sampled tokens, sum of weights, capped tokens, sampled tokens]
+    total = torch.zeros(5, dtype=torch.float64)
     worst = torch.zeros(1, dtype=torch.float64)
     out, tis = [], {}
     for s, e in zip(ids, episodes):
         mask = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
         mine = recomputed[s].double()
         theirs = torch.tensor(e.logprobs[1:], dtype=torch.float64)
-        diff = (mine - theirs).abs()[mask]
+        fresh = mask
+        if version is not None and e.versions:
+            fresh = mask & (torch.tensor(e.versions[1:]) == version)
+        diff = (mine - theirs).abs()[fresh]
         if diff.numel():
             total[:2] += torch.tensor([float(diff.sum()), diff.numel()], dtype=torch.float64)
             worst = torch.maximum(worst, diff.max().reshape(1))
         if weights is not None:
             tis[s], cut = off_policy_weights(mine, theirs, mask, weights[1], weights[0])
-            total[2:] += torch.tensor([float(tis[s][mask].sum()), cut], dtype=torch.float64)
+            total[2:] += torch.tensor([float(tis[s][mask].sum()), cut, int(mask.sum())],
+                                      dtype=torch.float64)
         if replace:
             lp = [0.0] + [float(v) if m else 0.0 for v, m in zip(mine.tolist(), mask.tolist())]
             out.append(dataclasses.replace(e, logprobs=tuple(lp)))
@@ -109,6 +117,7 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
     found = {"rollout_logprob_diff": float(total[0]) / n,
              "rollout_logprob_diff_max": float(worst[0])}
     if weights is not None:
-        found.update(off_policy_weight_mean=float(total[2]) / n,
-                     off_policy_capped_fraction=float(total[3]) / n)
+        sampled = max(float(total[4]), 1.0)
+        found.update(off_policy_weight_mean=float(total[2]) / sampled,
+                     off_policy_capped_fraction=float(total[3]) / sampled)
     return out, found, tis

@@ -193,7 +193,7 @@ class Trainer:
                     policy, ids, episodes, tokens, self.tok.pad_token_id, self.batch,
                     temperature=cfg.rollout.temperature,
                     replace=cfg.algorithm.old_logprobs == "recompute",
-                    weights=cfg.algorithm.off_policy_weights, routes=routes)
+                    weights=cfg.algorithm.off_policy_weights, routes=routes, version=it)
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,

@@ -124,18 +124,7 @@ class SGLangRollout:
         # rank runs the agent loop (the others wait in the broadcast): a stop request is
         # honoured at the next stage boundary instead of the next turn
         del should_stop
-        lay = policy.layout
-        # training rollouts put the servers in the planned layout; evaluations play on the
-        # servers as they stand, so they never restart them
-        if self.layout is None or (not evaluation and (lay.tp, lay.dp) !=
-                                   (self.layout.tp, self.layout.dp)):
-            problem = rollout_layout_problem(lay, "sglang")
-            if problem:   # the selector offers only such layouts for this engine
-                raise ValueError(f"SGLang rollout: {problem}")
-            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp), server_ep(self.model_cfg, lay,
-                                                                          self.device))
-        if self._fresh:
-            self.sync(policy)
+        self._serve(policy, evaluation)
         me = self.layout.coords(self.rank)
         block = list(split_evenly(len(seeds), self.layout.dp)[me.dp])
         episodes: list = [None]
@@ -163,6 +152,45 @@ class SGLangRollout:
             dist.broadcast_object_list(episodes, group=self.replica_group, group_src=0)
         ids, played = episodes[0]
         return list(ids), played
+
+    def play_pool(self, policy: ModelOnLayout, pool, iteration: int, *, sample_seed: int,
+                  should_stop: Optional[Callable[[], bool]] = None):
+        """Asynchronous RL's stage (trainer/episode_pool.py): each replica's leader continues
+        and starts its episodes through its server and broadcasts the outcome to the replica;
+        the pool lives on the leaders. A stop request is honoured at the stage's end (as in
+        ``play``)."""
+        del should_stop
+        self._serve(policy, evaluation=False)
+        out: list = [None]
+        if self.engine is not None:
+            if self._released:
+                self.engine.resume_memory()
+                self._released = False
+            out[0] = pool.stage(policy, self.engine, iteration, sample_seed=sample_seed,
+                                leader=True)
+            if self.device == "cuda":
+                self.engine.release_memory()
+                self._released = True
+        else:
+            pool.follow(policy.layout)
+        if self.replica_group is not None:
+            dist.broadcast_object_list(out, group=self.replica_group, group_src=0)
+        return out[0]
+
+    def _serve(self, policy: ModelOnLayout, evaluation: bool) -> None:
+        """Servers in the policy's rollout layout, holding its weights. Training rollouts put
+        the servers in the planned layout; evaluations play on the servers as they stand, so
+        they never restart them."""
+        lay = policy.layout
+        if self.layout is None or (not evaluation and (lay.tp, lay.dp) !=
+                                   (self.layout.tp, self.layout.dp)):
+            problem = rollout_layout_problem(lay, "sglang")
+            if problem:   # the selector offers only such layouts for this engine
+                raise ValueError(f"SGLang rollout: {problem}")
+            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp), server_ep(self.model_cfg, lay,
+                                                                          self.device))
+        if self._fresh:
+            self.sync(policy)
 
     def sync(self, policy: ModelOnLayout) -> None:
         """Push the policy's weights (any layout) into every server: the weight plan

@@ -4,10 +4,12 @@
   equals the uninterrupted one at the same weights: greedy, the embedded engine, the same
   tokens, logprobs within fp32 rounding, each token keeping the version that sampled it.
 - A k=1 run: episodes carry over, the trained tokens are at most 1 version old (and some are),
-  GRPO groups train whole, decoupled PPO's weights are recorded.
-- SIGKILL between iterations with episodes in flight, then the relaunch: the resumed run's
-  metrics equal an uninterrupted run's line for line (the pool is in the checkpoint; its
-  episodes' environments are rebuilt by replay).
+  GRPO groups train whole, nothing is dropped (a group at the bound is waited for), decoupled
+  PPO's weights are recorded.
+- k=2 runs (live episodes at every checkpoint): SIGKILL between iterations with episodes in
+  flight, and a stop request during a rollout; each relaunch's metrics equal an uninterrupted
+  run's line for line (the pool is in the checkpoint; its episodes' environments are rebuilt by
+  replay).
 """
 
 import json
@@ -119,14 +121,17 @@ def test_k1_run_carries_episodes_within_the_bound(tmp_path):
     for h in hist:
         assert abs(sum(h["staleness_shares"].values()) - 1) < 1e-9
         assert "off_policy_weight_mean" in h and 0 <= h["off_policy_capped_fraction"] <= 1
-        assert h["pool_carried"] + h["pool_admitted"] <= 8 + 0  # never past (k + 1) batches
+        # the engine against the re-scoring, on the tokens the current weights sampled
+        assert h["rollout_logprob_diff_max"] < 1e-4, h
+        assert h["pool_carried"] + h["pool_admitted"] <= 8  # never past (k + 1) batches
+        assert h["pool_dropped"] == 0   # a group at the bound is waited for, never dropped
 
 
 ASYNC_RUN = ["model.vocab_size=32", "layout=static", "layout.rollout=dp2", "layout.logprob=dp2",
              "layout.train=tp2", "env.eval_opponents=[]", "rollout.episodes_per_iteration=4",
              "rollout.max_turns=4", "algorithm.micro_batch_size=2",
              "algorithm.old_logprobs=recompute", "algorithm.off_policy=decoupled",
-             "algorithm.max_staleness=1", "run.iterations=4", "run.eval_episodes=2",
+             "algorithm.max_staleness=2", "run.iterations=4", "run.eval_episodes=2",
              "run.live_view=false"]
 
 
@@ -180,7 +185,7 @@ def test_sigkill_with_episodes_in_flight_then_resume(tmp_path):
     loop = json.loads(ckpt.read_text())
     live = [e for e in loop["pool"]["entries"] if e["live"] is not None]
     assert loop["iteration"] == 1 and live, "no episode was in flight at the checkpoint"
-    assert all(max(e["live"]["versions"]) <= 1 for e in live)
+    assert all(max(e["live"]["versions"]) <= 1 for e in live)   # sampled by versions 0, 1
 
     proc = _launch(part)
     _, err = proc.communicate(timeout=400)
@@ -192,7 +197,7 @@ def test_sigkill_with_episodes_in_flight_then_resume(tmp_path):
     strip = [{k: v for k, v in h.items() if k != "seconds"} for h in full]
     assert [h["iteration"] for h in resumed] == [0, 1, 2, 3]
     assert [{k: v for k, v in h.items() if k != "seconds"} for h in resumed] == strip
-    assert any(h["staleness_max"] == 1 for h in full[2:])
+    assert any(h["staleness_max"] >= 1 for h in full[2:])
 
 
 def test_stop_during_a_rollout_rewinds_the_pool_and_the_rerun_replays_it(tmp_path):

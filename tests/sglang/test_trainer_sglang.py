@@ -1,6 +1,8 @@
 """The trainer with rollout.engine=sglang on real CPU servers (opt-in: EARL_SGLANG_VENV).
 
-One 2-rank run of 3 iterations, rollout layout dp2 (two tp1 servers), train layout tp2. Servers
+One 2-rank run of 3 iterations, asynchronous (algorithm.max_staleness=1: episodes carried from
+one rollout to the next on the replica leaders, through the strikes), rollout layout dp2 (two
+tp1 servers), train layout tp2. Servers
 start from config.json alone (--load-format dummy) and get the trainer's weights by the
 distributed update. While it runs, the test strikes rank 0's server at five points, each at a
 named fault point (earl_megatron/runtime/fault_points.py: the trainer pauses there until the
@@ -14,10 +16,11 @@ test has struck), never after a sleep, so every machine speed sees the same sequ
                        cluster.server_request_timeout_s: restarted like a dead one
 
 Checked:
-- every iteration's metrics line exists, with rollout_logprob_diff_max < 1e-4 (fp32): the
-  servers held the trainer's weights every time, the first rollout included (so the real
+- every iteration's metrics line exists, with rollout_logprob_diff_max < 1e-4 (fp32) over the
+  tokens the current weights sampled: the servers held the trainer's weights every time, the first rollout included (so the real
   weights replaced the dummy ones), and every answer carried the pushed weight version, or the
   engine would have raised;
+- episodes carried over (staleness > 0 somewhere, never past 1);
 - nothing of the model's size was written: no weight file under <run>/sglang, whose non-log
   files total less than a tenth of one push;
 - the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB, each leader
@@ -111,7 +114,9 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
         "rollout": {"engine": "sglang", "sglang_python": sglang_python, "sglang_device": "cpu",
                     "episodes_per_iteration": 4, "max_turns": 4,
                     "sglang_bucket_mb": 0.1},  # the ~0.8 MB model in buckets of <= 100 KiB
-        "algorithm": {"micro_batch_size": 2},
+        # asynchronous (docs/async.md): episodes in flight across the strikes and weight pushes
+        "algorithm": {"micro_batch_size": 2, "max_staleness": 1, "off_policy": "decoupled",
+                      "old_logprobs": "recompute"},
         # the strikes cost what these bound: a dead peer in group setup waits out
         # weight_sync_timeout_s, the stall server_request_timeout_s (a turn takes < 1 s)
         "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
@@ -142,8 +147,12 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     assert len(histories[0]) == len(histories[1]) == 3
     for x in lines:
         assert x["rollout_engine"] == "sglang"
-        assert x["rollout_logprob_diff_max"] < 1e-4, x
+        assert x["rollout_logprob_diff_max"] < 1e-4, x   # over the tokens this version sampled
+        assert x["staleness_max"] <= 1 and 0 <= x["off_policy_capped_fraction"] <= 1, x
         assert x["layouts"]["rollout"] == "DP2" and len(x["rollout_servers"]) == 2
+    assert lines[0]["pool_admitted"] == 8 and any(x["pool_carried"] for x in lines[1:])
+    assert any(x["staleness_mean"] > 0 for x in lines[1:]), [x["staleness_shares"]
+                                                              for x in lines]
     # pushes: one before the start evaluation, then one after every TRAIN step
     assert [x["rollout_weight_version"] for x in lines] == ["it2", "it3", "it4"]
     half = minimum_recv_bytes(ModelConfig.tiny(vocab_size=32), ParallelLayout(tp=2), 0)

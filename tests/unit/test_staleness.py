@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, pick_trained,
-                                          replica_quotas, staleness, token_ages, too_stale)
+from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, must_finish,
+                                          pick_trained, replica_quotas, staleness, token_ages,
+                                          too_stale)
 
 
 def test_k0_admits_one_batch_into_an_empty_pool_and_nothing_more():
@@ -31,6 +32,9 @@ def test_the_bound():
     assert not too_stale(None, 10, 0)                # nothing sampled yet
     assert not too_stale(5, 5, 0) and too_stale(4, 5, 0)
     assert not too_stale(3, 5, 2) and too_stale(2, 5, 2)
+    # a group that could not continue into the next stage must finish in this one
+    assert must_finish(4, 5, 1) and not must_finish(5, 5, 1) and not must_finish(None, 5, 1)
+    assert must_finish(3, 5, 2) and not must_finish(4, 5, 2)
 
 
 def test_replica_quotas_split_like_split_evenly():
@@ -80,12 +84,13 @@ def test_staleness_record():
 @pytest.mark.parametrize("dp_per_iteration", [[2, 2, 2, 2, 2, 2], [1, 2, 4, 2, 1, 4]])
 def test_a_simulated_pool_never_trains_a_token_older_than_k(k, dp_per_iteration):
     """Episodes of random lengths (in turns) under the rules: admit, drop, place, play one turn
-    at a time until each replica has its quota, pick. Every trained token's age <= k, every
-    trained group is whole, every stage ends, the pool never holds more than (k + 1) batches."""
+    at a time until each replica has its quota and no live group must finish, pick. Every
+    trained token's age <= k, every stage ends, the pool never holds more than (k + 1) batches,
+    and nothing is dropped: a long episode is waited for, never lost for being long."""
     rng = random.Random(k * 100 + len(dp_per_iteration))
     batch, g = 8, 2
     pool = {}        # group key -> dict(turns_left, versions, replica)
-    trained_ages, started = [], 0
+    trained_ages, started, dropped = [], 0, 0
     prev_dp = None
     for it, dp in enumerate(dp_per_iteration):
         states = []
@@ -93,6 +98,7 @@ def test_a_simulated_pool_never_trains_a_token_older_than_k(k, dp_per_iteration)
             oldest = min(grp["versions"]) if grp["versions"] else None
             if too_stale(oldest, it, k):
                 del pool[key]
+                dropped += 1
                 continue
             states.append(GroupState(key, g, oldest, grp["left"] == 0, grp["replica"]))
         held = sum(s.size for s in states)
@@ -109,7 +115,11 @@ def test_a_simulated_pool_never_trains_a_token_older_than_k(k, dp_per_iteration)
         for r in range(dp):
             mine = [key for key, grp in pool.items() if grp["replica"] == r]
             assert len(mine) >= quotas[r], "a replica cannot fill its quota"
-            while sum(pool[key]["left"] == 0 for key in mine) < quotas[r]:
+            def oldest(key):
+                return min(pool[key]["versions"]) if pool[key]["versions"] else None
+
+            while sum(pool[key]["left"] == 0 for key in mine) < quotas[r] or any(
+                    pool[key]["left"] and must_finish(oldest(key), it, k) for key in mine):
                 for key in mine:
                     if pool[key]["left"]:
                         pool[key]["left"] -= 1
@@ -119,6 +129,6 @@ def test_a_simulated_pool_never_trains_a_token_older_than_k(k, dp_per_iteration)
             for key in pick_trained(done, quotas[r]):
                 trained_ages.extend(it - v for v in pool.pop(key)["versions"])
         prev_dp = dp
-    assert trained_ages and max(trained_ages) <= k
+    assert trained_ages and max(trained_ages) <= k and dropped == 0
     if k:
         assert max(trained_ages) >= 1   # episodes did carry over
