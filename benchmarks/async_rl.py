@@ -22,8 +22,9 @@ Printed per run, over the iterations after the first (iteration 0 is warm-up):
     (inside the rollout engine's ``generate``, timed on that rank) nor in a stage that computes
     or moves weights (plan+switch, old_logprob, switch, train, weight_sync, timed on that rank):
     tool waits, environment steps, tokenizing, and waiting at the collectives after the rollout
-    for the other replica to finish its own. Measured per rank by wrapping ``EmbeddedEngine.generate`` and the trainer's
-    ``StageTimer`` in the worker processes (no change to the trainer);
+    for the other replica to finish its own. Measured per rank by wrapping
+    ``EmbeddedEngine.generate`` and the trainer's ``StageTimer`` in the worker processes (no
+    change to the trainer);
   - staleness_mean / staleness_max of the trained tokens (means over the measured iterations,
     max of the maxima), pool_dropped summed;
   - rollout s (rank 0's rollout stage, mean per iteration), reward, the trained episodes'
@@ -282,7 +283,7 @@ def section_env(args) -> None:
 
     print(f"\n[concurrent environments] env.name=benchmarks.async_rl:slow_tool, 16 episodes x "
           f"{args.turns} turns, 2 ranks (rollout dp2), tool latency {args.latency} s, rollout "
-          f"stage seconds per iteration (the slower rank), iterations 1..{args.env_iterations - 1})",
+          f"stage seconds (the slower rank's, median over iterations 1..{args.env_iterations - 1})",
           flush=True)
     got = {}
     for name, lat, conc in (("zero latency", 0.0, 16), ("concurrency 1", args.latency, 1),
