@@ -1,0 +1,341 @@
+"""Asynchronous RL: what algorithm.max_staleness = k buys over the synchronous loop, and what
+rollout.env_concurrency buys when tools are slow.
+
+Section 1 (``--section async``). Two workloads, each trained three ways with the same seed,
+iterations and configuration except ``algorithm.max_staleness`` (all three with
+``algorithm.off_policy=decoupled`` and ``old_logprobs=recompute``, so only k differs): sync
+(k = 0), k = 1, k = 2. Every run is the real trainer (``earl_megatron.train.run``) on 2 gloo
+ranks (``testing.multiproc.run_distributed``), the tiny model, the static layout rollout dp2,
+logprob dp2, train tp2 (colocated: both ranks roll out, then both train):
+
+    tool latency   env calculator, env.kwargs.tool_latency_s (0.1 s a calculator call), the
+                   tool tokenizer; a short supervised warm start on the calculator's expert
+                   (expert_tool_rate 1: it always calls the tool, then answers) so the policy
+                   does call the tool and the rollout's time goes to the tool's waits
+    connect four   env connect_four against the random opponent: game lengths have a long tail
+
+Printed per run, over the iterations after the first (iteration 0 is warm-up):
+  - trained episodes/s: rollout.episodes_per_iteration x those iterations / the wall seconds of
+    those iterations (rank 0's ``seconds.total`` summed: the iteration loop, evaluation and
+    start-up excluded);
+  - each rank's idle share: the share of its iterations' wall time it spent neither decoding
+    (inside the rollout engine's ``generate``, timed on that rank) nor in a stage that computes
+    or moves weights (plan+switch, old_logprob, switch, train, weight_sync, timed on that rank):
+    tool waits, environment steps, tokenizing, and waiting at the collectives after the rollout
+    for the other replica to finish its own. Measured per rank by wrapping
+    ``EmbeddedEngine.generate`` and the trainer's ``StageTimer`` in the worker processes (no
+    change to the trainer);
+  - staleness_mean / staleness_max of the trained tokens (means over the measured iterations,
+    max of the maxima), pool_dropped summed;
+  - rollout s (rank 0's rollout stage, mean per iteration), reward, the trained episodes'
+    mean/max context, cpu s/it (both ranks' process CPU seconds per iteration: the work; on a
+    loaded host wall time drifts while this stays put);
+  - the ratio of trained episodes/s to the sync baseline's, from the same run of this script
+    (the machine is noisy: compare within one run). The sync run is repeated last (sync') and
+    the baseline is the two sync runs' harmonic-mean rate, which brackets a load that drifts
+    during the script (``--no-bracket``: one sync run).
+
+Section 2 (``--section env``). A user's environment through ``env.name=module:factory``
+(``benchmarks.async_rl:slow_tool``, below: a tool that answers every action after
+``latency_s``, episodes of exactly ``turns`` turns), 16 episodes, 4 turns, 2 ranks (rollout dp2),
+synchronous: the rollout stage's seconds (the slower rank's, median over iterations 1..5)
+with rollout.env_concurrency=1, =16, and with a
+zero-latency tool; printed: what the 0.1 s latency adds to the zero-latency rollout stage in each
+case (bound with concurrency: each rank steps its episodes' tools of a turn together, so it adds
+one latency per turn: 4 x 0.1 s = 0.4 s per rank, at most 2 x 4 x 0.1 = 0.8 s).
+
+Its last line: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
+(trained episodes/s ratios of section 1).
+
+Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env] [--iterations 5]
+      [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from earl_megatron.envs.base import Env, StepResult
+
+COMPUTE = ("plan+switch", "old_logprob", "switch", "train", "weight_sync", "logprob")
+"""Stages that compute or move weights; with decoding, what a rank is busy with."""
+
+
+class SlowToolEnv(Env):
+    """A user's tool environment: every action is a tool call answered after ``latency_s``
+    seconds (a remote API's round trip); the episode ends after ``turns`` calls, reward 1."""
+
+    name = "slow_tool"
+
+    def __init__(self, latency_s: float = 0.1, turns: int = 4):
+        super().__init__()
+        self.latency_s, self.turns, self.calls = float(latency_s), int(turns), 0
+
+    @property
+    def system_prompt(self) -> str:
+        return ""
+
+    def _reset(self, seed: int) -> str:
+        self.calls = 0
+        return f"task {seed % 97}"
+
+    def _step(self, action: str) -> StepResult:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        self.calls += 1
+        done = self.calls >= self.turns
+        return StepResult("ok", 1.0 if done else 0.0, done, {})
+
+
+def slow_tool(**kwargs) -> SlowToolEnv:
+    """``env.name=benchmarks.async_rl:slow_tool`` (the registry's module:factory)."""
+    return SlowToolEnv(**kwargs)
+
+
+# ---------------------------------------------------------------------- one training run
+def _train(cfg_dict: dict) -> dict:
+    """On every rank: the trainer's run, with this rank's decode and stage seconds."""
+    import earl_megatron.rollout.embedded_engine as ee
+    import earl_megatron.trainer.runner as runner
+    from earl_megatron.config.train import TrainConfig
+    from earl_megatron.train import run
+
+    decode = [0.0]
+    per_it: list[dict] = []
+    gen = ee.EmbeddedEngine.generate
+
+    def timed_generate(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return gen(self, *a, **k)
+        finally:
+            decode[0] += time.perf_counter() - t
+
+    ee.EmbeddedEngine.generate = timed_generate
+    base_timer = runner.StageTimer
+
+    class Timer(base_timer):
+        def __init__(self):
+            super().__init__()
+            decode[0] = 0.0
+            self.cpu0 = time.process_time()
+
+        def total(self):
+            tot = super().total()
+            per_it.append({"seconds": dict(tot), "decode": decode[0],
+                           "cpu": time.process_time() - self.cpu0})
+            return tot
+
+    runner.StageTimer = Timer
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the live view
+        hist = run(TrainConfig.from_dict(cfg_dict))
+    return {"history": hist, "ranks": per_it}
+
+
+def _config(workload: str, k: int, args, out: str) -> dict:
+    common_alg = {"micro_batch_size": 4, "old_logprobs": "recompute", "off_policy": "decoupled",
+                  "max_staleness": k}
+    run = {"iterations": args.iterations, "output_dir": out, "checkpoint_every": 0,
+           "eval_episodes": 2, "live_view": False, "samples_per_iteration": 0, "resume": True}
+    layout = {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"}
+    if workload == "tool":
+        return {
+            "model": {"vocab_size": 64},
+            "layout": layout,
+            "env": {"name": "calculator", "eval_opponents": [],
+                    "kwargs": {"tool_latency_s": args.latency, "expert_tool_rate": 1.0,
+                               "max_tool_calls": 4}},
+            "rollout": {"tokenizer": "tool", "episodes_per_iteration": args.episodes,
+                        "max_turns": 6, "max_action_tokens": 16,
+                        "env_concurrency": args.episodes},
+            "algorithm": {**common_alg, "name": "grpo", "group_size": 2, "lr": 1e-3},
+            "sft": {"steps": args.sft_steps, "expert_episodes": 128, "batch_size": 16,
+                    "lr": 1e-2, "log_every": 1000},
+            "run": run,
+        }
+    if workload == "connect_four":
+        return {
+            "model": {"vocab_size": 32},
+            "layout": layout,
+            "env": {"name": "connect_four", "eval_opponents": [],
+                    "kwargs": {"system_prompt": "", "legal_move_reward": 0.1}},
+            "rollout": {"episodes_per_iteration": args.episodes, "max_turns": 16},
+            "algorithm": {**common_alg, "name": "grpo", "group_size": 2},
+            "run": run,
+        }
+    raise ValueError(workload)
+
+
+def _summary(res: list[dict], skip: int, episodes: int) -> dict:
+    hist = res[0]["history"]
+    meas = hist[skip:]
+    wall = sum(h["seconds"]["total"] for h in meas)
+    idle = []
+    for r in res:
+        its = r["ranks"][skip:len(hist)]
+        tot = sum(i["seconds"]["total"] for i in its)
+        busy = sum(i["decode"] + sum(i["seconds"].get(s, 0.0) for s in COMPUTE) for i in its)
+        idle.append(max(0.0, tot - busy) / tot if tot else 0.0)
+    cpu = sum(i["cpu"] for r in res for i in r["ranks"][skip:len(hist)]) / len(meas)
+    return {"iterations": len(meas), "wall": wall, "cpu": cpu, "eps": episodes * len(meas) / wall,
+            "idle": idle,
+            "rollout_s": sum(h["seconds"].get("rollout", 0.0) for h in meas) / len(meas),
+            "st_mean": sum(h["staleness_mean"] for h in meas) / len(meas),
+            "st_max": max(h["staleness_max"] for h in meas),
+            "dropped": sum(h.get("pool_dropped", 0) for h in meas),
+            "tool_calls": [h.get("tool_calls") for h in meas],
+            "reward": sum(h["reward"] for h in meas) / len(meas),
+            "ctx": (sum(h["mean_context"] for h in meas) / len(meas),
+                    max(h["max_context"] for h in meas)),
+            "stages": {k: sum(h["seconds"].get(k, 0.0) for h in meas) / len(meas)
+                       for k in meas[0]["seconds"]}}
+
+
+def section_async(args) -> dict:
+    from earl_megatron.testing.multiproc import run_distributed
+
+    ratios = {}
+    names = {"tool": "tool latency", "connect_four": "connect four"}
+    for w in args.workloads:
+        print(f"\n[{names[w]}] {args.episodes} episodes/iteration, {args.iterations} iterations "
+              f"(rates over iterations 1..{args.iterations - 1}), 2 ranks rollout dp2 / train "
+              "tp2" + (f", tool latency {args.latency} s" if w == "tool" else ""), flush=True)
+        rows = {}
+        warm = None
+        if w == "tool" and args.sft_steps:
+            # one warm start for the three runs: each resumes from a copy of its checkpoint
+            warm = tempfile.mkdtemp(prefix="earl-async-warm-")
+            cfg = _config(w, 0, args, warm)
+            cfg["run"].update(iterations=0, checkpoint_every=args.sft_steps)
+            t = time.perf_counter()
+            run_distributed(_train, 2, cfg, timeout=args.timeout)
+            print(f"  (warm start: {args.sft_steps} supervised steps on the calculator's expert, "
+                  f"{time.perf_counter() - t:.0f} s, once; every run starts from it)", flush=True)
+        print(f"  {'run':6s} {'eps/s':>7s} {'x sync':>7s} {'rollout s':>9s} "
+              f"{'idle r0':>7s} {'idle r1':>7s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} "
+              f"{'reward':>7s} {'ctx mean/max':>12s} {'cpu s/it':>8s}", flush=True)
+        order = list(args.ks) + ([0] if args.bracket and 0 in args.ks else [])
+        for n, k in enumerate(order):
+            again = n == len(order) - 1 and n > 0 and k == 0
+            with tempfile.TemporaryDirectory(prefix="earl-async-") as tmp:
+                out = tmp
+                if warm is not None:
+                    out = os.path.join(tmp, "run")
+                    shutil.copytree(warm, out)
+                res = run_distributed(_train, 2, _config(w, k, args, out),
+                                      timeout=args.timeout)
+            s = _summary(res, 1, args.episodes)
+            if again:   # the baseline: the mean rate of the sync runs before and after
+                first = rows[0]
+                rows[0] = dict(first, eps=2 / (1 / first["eps"] + 1 / s["eps"]))
+            else:
+                rows[k] = s
+            base = rows.get(0)
+            rel = f"{s['eps'] / base['eps']:7.2f}" if base and k else f"{'-':>7s}"
+            name = "sync" if k == 0 else f"k={k}"
+            name = "sync'" if again else name
+            print(f"  {name:6s} {s['eps']:7.2f} {rel} {s['rollout_s']:9.2f} "
+                  f"{s['idle'][0]:7.2f} {s['idle'][1]:7.2f} {s['st_mean']:7.3f} "
+                  f"{s['st_max']:6d} {s['dropped']:7d} {s['reward']:7.2f} "
+                  f"{s['ctx'][0]:7.1f}/{s['ctx'][1]:<4d} {s['cpu']:8.2f}", flush=True)
+            if args.verbose:
+                print("         rank 0 seconds per iteration: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in s["stages"].items()))
+                if w == "tool":
+                    print(f"         tool calls per episode by iteration: {s['tool_calls']}")
+        if warm is not None:
+            shutil.rmtree(warm, ignore_errors=True)
+        if 0 in rows:
+            print(f"  sync baseline: {rows[0]['eps']:.2f} episodes/s (" + (
+                "harmonic mean of sync and sync', run first and last: load drifts on a "
+                "shared host" if args.bracket else "one run") + "); ratios: " + ", ".join(
+                f"k={k} {rows[k]['eps'] / rows[0]['eps']:.2f}x" for k in rows if k),
+                flush=True)
+        if 0 in rows and 1 in rows:
+            ratios[w] = rows[1]["eps"] / rows[0]["eps"]
+    return ratios
+
+
+# ---------------------------------------------------------------------- section 2
+def _env_config(latency: float, concurrency: int, args, out: str) -> dict:
+    return {
+        "model": {"vocab_size": 32},
+        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
+        "env": {"name": "benchmarks.async_rl:slow_tool", "eval_opponents": [],
+                "kwargs": {"latency_s": latency, "turns": args.turns}},
+        "rollout": {"episodes_per_iteration": 16, "max_turns": args.turns,
+                    "env_concurrency": concurrency},
+        "algorithm": {"micro_batch_size": 4},
+        "run": {"iterations": args.env_iterations, "output_dir": out, "checkpoint_every": 0,
+                "eval_episodes": 2, "live_view": False, "samples_per_iteration": 0},
+    }
+
+
+def section_env(args) -> None:
+    from earl_megatron.testing.multiproc import run_distributed
+
+    print(f"\n[concurrent environments] env.name=benchmarks.async_rl:slow_tool, 16 episodes x "
+          f"{args.turns} turns, 2 ranks (rollout dp2), tool latency {args.latency} s, rollout "
+          f"stage seconds (the slower rank's, median over iterations 1..{args.env_iterations - 1})",
+          flush=True)
+    got = {}
+    for name, lat, conc in (("zero latency", 0.0, 16), ("concurrency 1", args.latency, 1),
+                            ("concurrency 16", args.latency, 16)):
+        with tempfile.TemporaryDirectory(prefix="earl-envc-") as tmp:
+            res = run_distributed(_train, 2, _env_config(lat, conc, args, tmp),
+                                  timeout=args.timeout)
+        n = len(res[0]["history"])
+        # each iteration's rollout stage on the slower rank (it bounds the stage); the median
+        # over the measured iterations: a load spike on the shared host hits one iteration
+        per_it = sorted(max(r["ranks"][i]["seconds"]["rollout"] for r in res)
+                        for i in range(1, n))
+        got[name] = statistics.median(per_it)
+        print(f"  {name:15s} rollout {got[name]:6.2f} s  (per iteration: "
+              + ", ".join(f"{x:.2f}" for x in per_it) + ")", flush=True)
+    bound = 2 * args.turns * args.latency
+    for name in ("concurrency 1", "concurrency 16"):
+        add = got[name] - got["zero latency"]
+        print(f"  latency adds with {name:15s} {add:5.2f} s to the rollout stage "
+              f"(bound with concurrency: {bound:.2f} s; serial: 8 episodes x "
+              f"{args.turns} x {args.latency} = {8 * args.turns * args.latency:.2f} s a rank)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--section", choices=("all", "async", "env"), default="all")
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--episodes", type=int, default=16)
+    ap.add_argument("--latency", type=float, default=0.1)
+    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--workloads", nargs="*", default=["tool", "connect_four"])
+    ap.add_argument("--ks", nargs="*", type=int, default=[0, 1, 2])
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--env-iterations", type=int, default=6)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--verbose", action="store_true", help="stage seconds of each run")
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false",
+                    help="skip the second sync run (run last, to bracket load drift)")
+    args = ap.parse_args()
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the workers' import-time warnings
+    t0 = time.perf_counter()
+    ratios = {}
+    if args.section in ("all", "env"):
+        section_env(args)
+    if args.section in ("all", "async"):
+        ratios = section_async(args)
+    print(f"\n(whole run {time.perf_counter() - t0:.0f} s)")
+    if ratios:
+        print("async: colocated k=1 / sync "
+              f"{ratios.get('tool', float('nan')):.2f}x (tool latency), "
+              f"{ratios.get('connect_four', float('nan')):.2f}x (connect four)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
