@@ -6,10 +6,9 @@
 - A k=1 run: episodes carry over, the trained tokens are at most 1 version old (and some are),
   GRPO groups train whole, nothing is dropped (a group at the bound is waited for), decoupled
   PPO's weights are recorded.
-- k=2 runs (live episodes at every checkpoint): SIGKILL between iterations with episodes in
-  flight, and a stop request during a rollout; each relaunch's metrics equal an uninterrupted
-  run's line for line (the pool is in the checkpoint; its episodes' environments are rebuilt by
-  replay).
+- k=2 (live episodes at every checkpoint): a stop request during a rollout, then SIGKILL between
+  iterations with episodes in flight; the relaunches' metrics equal an uninterrupted run's line
+  for line (the pool is in the checkpoint; its episodes' environments are rebuilt by replay).
 """
 
 import json
@@ -150,30 +149,25 @@ def _launch(out, *extra, checkpoint_every=1):
                             start_new_session=True)
 
 
-def test_sigkill_with_episodes_in_flight_then_resume(tmp_path):
-    """torchrun killed with SIGKILL during iteration 2's rollout, once checkpoint 1 is published
-    (the held Connect Four of earl_megatron/testing/envs.py holds every step once metrics.jsonl
-    has 2 lines, so iteration 2 cannot complete on any machine), with
-    episodes in flight since iteration 1: checkpoint 1 holds them (live, with their versions),
-    the relaunch rebuilds their environments by replay and continues them, and its metrics
-    equal an uninterrupted run's line for line."""
+def _wait(proc, ready, timeout=400):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended early: {proc.stderr.read().decode()[-3000:]}"
+    raise AssertionError(f"not ready within {timeout} s")
+
+
+def _kill(proc):
     import contextlib
     import os
     import signal
-    import time
 
     import psutil
 
-    part = tmp_path / "part"
-    proc = _launch(part, "env.name=earl_megatron.testing.envs:held_connect_four",
-                   f"+env.kwargs.hold_when={part / 'metrics.jsonl'}", "+env.kwargs.hold_lines=2")
-    deadline = time.monotonic() + 400
-    ckpt = part / "checkpoints" / "iter_000001" / "loop.json"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ckpt.exists():   # published whole (renamed into place); iteration 2 then holds
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
     workers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
     for w in workers:
@@ -181,42 +175,30 @@ def test_sigkill_with_episodes_in_flight_then_resume(tmp_path):
             w.kill()
     proc.wait()
     psutil.wait_procs(workers, timeout=60)
-    assert len((part / "metrics.jsonl").read_text().splitlines()) == 2
-    loop = json.loads(ckpt.read_text())
-    live = [e for e in loop["pool"]["entries"] if e["live"] is not None]
-    assert loop["iteration"] == 1 and live, "no episode was in flight at the checkpoint"
-    assert all(max(e["live"]["versions"]) <= 1 for e in live)   # sampled by versions 0, 1
-
-    proc = _launch(part)
-    _, err = proc.communicate(timeout=400)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
-    resolved = json.loads((part / "resolved.json").read_text())
-    resolved["run"]["output_dir"] = str(tmp_path / "full")
-    full = run_distributed(_train, 2, TrainConfig.from_dict(resolved), timeout=400)[0]
-    strip = [{k: v for k, v in h.items() if k != "seconds"} for h in full]
-    assert [h["iteration"] for h in resumed] == [0, 1, 2, 3]
-    assert [{k: v for k, v in h.items() if k != "seconds"} for h in resumed] == strip
-    assert any(h["staleness_max"] >= 1 for h in full[2:])
 
 
-def test_stop_during_a_rollout_rewinds_the_pool_and_the_rerun_replays_it(tmp_path):
-    """The run's stop file, written while iteration 2's rollout holds (the held Connect Four),
-    with no periodic checkpoint: the stage is abandoned, the pool rewinds to what it was before
-    it (the episodes still in flight from iteration 1, none of iteration 2's), checkpoint 1 holds
-    that, and the rerun replays iteration 2 exactly: its metrics equal an uninterrupted run's."""
-    import time
+def _lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
+
+def test_stop_and_sigkill_with_episodes_in_flight_then_resume(tmp_path):
+    """k=2, Connect Four held from a chosen iteration's rollout on (earl_megatron/testing/envs.py:
+    its steps wait once metrics.jsonl has so many lines, so where each event lands does not
+    depend on the machine's speed):
+
+    1. a stop request while iteration 2's rollout holds, no periodic checkpoint: the stage is
+       abandoned, the pool rewinds to what it was before it (episodes of iterations 0 and 1,
+       some live), checkpoint 1 holds that;
+    2. the relaunch (checkpoint_every=1) replays iteration 2, checkpoints it with episodes in
+       flight, holds in iteration 3's rollout and is killed with SIGKILL;
+    3. the last relaunch resumes from checkpoint 2, rebuilding the live episodes' environments
+       by replay.
+    The metrics, line for line, equal an uninterrupted run's."""
     out = tmp_path / "run"
-    proc = _launch(out, "env.name=earl_megatron.testing.envs:held_connect_four",
-                   f"+env.kwargs.hold_when={out / 'metrics.jsonl'}", "+env.kwargs.hold_lines=2",
-                   checkpoint_every=0)
-    deadline = time.monotonic() + 400
-    metrics = out / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
+    held = ["env.name=earl_megatron.testing.envs:held_connect_four",
+            f"+env.kwargs.hold_when={out / 'metrics.jsonl'}"]
+    proc = _launch(out, *held, "+env.kwargs.hold_lines=2", checkpoint_every=0)
+    _wait(proc, lambda: (out / "metrics.jsonl").exists() and len(_lines(out)) >= 2)
     (out / "stop").write_text("requested\n")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-3000:]
@@ -226,12 +208,23 @@ def test_stop_during_a_rollout_rewinds_the_pool_and_the_rerun_replays_it(tmp_pat
     assert keys and all(k[0] <= 1 for k in keys), keys   # nothing iteration 2 started
     assert any(e["live"] is not None for e in loop["pool"]["entries"])
 
-    proc = _launch(out, checkpoint_every=0)
+    ckpt = out / "checkpoints" / "iter_000002" / "loop.json"
+    proc = _launch(out, *held, "+env.kwargs.hold_lines=3", checkpoint_every=1)
+    _wait(proc, ckpt.exists)   # published whole (renamed into place); iteration 3 then holds
+    _kill(proc)
+    assert len(_lines(out)) == 3
+    loop = json.loads(ckpt.read_text())
+    live = [e for e in loop["pool"]["entries"] if e["live"] is not None]
+    assert loop["iteration"] == 2 and live, "no episode was in flight at the checkpoint"
+    assert all(max(e["live"]["versions"]) <= 2 for e in live)
+
+    proc = _launch(out, checkpoint_every=1)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err.decode()[-3000:]
-    resumed = [json.loads(x) for x in metrics.read_text().splitlines()]
     resolved = json.loads((out / "resolved.json").read_text())
     resolved["run"]["output_dir"] = str(tmp_path / "full")
     full = run_distributed(_train, 2, TrainConfig.from_dict(resolved), timeout=400)[0]
     strip = [{k: v for k, v in h.items() if k != "seconds"} for h in full]
-    assert [{k: v for k, v in h.items() if k != "seconds"} for h in resumed] == strip
+    assert [h["iteration"] for h in _lines(out)] == [0, 1, 2, 3]
+    assert [{k: v for k, v in h.items() if k != "seconds"} for h in _lines(out)] == strip
+    assert any(h["staleness_max"] >= 1 for h in full[1:])

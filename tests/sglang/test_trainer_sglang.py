@@ -192,7 +192,9 @@ def test_asynchronous_rl_on_sglang_servers(sglang_python, run_dir):
                     "episodes_per_iteration": 4, "max_turns": 4},
         "algorithm": {"micro_batch_size": 2, "max_staleness": 1, "off_policy": "decoupled",
                       "old_logprobs": "recompute"},
-        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300},
+        "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
+                    "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+                    "server_max_restarts": 2},
         "run": {"iterations": 4, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
     })
