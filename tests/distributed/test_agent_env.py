@@ -4,9 +4,18 @@ batch beside it (agents/broker.py ReplicaDriver). The agents (earl_megatron/test
 ``probe``) are real programs using the ``openai`` client and httpx: one meets every refusal
 the endpoint answers and records status and code, one forks its episode, one posts its reward,
 one raises, one hangs past ``rollout.agent_timeout_s``, one is the built-in agent scored by
-``env.kwargs.reward``. The run goes on through all of them:
-both iterations train, the metrics count each case, the samples hold every episode's task and
-its rows' messages, and every row decodes to the chat template's text of its messages."""
+``env.kwargs.reward``, one (``hold``) plays plain until iteration 1's samples are written, then
+never returns. The run goes on through all of them:
+iterations 0 and 1 train, the metrics count each case, the samples hold every episode's task and
+its rows' messages, and every row decodes to the chat template's text of its messages.
+
+The same launch then checks a stop request during a rollout of agents: the stop file's
+``requested`` is written within a poll (0.05 s) of iteration 1's metrics line, so it lands in
+iteration 2's rollout, whose ``hold`` agent never returns (the run would time it out, with the
+``hang`` one, only after ``rollout.agent_timeout_s``, 10 s): every rank of the tp2 replica sees
+the stop at the driver's next tick (the leader's HTTP thread and agents keep nothing from it),
+iteration 2 is abandoned untrained, iteration 1 checkpointed, exit 0. Last, the trained policy
+is served from that checkpoint."""
 
 import json
 import os
@@ -16,15 +25,28 @@ import time
 
 from earl_megatron.testing.agents import SEEN_OK, serve_process
 
-KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "builtin")
+KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "builtin", "hold")
 MAX_TURNS = 3
 
 
-def test_agent_programs_train_through_the_endpoint(tmp_path):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"kind": k, "prompt": "say hi", "max_turns": MAX_TURNS})
-                             + "\n" for k in KINDS))
+def _lines(path) -> int:
+    """Complete lines in path (0 when it does not exist yet)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    return text.count("\n")
+
+
+def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path):
     out = tmp_path / "run"
+    tasks = tmp_path / "tasks.jsonl"
+    # ``hold`` holds once iteration 1's samples are written (the end of its TRAIN step, before
+    # its metrics line): from iteration 2's rollout on, never in iterations 0 and 1
+    hold_when = out / "samples" / "iter_000001.jsonl"
+    tasks.write_text("".join(json.dumps({"kind": k, "prompt": "say hi", "max_turns": MAX_TURNS,
+                                         "hold_when": str(hold_when)})
+                             + "\n" for k in KINDS))
     args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
             "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
             "env.kwargs.reward=earl_megatron.testing.agents:score",
@@ -33,16 +55,34 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
             f"rollout.max_turns={MAX_TURNS}", "rollout.max_action_tokens=6",
             "rollout.max_context_tokens=256", "rollout.agent_timeout_s=10",
             "algorithm.micro_batch_size=2", "algorithm.old_logprobs=recompute",
-            "run.iterations=2", "run.checkpoint_every=0",
-            # the evaluations play one task: seed 10**9 % 7 = 6, the built-in agent
+            # iteration 2 is the one the stop abandons
+            "run.iterations=3", "run.checkpoint_every=0",
+            # the start evaluation plays one task: seed 10**9 % 8 = 0, plain (the stop skips
+            # the end evaluation)
             "run.eval_every=0", "run.eval_episodes=1", "run.live_view=false",
             "run.samples_per_iteration=100",
             f"run.output_dir={out}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "earl_megatron.cli", "train",
-                           "--nproc-per-node", "2", *args], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env.pop("EARL_STOP_FILE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.cli", "train",
+                             "--nproc-per-node", "2", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 500
+        while _lines(out / "metrics.jsonl") < 2:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no metrics line for iteration 1 within 500 s"
+            time.sleep(0.05)
+        # iteration 2's rollout: its ``hold`` agent never returns, the stop lands in it
+        (out / "stop").write_text("requested\n")
+        log = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log[-3000:]
+    assert (out / "stop").read_text() == "stopped 1\n", log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    assert not (out / "samples" / "iter_000002.jsonl").exists()    # abandoned untrained
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1]
     for r in records:
@@ -51,8 +91,8 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         assert m["agent_forks"] == MAX_TURNS - 1 + 1, m     # refusals' resends, the fork
         # re-scored (old_logprobs=recompute): the rows' logprobs are the engine's, forks too
         assert m["rollout_logprob_diff_max"] < 1e-4, m
-        # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1
-        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1) / len(KINDS), m
+        # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1, hold (plain here) 1
+        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1 + 1) / len(KINDS), m
 
     from earl_megatron.agents.chat import ChatRenderer
     from earl_megatron.train import make_tokenizer
@@ -76,6 +116,7 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         assert firsts["raise"]["finish_reason"] == "error"
         assert "fails on purpose" in firsts["raise"]["info"]["agent_error"]
         assert firsts["hang"]["finish_reason"] == "timeout"
+        assert firsts["hold"]["reward"] == 1.0       # before iteration 2 it plays plain
         for lost in ("raise", "hang"):
             assert firsts[lost]["policy_tokens"] == 0      # a lost episode trains nothing
         # the refusals agent resends its first messages: each call after the first forks
@@ -101,38 +142,3 @@ def test_agent_programs_train_through_the_endpoint(tmp_path):
         assert reply.choices[0].model_extra["token_ids"]
     finally:
         proc.kill()
-
-
-def test_a_stop_request_abandons_a_rollout_of_agents(tmp_path):
-    """The stop file's ``requested`` during a rollout whose agent never returns (``hold``, from
-    iteration 1 on): every rank of the tp2 replica sees the stop at the driver's next tick (the
-    leader's HTTP thread and agents keep nothing from it), iteration 1 is abandoned untrained,
-    iteration 0 checkpointed, exit 0."""
-    out = tmp_path / "run"
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"kind": "hold", "prompt": "hi",
-                                 "hold_when": str(out / "metrics.jsonl")}) + "\n")
-    args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
-            "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
-            "layout=static", "layout.rollout=tp2", "layout.train=dp2", "layout.logprob=dp2",
-            "rollout.episodes_per_iteration=2", "rollout.max_action_tokens=4",
-            "algorithm.micro_batch_size=2", "run.iterations=3", "run.checkpoint_every=0",
-            "run.eval_episodes=1", "run.live_view=false", f"run.output_dir={out}"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.pop("EARL_STOP_FILE", None)
-    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.cli", "train",
-                             "--nproc-per-node", "2", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 400
-    while not (out / "metrics.jsonl").exists() or \
-            not (out / "metrics.jsonl").read_text().endswith("\n"):
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "no metrics line for iteration 0 within 400 s"
-        time.sleep(0.1)
-    (out / "stop").write_text("requested\n")
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, log[-3000:]
-    assert (out / "stop").read_text() == "stopped 0\n", log[-3000:]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_000000"
-    assert [json.loads(x)["iteration"] for x in
-            (out / "metrics.jsonl").read_text().splitlines()] == [0]
