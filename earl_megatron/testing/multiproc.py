@@ -158,3 +158,23 @@ def _copy_out(logs) -> None:
                 continue
             while data:
                 data = data[os.write(fd, data):]
+
+
+def kill_torchrun(proc) -> list:
+    """SIGKILL a torchrun launched with ``start_new_session=True`` and every worker it started,
+    and wait for them all; returns the workers (psutil processes). torchrun starts each worker
+    in a session of its own: they are killed by pid with it, or the orphans would hold (and
+    later write to the run) beside a relaunch."""
+    import contextlib
+    import signal
+
+    import psutil
+
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for w in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            w.kill()
+    proc.wait()
+    psutil.wait_procs(workers, timeout=60)
+    return workers

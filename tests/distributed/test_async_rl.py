@@ -13,10 +13,8 @@
 
 import json
 
-import pytest
-
 from earl_megatron.config.train import TrainConfig
-from earl_megatron.testing.multiproc import run_distributed
+from earl_megatron.testing.multiproc import kill_torchrun, run_distributed
 
 
 
@@ -161,22 +159,6 @@ def _wait(proc, ready, timeout=400):
     raise AssertionError(f"not ready within {timeout} s")
 
 
-def _kill(proc):
-    import contextlib
-    import os
-    import signal
-
-    import psutil
-
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for w in workers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            w.kill()
-    proc.wait()
-    psutil.wait_procs(workers, timeout=60)
-
-
 def _lines(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -211,7 +193,7 @@ def test_stop_and_sigkill_with_episodes_in_flight_then_resume(tmp_path):
     ckpt = out / "checkpoints" / "iter_000002" / "loop.json"
     proc = _launch(out, *held, "+env.kwargs.hold_lines=3", checkpoint_every=1)
     _wait(proc, ckpt.exists)   # published whole (renamed into place); iteration 3 then holds
-    _kill(proc)
+    kill_torchrun(proc)
     assert len(_lines(out)) == 3
     loop = json.loads(ckpt.read_text())
     live = [e for e in loop["pool"]["entries"] if e["live"] is not None]

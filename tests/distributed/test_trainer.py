@@ -8,7 +8,7 @@ import json
 import pytest
 
 from earl_megatron.config.train import ConfigError, TrainConfig
-from earl_megatron.testing.multiproc import run_distributed
+from earl_megatron.testing.multiproc import kill_torchrun, run_distributed
 
 
 def _cfg(out, iterations, algorithm=None, cluster=None, **layout):
@@ -77,9 +77,6 @@ def test_sigkill_mid_run_and_resume(tmp_path):
     2's rollout on (metrics.jsonl has 2 lines) its steps wait for a stop request that never
     comes, so the kill lands in checkpoint 1 or iteration 2's rollout on any machine; the rerun
     plays the plain game (the same moves)."""
-    import contextlib
-    import os
-    import signal
     import time
 
     import psutil
@@ -94,15 +91,7 @@ def test_sigkill_mid_run_and_resume(tmp_path):
             break   # iteration 2 cannot complete now: its rollout holds
         time.sleep(0.05)
     assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
-    # torchrun starts each worker in a session of its own: kill them by pid with torchrun, or
-    # the orphans would hold (and later write to the run) beside the relaunch
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for w in workers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            w.kill()
-    proc.wait()
-    psutil.wait_procs(workers, timeout=60)
+    workers = kill_torchrun(proc)
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     assert len((part / "metrics.jsonl").read_text().splitlines()) == 2   # held: never 3
     proc = _launch(part)
