@@ -62,9 +62,8 @@ class Entry:
         return (self.key[0], self.key[1] // self.group_size)
 
     def oldest(self) -> Optional[int]:
-        versions = self.episode.versions if self.episode is not None else self.live.versions
-        sampled = [v for v in versions if v >= 0]
-        return min(sampled) if sampled else None
+        return _oldest_version(self.episode.versions if self.episode is not None
+                               else self.live.versions)
 
     def portable(self) -> dict:
         """What travels between ranks and into a checkpoint (no environment object)."""
@@ -289,7 +288,12 @@ def _coords(lay) -> bool:
 
 
 def _oldest(d: dict) -> Optional[int]:
-    versions = d["episode"].versions if d["episode"] is not None else d["live"]["versions"]
+    return _oldest_version(d["episode"].versions if d["episode"] is not None
+                           else d["live"]["versions"])
+
+
+def _oldest_version(versions) -> Optional[int]:
+    """The oldest version among sampled tokens (-1 marks the others); None: none sampled."""
     sampled = [v for v in versions if v >= 0]
     return min(sampled) if sampled else None
 
