@@ -33,7 +33,8 @@ Printed per run, over the iterations after the first (iteration 0 is warm-up):
   - the ratio of trained episodes/s to the sync baseline's, from the same run of this script
     (the machine is noisy: compare within one run). The sync run is repeated last (sync') and
     the baseline is the two sync runs' harmonic-mean rate, which brackets a load that drifts
-    during the script (``--no-bracket``: one sync run).
+    during the script (``--no-bracket``: one sync run). The ratios are printed once every run
+    of a workload is done (the baseline needs sync'), on the line after its table.
 
 Section 2 (``--section env``). A user's environment through ``env.name=module:factory``
 (``benchmarks.async_rl:slow_tool``, below: a tool that answers every action after
@@ -218,7 +219,7 @@ def section_async(args) -> dict:
             run_distributed(_train, 2, cfg, timeout=args.timeout)
             print(f"  (warm start: {args.sft_steps} supervised steps on the calculator's expert, "
                   f"{time.perf_counter() - t:.0f} s, once; every run starts from it)", flush=True)
-        print(f"  {'run':6s} {'eps/s':>7s} {'x sync':>7s} {'rollout s':>9s} "
+        print(f"  {'run':6s} {'eps/s':>7s} {'rollout s':>9s} "
               f"{'idle r0':>7s} {'idle r1':>7s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} "
               f"{'reward':>7s} {'ctx mean/max':>12s} {'cpu s/it':>8s}", flush=True)
         order = list(args.ks) + ([0] if args.bracket and 0 in args.ks else [])
@@ -237,11 +238,9 @@ def section_async(args) -> dict:
                 rows[0] = dict(first, eps=2 / (1 / first["eps"] + 1 / s["eps"]))
             else:
                 rows[k] = s
-            base = rows.get(0)
-            rel = f"{s['eps'] / base['eps']:7.2f}" if base and k else f"{'-':>7s}"
             name = "sync" if k == 0 else f"k={k}"
             name = "sync'" if again else name
-            print(f"  {name:6s} {s['eps']:7.2f} {rel} {s['rollout_s']:9.2f} "
+            print(f"  {name:6s} {s['eps']:7.2f} {s['rollout_s']:9.2f} "
                   f"{s['idle'][0]:7.2f} {s['idle'][1]:7.2f} {s['st_mean']:7.3f} "
                   f"{s['st_max']:6d} {s['dropped']:7d} {s['reward']:7.2f} "
                   f"{s['ctx'][0]:7.1f}/{s['ctx'][1]:<4d} {s['cpu']:8.2f}", flush=True)

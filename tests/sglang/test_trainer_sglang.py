@@ -113,9 +113,10 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
                     "sglang_bucket_mb": 0.1},  # the ~0.8 MB model in buckets of <= 100 KiB
         "algorithm": {"micro_batch_size": 2},
         # the strikes cost what these bound: a dead peer in group setup waits out
-        # weight_sync_timeout_s, the stall server_request_timeout_s (a turn takes < 1 s)
+        # weight_sync_timeout_s, the stall server_request_timeout_s: 30 s each, over 30x what
+        # a turn (< 1 s) or a push (< 0.2 s) takes on an idle host
         "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
-                    "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+                    "server_request_timeout_s": 30, "weight_sync_timeout_s": 30,
                     "server_max_restarts": 2},
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
