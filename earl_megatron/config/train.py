@@ -35,6 +35,21 @@ def sglang_mem_fraction(configured: Optional[float], device: str) -> float:
     return SGLANG_MEM_FRACTION[device] if configured is None else configured
 
 
+def sglang_kv_tokens(device: str, sequences: int, max_context_tokens: int) -> Optional[int]:
+    """``--max-total-tokens`` of the trainer's SGLang servers: a cap on each server's KV pool.
+
+    cpu: the rollout's worst case, ``sequences`` (the most episodes one play can hold at once:
+    (max_staleness + 1) x episodes_per_iteration, or run.eval_episodes if more) of
+    ``max_context_tokens`` each, whichever replica gets them. SGLang takes the smaller of this
+    and what ``--mem-fraction-static`` leaves, so the cap only ever shrinks the pool: 5% of a
+    24 GiB host is ~2 million tokens of a tiny model (~1 GB allocated and zeroed at every
+    start, 1-12 s of it measured) where a run needs a few thousand. cuda: None, the fraction
+    alone (the device's memory is the server's to use; the selector plans with the fraction)."""
+    if device != "cpu":
+        return None
+    return max(1, sequences) * max_context_tokens
+
+
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 
 

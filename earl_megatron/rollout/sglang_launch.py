@@ -67,6 +67,10 @@ class SGLangConfig:
     """None: config.train.SGLANG_MEM_FRACTION["cpu"] (0.05, KV pool as a share of host RAM) on
     cpu, SGLang's own default on cuda. The trainer always passes rollout.sglang_mem_fraction's
     value, which its selector plans the servers' memory with."""
+    max_total_tokens: Optional[int] = None
+    """Cap on each server's KV pool in tokens (``--max-total-tokens``; SGLang takes the smaller
+    of it and what mem_fraction_static leaves). None: no cap. The trainer passes
+    config.train.sglang_kv_tokens (its rollout's worst case on cpu, None on cuda)."""
     enable_memory_saver: bool = False
     """Launch with --enable-memory-saver so release_memory/resume_memory work (GPU only)."""
     sleep_on_idle: Optional[bool] = None
@@ -158,6 +162,8 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str,
             cmd += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if config.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+    if config.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(config.max_total_tokens)]
     if config.ep_size > 1:
         cmd += ["--ep-size", str(config.ep_size)]
     if not overlap_schedule(config):

@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from earl_megatron.config.train import TrainConfig, sglang_mem_fraction
+from earl_megatron.config.train import TrainConfig, sglang_kv_tokens, sglang_mem_fraction
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.advantages import tis_weighted
 from earl_megatron.rl.losses import PolicyLossConfig
@@ -99,6 +99,7 @@ class Trainer:
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
                                        use_distributed_optimizer=a.use_distributed_optimizer)
+        in_flight = (a.max_staleness + 1) * r.episodes_per_iteration
         # one memory fraction: the servers start with it and the selector plans with it
         frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
             if r.engine == "sglang" else None
@@ -108,16 +109,19 @@ class Trainer:
                                     sglang_mem_fraction=frac,
                                     sglang_restart_s=r.sglang_restart_s,
                                     prefill_tokens=r.prefill_tokens,
-                                    in_flight=(a.max_staleness + 1) * r.episodes_per_iteration)
+                                    in_flight=in_flight)
+        context = r.max_context_tokens or cfg.model.max_position_embeddings
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
-            max_context_tokens=r.max_context_tokens or cfg.model.max_position_embeddings,
+            max_context_tokens=context,
             max_action_tokens=r.max_action_tokens, top_p=r.top_p,
             routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens,
             agent=agent_spec(cfg), env_concurrency=r.env_concurrency), tokenizer,
             model=cfg.model,
             python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
-            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster)
+            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster,
+            kv_tokens=sglang_kv_tokens(r.sglang_device, max(in_flight, cfg.run.eval_episodes),
+                                       context))
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"

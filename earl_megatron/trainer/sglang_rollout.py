@@ -90,10 +90,12 @@ class SGLangRollout:
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
                  device: str, out_dir: Path, cluster: Optional[ClusterConfig] = None,
-                 mem_fraction: Optional[float] = None, bucket_bytes: int = 512 << 20):
+                 mem_fraction: Optional[float] = None, kv_tokens: Optional[int] = None,
+                 bucket_bytes: int = 512 << 20):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
         self.mem_fraction = sglang_mem_fraction(mem_fraction, device)
+        self.kv_tokens = kv_tokens  # --max-total-tokens (config.train.sglang_kv_tokens)
         self.spec, self.tok, self.model_cfg = spec, tokenizer, model
         self.python, self.device = python, device
         self.dir = Path(out_dir) / "sglang"
@@ -314,6 +316,7 @@ class SGLangRollout:
                                base_gpu_id=local,
                                host_servers=max(1, layout.dp * node_ranks // self.world),
                                mem_fraction_static=self.mem_fraction,
+                               max_total_tokens=self.kv_tokens,
                                enable_memory_saver=self.device == "cuda",
                                load_format="dummy", startup_timeout_s=c.server_start_timeout_s,
                                request_timeout_s=c.server_request_timeout_s,

@@ -211,3 +211,11 @@ def test_asynchronous_rl_on_sglang_servers(sglang_python, run_dir):
         assert h["rollout_logprob_diff_max"] < 1e-4, h
         assert h["staleness_max"] <= 1, h
     assert any(h["staleness_mean"] > 0 for h in hist[1:])
+    # each server's KV pool is capped at the run's worst case: (k+1) x 4 episodes of the
+    # context bound (config.train.sglang_kv_tokens), not 5% of the host's memory
+    context = cfg.rollout.max_context_tokens or cfg.model.max_position_embeddings
+    for log in out.glob("sglang/logs-*/server-*.log"):
+        text = log.read_text()
+        assert f"--max-total-tokens {8 * context} " in text, log
+        pools = [int(x) for x in re.findall(r"KV Cache is allocated.*#tokens: (\d+)", text)]
+        assert pools and all(p <= 8 * context for p in pools), (log, pools)

@@ -9,7 +9,7 @@ import pytest
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.config.train import (SGLANG_MEM_FRACTION, ConfigError, LayoutConfig,
-                                        TrainConfig, sglang_mem_fraction)
+                                        TrainConfig, sglang_kv_tokens, sglang_mem_fraction)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.server_restart import model_key
 from earl_megatron.plan.specs import Stage
@@ -47,6 +47,18 @@ def test_one_memory_fraction_for_the_servers_and_the_selector():
         TrainConfig.from_dict({"rollout": {"sglang_mem_fraction": 1.2}})
     with pytest.raises(ConfigError, match="sglang_restart_s"):
         TrainConfig.from_dict({"rollout": {"sglang_restart_s": -1}})
+
+
+def test_cpu_servers_cap_their_kv_pool_at_the_rollouts_worst_case():
+    # cpu: (k+1) x episodes (or the evaluation's, if more) sequences of the context bound
+    assert sglang_kv_tokens("cpu", 2 * 16, 512) == 16384
+    assert sglang_kv_tokens("cpu", 0, 512) == 512
+    assert sglang_kv_tokens("cuda", 32, 512) is None  # the fraction alone sizes a GPU's pool
+    cmd = server_command(SGLangConfig(python="py", model_path="m", device="cpu",
+                                      max_total_tokens=16384), 0, 1234, "m")
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "16384"
+    assert "--max-total-tokens" not in server_command(
+        SGLangConfig(python="py", model_path="m", device="cpu"), 0, 1234, "m")
 
 
 def test_embedded_planner_keeps_the_embedded_engine():
