@@ -144,21 +144,9 @@ def run_dir():
 
 @pytest.fixture
 def group_gone():
-    """``group_gone(pgid)``: True once no process of that group exists, within ``within_s``.
-    SIGKILLed children stay zombies, still in their group, until init reaps them (here that
-    took longer than the check right after a run): a group still there after the wait is a
-    server that outlived the run."""
-    import time
+    """``group_gone(pgid)``: earl_megatron.testing.multiproc.process_group_gone (waits 30 s for
+    init to reap SIGKILLed children): a group still there after the wait is a server that
+    outlived the run."""
+    from earl_megatron.testing.multiproc import process_group_gone
 
-    def gone(pgid: int, within_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + within_s
-        while True:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.2)
-
-    return gone
+    return process_group_gone

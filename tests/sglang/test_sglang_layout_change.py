@@ -22,14 +22,17 @@ pytestmark = pytest.mark.timeout(2400)  # five server starts take minutes on 2 b
 
 
 def _play_in_two_layouts(python: str, out: str):
+    import re
+    from pathlib import Path
+
     import torch
 
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
-    from earl_megatron.rollout.sglang_server import port_is_free
     from earl_megatron.rollout.tokenizer import GAME_ALPHABET, char_tokenizer
     from earl_megatron.runtime.build import OptimizerSpec
     from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.testing.multiproc import process_group_gone
     from earl_megatron.trainer.model_pair import build_model_pair
     from earl_megatron.trainer.old_logprobs import rescore
     from earl_megatron.trainer.record import gather_by_sample
@@ -60,11 +63,14 @@ def _play_in_two_layouts(python: str, out: str):
                 found.append((str(lay), ids, len(eps), diff, list(rollout.endpoints),
                               m["rollout_weight_version"],
                               (m["weight_sync_bytes_in_max"], m["weight_sync_bytes_in_leader"])))
-            def ports(ends):
-                return {int(e.split()[0].split(":")[1]) for e in ends}
-            # the servers of the first two layouts are stopped (ports the third reused aside)
-            old_ports = (ports(found[0][4]) | ports(found[1][4])) - ports(found[2][4])
-            freed = bool(old_ports) and all(port_is_free("127.0.0.1", p) for p in old_ports)
+            # the servers of the first two layouts are stopped: every process group this rank
+            # started (its logs name each start's pid) but the current servers' is gone. Not
+            # their ports: a freed port is anyone's, e.g. the next servers' internal sockets
+            rank = torch.distributed.get_rank()
+            started = {int(p) for f in (Path(out) / "sglang").glob(f"logs-*-dp{rank}/server-*.log")
+                       for p in re.findall(r"=== pid (\d+)", f.read_text())}
+            old = started - {s.proc.pid for s in rollout.engine._servers}
+            freed = len(old) >= (2 if rank == 0 else 1) and all(map(process_group_gone, old))
             starts = rollout.take_starts()
         finally:
             rollout.close()

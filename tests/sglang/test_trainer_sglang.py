@@ -23,7 +23,7 @@ Checked:
 - the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB, each leader
   receiving exactly the tp half it lacks (the weight plan); every strike was followed by a
   start on a new port;
-- after the run every server's port is free and every server process group is gone.
+- after the run every server process group is gone (not its port: a freed port is anyone's).
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.plan.weight_plan import minimum_recv_bytes
-    from earl_megatron.rollout.sglang_server import port_is_free
 
     out = run_dir / "run"
     points = run_dir / "fault-points"
@@ -171,8 +170,6 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     assert any(r.startswith("weight push") for r in reasons), reasons
     assert any("timed out" in r for r in reasons), reasons  # the stall
     assert lines[-1]["rollout_servers_died"] >= 4
-    ports = [int(e.split()[0].split(":")[1]) for e in lines[-1]["rollout_servers"]]
-    assert all(port_is_free("127.0.0.1", p) for p in ports)
     for p in out.glob("sglang/logs-*/server-*.log"):  # every server of the run has exited
         for pid in map(int, re.findall(r"=== pid (\d+)", p.read_text())):
             assert group_gone(pid), (p, pid)
