@@ -39,8 +39,10 @@ from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import (LayoutPlan, NoLayoutFitsError, Selector, SelectorConfig,
                                          SelectorState)
-from earl_megatron.plan.specs import (CLUSTER_PRESETS, ClusterSpec, Recompute, Stage,
-                                      StageWorkload, TrainOptions, cluster_spec, human_bytes)
+from earl_megatron.plan.specs import (CLUSTER_PRESETS, ClusterSpec, DecodeEngine, Recompute,
+                                      Stage, StageWorkload, TrainOptions, cluster_spec,
+                                      human_bytes)
+from earl_megatron.plan.split import SplitDoesNotFitError, SplitWorkload, plan_split
 from earl_megatron.plan.time_model import decode_tokens, rollout_running_batch
 from earl_megatron.plan.tensor_table import num_parameters, tensor_table
 
@@ -97,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--margin", type=float, default=0.1, help="memory safety margin (fraction)")
     w.add_argument("--max-tp", type=int)
     w.add_argument("--profile", help="profile table JSON (from tools/profile_layouts.py)")
+    sp = p.add_argument_group("split placement (plan/split.py)")
+    sp.add_argument("--split", help="auto: the split the selector picks (colocated or a rollout "
+                    "pool of whole nodes) per context, against colocated; N: that many rollout "
+                    "ranks. One row per (context, --responses), the iteration's batch")
+    sp.add_argument("--env-seconds", type=float, default=0.0,
+                    help="--split: seconds the environments add to a rollout (tools, opponents)")
+    sp.add_argument("--sglang-mem-fraction", type=float,
+                    help="ROLLOUT on SGLang servers started with this --mem-fraction-static (the "
+                         "trainer's rollout.engine=sglang; recipes: 0.8 on cuda)")
     p.add_argument("--reasons", action="store_true",
                    help="under each table, print every cell's plan reason (the selector's words)")
     p.add_argument("--png", help="write a heatmap of the chosen layouts to this PNG file")
@@ -323,6 +334,61 @@ def print_compare(rows: list[dict], layouts, header: str, out=None) -> None:
         print(f"{_k(ctx):>8} {n:>5} " + " ".join(f"{t:>26}" for t in texts) + ratio, file=out)
 
 
+def split_rows(selector: Selector, contexts: Sequence[int], loads: Sequence[int],
+               micro_batch_tokens: int, split: str, env_seconds: float,
+               decode_fraction: Optional[float] = None) -> list[dict]:
+    """Colocated against the split (``split``: "auto" or a rollout-pool size) for every
+    (context, batch); a plan that does not fit is its SplitDoesNotFitError's text."""
+    rows = []
+    for ctx in contexts:
+        for load in loads:
+            work = SplitWorkload(*(_workload(st, ctx, load, micro_batch_tokens, decode_fraction)
+                                   for st in (Stage.ROLLOUT, Stage.LOGPROB, Stage.TRAIN)),
+                                 env_seconds=env_seconds)
+            row: dict = {"context": ctx, "responses": load}
+            for key, ranks in (("colocated", 0), ("split", None if split == "auto"
+                                                   else int(split))):
+                try:
+                    row[key] = plan_split(selector, work, rollout_ranks=ranks)
+                except SplitDoesNotFitError as e:
+                    row[key] = e
+            rows.append(row)
+    return rows
+
+
+def print_split(rows: list[dict], split: str, header: str, reasons: bool, out=None) -> None:
+    stream = out or sys.stdout
+    print(header, file=stream)
+    name = "auto" if split == "auto" else f"{split} rollout ranks"
+    print(f"{'context':>8} {'batch':>6}  {'colocated':<44} {'split: ' + name:<66} vs colocated",
+          file=stream)
+
+    def cell(p) -> str:
+        if isinstance(p, SplitDoesNotFitError):
+            return "does not fit"
+        if p.colocated:
+            return (f"{p.rollout.layout} | {p.logprob.layout} -> {p.train.layout} "
+                    f"{_seconds(p.period_s)}")
+        return (f"{p.rollout_ranks}/{p.train_ranks}: {p.rollout.layout} | {p.logprob.layout} -> "
+                f"{p.train.layout} {_seconds(p.period_s)} ({p.bound_by})")
+
+    for r in rows:
+        c, s = r["colocated"], r["split"]
+        ratio = (f"{c.period_s / s.period_s:.2f}x" if not isinstance(c, Exception)
+                 and not isinstance(s, Exception) else "-")
+        print(f"{_k(r['context']):>8} {r['responses']:>6}  {cell(c):<44} {cell(s):<66} {ratio}",
+              file=stream)
+    print("cells: rollout layout | logprob -> train layout, seconds per iteration (split: "
+          "rollout/train ranks; max(rollout, train) + the weight handoff; which side bounds "
+          "it); colocated: the stages in turn", file=stream)
+    if reasons:
+        for r in rows:
+            for key in ("colocated", "split"):
+                p = r[key]
+                why = str(p) if isinstance(p, Exception) else (p.reason or p.describe())
+                print(f"  {_k(r['context'])} x {r['responses']} {key}: {why}", file=stream)
+
+
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
@@ -330,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),
                         distributed_optimizer=not args.no_distributed_optimizer)
+    if args.sglang_mem_fraction is not None:
+        cluster = cluster.with_(decode_engine=DecodeEngine.sglang_servers(
+            args.sglang_mem_fraction))
     profile = ProfileTable.load(args.profile) if args.profile else None
     selector = Selector(model, cluster, opts,
                         SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp,
@@ -346,6 +415,15 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
               f"rank after a {args.margin:.0%} margin); recompute={args.recompute}, "
               f"micro-batch {args.micro_batch_tokens} tokens")
     stream = out or sys.stdout
+    if args.split:
+        if args.split != "auto" and not args.split.isdigit():
+            raise SystemExit(f"--split {args.split!r}: give auto or a number of rollout ranks")
+        rows = split_rows(selector, args.contexts, args.in_flight, args.micro_batch_tokens,
+                          args.split, args.env_seconds, args.decode_fraction)
+        engine = (f"; rollout on SGLang servers (--mem-fraction-static "
+                  f"{args.sglang_mem_fraction:g})" if args.sglang_mem_fraction else "")
+        print_split(rows, args.split, header + engine, args.reasons, stream)
+        return 0
     if args.compare:
         layouts = [ParallelLayout.parse(x, cluster.world_size, model)
                    for x in args.compare.split(",") if x.strip()]

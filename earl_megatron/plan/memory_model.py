@@ -37,6 +37,8 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   pool statically: ``memory_fraction`` x device memory minus what the device already holds
   (the trainer's weights and resident bytes, the server's own weights, reserved), whatever the
   responses need; a pool smaller than one sequence does not fit (``server_pool_fits``).
+  Servers alone on their devices (``DecodeEngine.beside_trainer`` False: split placement's
+  rollout pool) hold no trainer weights: the weights term is 0.
 - server_weights (ROLLOUT on servers): the server's own copy, weights / tp (pp = cp = 1).
 - comm_buffers: pipeline p2p send/recv tensors (two each way in TRAIN) and the transient gathered
   K/V of one layer for CP outside TRAIN; with ep > 1 one MoE layer's all-to-all send and
@@ -248,9 +250,11 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
             if problem:
                 raise ValueError(f"{engine.name} servers: {problem}")
             server_weights = params * b
-            held = params * b + server_weights + reserved + resident   # at the server's start
+            trainer = params * b if engine.beside_trainer else 0
+            held = trainer + server_weights + reserved + resident   # at the server's start
         kv_cache = rollout_kv(model, layout, workload, held, engine, memory, b).cache_bytes
-    return MemoryEstimate(stage=stage, layout=layout, pp_rank=pp_rank, weights=params * b,
+    weights = 0 if server_weights and not engine.beside_trainer else params * b
+    return MemoryEstimate(stage=stage, layout=layout, pp_rank=pp_rank, weights=weights,
                           grads=grads, optimizer=optimizer, activations=activations,
                           logits=logits, kv_cache=kv_cache, comm_buffers=comm,
                           reserved=reserved, resident=resident, server_weights=server_weights)

@@ -92,6 +92,10 @@ class DecodeEngine:
     device, as SGLang's ``--mem-fraction-static`` sizes it) and restarts when the rollout tp or
     dp changes (the selector prices that: plan/server_restart.py). False: a pool or cache of
     the trainer's own model, sized by what the responses need."""
+    beside_trainer: bool = True
+    """Servers only: they share their devices with the trainer's model (colocated placement).
+    False: their devices hold the servers alone (split placement's rollout pool,
+    plan/split.py), so the pool is sized without the trainer's weights."""
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:

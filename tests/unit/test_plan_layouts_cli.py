@@ -106,3 +106,21 @@ def test_flags_override_the_preset(tool):
     assert cl.world_size == 4 and cl.device_memory_bytes == 2 * 10 ** 9
     with pytest.raises(KeyError, match="known presets"):
         tool.model_from_args(tool.build_parser().parse_args(["--model", "gpt5"]))
+
+
+def test_split_prints_colocated_against_the_chosen_split(tool):
+    out = io.StringIO()
+    assert tool.main(["--model", "qwen2.5-72b", "--nodes", "16", "--split", "auto",
+                      "--sglang-mem-fraction", "0.8", "--responses", "256",
+                      "--micro-batch-tokens", "32768", "--contexts", "8192", "--reasons"],
+                     out=out) == 0
+    text = out.getvalue()
+    assert "rollout on SGLang servers (--mem-fraction-static 0.8)" in text
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("8K"))
+    # a split of whole nodes, and how much faster than colocated the model says it is
+    split = next(w for w in row.split() if w.endswith(":"))
+    n_r, n_t = map(int, split.rstrip(":").split("/"))
+    assert n_r + n_t == 128 and n_r % 8 == 0 and row.endswith("x"), row
+    assert "fastest of" in text and "colocated: colocated on 128 ranks" in text
+    with pytest.raises(SystemExit, match="--split 'half'"):
+        tool.main(["--split", "half"], out=io.StringIO())
