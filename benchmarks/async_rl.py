@@ -45,10 +45,14 @@ zero-latency tool; printed: what the 0.1 s latency adds to the zero-latency roll
 case (bound with concurrency: each rank steps its episodes' tools of a turn together, so it adds
 one latency per turn: 4 x 0.1 s = 0.4 s per rank, at most 2 x 4 x 0.1 = 0.8 s).
 
+Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
+(plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and
+auto's split, with the ratios to sync, at 2K, 8K and 32K contexts.
+
 Its last line: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
 (trained episodes/s ratios of section 1).
 
-Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env] [--iterations 5]
+Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
       [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
 """
 
@@ -306,9 +310,38 @@ def section_env(args) -> None:
               f"{args.turns} x {args.latency} = {8 * args.turns * args.latency:.2f} s a rank)")
 
 
+def section_plan(args) -> None:
+    """The time model's projection for the 72B recipe on 128 H100 (plan/split.py): seconds per
+    iteration synchronous colocated, split on half the GPUs, and auto's split, per context."""
+    from earl_megatron.plan.presets import get_preset
+    from earl_megatron.plan.selector import Selector, SelectorConfig
+    from earl_megatron.plan.specs import (DecodeEngine, Stage, StageWorkload, TrainOptions,
+                                          cluster_spec)
+    from earl_megatron.plan.split import SplitWorkload, plan_split
+
+    cluster = cluster_spec("h100", nodes=16, devices_per_node=8).with_(
+        decode_engine=DecodeEngine.sglang_servers(0.8))
+    sel = Selector(get_preset("qwen2.5-72b"), cluster, TrainOptions(distributed_optimizer=True),
+                   SelectorConfig(auto_recompute=True))
+    print(f"\n[projection] qwen2.5-72b recipe on {cluster.name}: 256 episodes, 32K-token "
+          f"micro-batches, SGLang at --mem-fraction-static 0.8, time model only")
+    print(f"  {'context':>8s} {'sync':>8s} {'split 64/64':>12s} {'auto':>24s}")
+    for ctx in (2048, 8192, 32768):
+        work = SplitWorkload(*(StageWorkload.of(st, ctx, 256, responses_in_flight=256,
+                                                micro_batch_tokens=32768)
+                               for st in (Stage.ROLLOUT, Stage.LOGPROB, Stage.TRAIN)))
+        sync = plan_split(sel, work, rollout_ranks=0).period_s
+        half = plan_split(sel, work, rollout_ranks=64).period_s
+        auto = plan_split(sel, work)
+        print(f"  {ctx:8d} {sync:7.0f}s {half:7.0f}s {sync / half:.2f}x "
+              f"{auto.rollout_ranks:3d}/{auto.train_ranks:<3d} {auto.period_s:5.0f}s "
+              f"{sync / auto.period_s:.2f}x")
+    print("  (colocated k=1 projects as sync: the time model has no long tail for k to cut)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=("all", "async", "env"), default="all")
+    ap.add_argument("--section", choices=("all", "async", "env", "plan"), default="all")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1)
@@ -325,6 +358,8 @@ def main() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the workers' import-time warnings
     t0 = time.perf_counter()
     ratios = {}
+    if args.section in ("all", "plan"):
+        section_plan(args)
     if args.section in ("all", "env"):
         section_env(args)
     if args.section in ("all", "async"):

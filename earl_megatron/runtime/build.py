@@ -55,8 +55,12 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
                     weights: Optional[dict[str, torch.Tensor]] = None,
                     load: Optional[Callable[[Any, Coords], None]] = None, ddp: bool = True,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
-                    recompute: Optional[str] = None, init: Optional[bool] = None) -> ModelOnLayout:
+                    recompute: Optional[str] = None, init: Optional[bool] = None,
+                    pools: Optional[tuple[ParallelLayout, ...]] = None) -> ModelOnLayout:
     """Regroup for ``layout`` and build this rank's pp_stage (with DDP and optimizer if asked).
+
+    ``pools``: split placement's pools (runtime/groups.py ``build_pool_groups``), every rank
+    passing the same; ``layout`` is then this rank's pool's and the model lives on that pool.
 
     ``load(model, coords)``: fills every parameter of the bare GPTModel pp_stage before DDP
     wraps it (weights/convert.py's ``load_policy`` reads checkpoints this way); exclusive with
@@ -72,8 +76,11 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
 
     if weights is not None and load is not None:
         raise ValueError("pass either weights= (full tensors) or load= (a loader), not both")
-    groups.build_groups(layout, cfg, seed=seed)
-    coords = layout.coords(dist.get_rank())
+    pool = groups.build_pool_groups(pools or (layout,), cfg, seed=seed)
+    if pool.layout != layout:
+        raise ValueError(f"rank {dist.get_rank()} is in pool {pool.index} ({pool.layout}), "
+                         f"not in a {layout} pool; pass its pool's layout")
+    coords = layout.coords(groups.pool_rank())
     init = (weights is None and load is None if init is None else init) or te_available()
     # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
     # partition_dim, partition_stride: set only inside its init functions) and grad clipping
@@ -118,5 +125,6 @@ def build_optimizer(model, spec: OptimizerSpec, params_dtype: torch.dtype = torc
                            bf16=params_dtype == torch.bfloat16,
                            fp16=params_dtype == torch.float16, params_dtype=params_dtype,
                            use_distributed_optimizer=spec.use_distributed_optimizer)
-    return get_megatron_optimizer(ocfg, [model],
-                                  use_gloo_process_groups=groups.has_gloo_side_groups())
+    with groups.pool_world():   # it gathers parameter groups over the world: the pool's
+        return get_megatron_optimizer(ocfg, [model],
+                                      use_gloo_process_groups=groups.has_gloo_side_groups())

@@ -18,9 +18,21 @@ Megatron asks for 41-50 groups a layout, 17 of them on each of 4 ranks, for 2-4 
 _global_process_group_list``) as well as resetting Megatron's globals, because resetting the
 globals alone (``destroy_model_parallel()``) leaks the groups' fds and threads on gloo.
 
+Split placement (``build_pool_groups(pools)``): the world is consecutive rank ranges, each a
+pool with its own layout (train ranks first, then rollout: plan/split.py). Each pool's
+``initialize_model_parallel`` runs on every rank with parallel_state seeing the pool as the
+world (``_pool_as_world``: its own ``torch`` name redirected, nothing else), so every rank
+creates every pool's groups in the same order and keeps only its own pool's globals, rank lists
+in global ranks. A pool's Megatron code then runs as if its pool were the world, at the same
+time as the other pool's; ``pool_world`` redirects what Megatron still sends to the world
+(optimizer setup), ``pool_group`` / ``pool_rank`` serve the project's own pool-wide calls.
+``build_groups(layout)`` is the one-pool case.
+
+    build_pool_groups((DP2, TP2))   ranks 0-1: DP2 groups [0, 1]; ranks 2-3: TP2 groups [2, 3]
+
 Invariants:
-- All ranks call ``build_groups`` (and ``set_group_cache_size``) with the same sequence of
-  layouts and options. Cache hits, misses and evictions are a function of that sequence only, so
+- All ranks call ``build_groups`` / ``build_pool_groups`` (and ``set_group_cache_size``) with
+  the same sequence of layouts, pools and options. Cache hits, misses and evictions are a function of that sequence only, so
   every rank creates the same groups in the same order (torch's ``new_group`` requires it) and no
   collective is needed to agree on them.
 - At most one layout is active. While one is active, parallel_state's globals are exactly those
@@ -28,8 +40,9 @@ Invariants:
   sets every parallel_state data global back to its import-time None, including those
   ``destroy_model_parallel()`` forgets (``*_GLOBAL_RANKS``, ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP
   _WITH_CP``, which still holds the old dp-cp group) and never destroys a group.
-- A cache key is (layout, world size, timeout, backend). Two layouts never share group objects
-  (each initialisation creates its own), so destroying one layout's groups never touches another.
+- A cache key is (pools, world size, timeout, backend); one layout is the pools ``(layout,)``.
+  Two keys never share group objects (each initialisation creates its own), so destroying one
+  layout's groups never touches another.
   A group is deregistered and released exactly once: when its layout is evicted (the least
   recently used inactive one, when a miss would exceed the bound) or by ``destroy_groups()``.
   The active layout is never evicted. ``max_cached_layouts`` <= 1 is the uncached behaviour:
@@ -41,7 +54,8 @@ Invariants:
   a layout's groups carry CUDA tensors over NCCL and CPU tensors over gloo.
 - Evicted groups are deregistered at once and freed (gloo's destructor sleeps ~30 ms a group)
   on helper threads, at most two batches in flight; ``wait_released()`` joins them.
-- The layout is checked against the world size before anything changes.
+- The layout is checked against the world size (pools: each against its size, their sum against
+  the world's) before anything changes.
 """
 
 from __future__ import annotations
@@ -50,7 +64,8 @@ import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,6 +88,7 @@ class _LayoutGroups:
     set (``_global_process_group_list`` included)."""
 
     state: dict[str, Any]
+    pool: Pool
 
     @property
     def pgs(self) -> list:
@@ -81,7 +97,7 @@ class _LayoutGroups:
         return _distinct(self.state.get("_global_process_group_list"))
 
 
-_CacheKey = tuple   # (layout, world_size, timeout_s, backend)
+_CacheKey = tuple   # (pools, world_size, timeout_s, backend)
 _CACHE: "OrderedDict[_CacheKey, _LayoutGroups]" = OrderedDict()   # least recently used first
 _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
@@ -121,9 +137,10 @@ def group_cache_size() -> int:
     return DEFAULT_MAX_CACHED_LAYOUTS if _MAX_CACHED is None else _MAX_CACHED
 
 
-def cached_layouts() -> list[ParallelLayout]:
-    """Layouts whose groups are alive on this rank, least recently used first."""
-    return [key[0] for key in _CACHE]
+def cached_layouts() -> list:
+    """Layouts (a tuple of layouts for pools) whose groups are alive on this rank, least
+    recently used first."""
+    return [key[0][0] if len(key[0]) == 1 else key[0] for key in _CACHE]
 
 
 def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
@@ -132,54 +149,217 @@ def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
     """Make Megatron-Core's process groups for ``layout`` current (collective over the world
     when they are created; a cache hit communicates nothing). ``max_cached_layouts`` overrides
     the module's bound (``set_group_cache_size``) for this call."""
+    return build_pool_groups((layout,), model, timeout_s=timeout_s, seed=seed,
+                             max_cached_layouts=max_cached_layouts).layout
+
+
+@dataclass(frozen=True)
+class Pool:
+    """This rank's pool: ranks ``offset .. offset + layout.world_size - 1`` of the world run
+    ``layout`` (rank ``offset + i`` is the layout's rank i); ``index`` among the world's pools."""
+
+    index: int
+    offset: int
+    layout: ParallelLayout
+    group: Any = None
+    """The pool's ranks as one group (None: the pool is the world)."""
+
+    @property
+    def ranks(self) -> range:
+        return range(self.offset, self.offset + self.layout.world_size)
+
+
+_POOL: Optional[Pool] = None
+
+
+def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConfig] = None, *,
+                      timeout_s: Optional[float] = None, seed: Optional[int] = None,
+                      max_cached_layouts: Optional[int] = None) -> Pool:
+    """Split placement: the world is ``pools``, consecutive rank ranges (the first pool's ranks
+    first), each with its own layout; make this rank's pool's Megatron-Core groups current and
+    return its ``Pool``. One pool is ``build_groups``.
+
+    Every rank calls it with the same ``pools`` (a cache key like a layout): each pool's
+    ``initialize_model_parallel`` runs on every rank, in pool order, with the pool standing for
+    the world (``_pool_as_world``), so every rank creates every group in the same order, as
+    torch's ``new_group`` requires, and non-members only count it. This rank keeps its own pool's
+    parallel_state globals, rank lists in global ranks. Megatron code then runs per pool as if
+    its pool were the world; what still speaks to the world (Megatron's optimizer setup:
+    ``pool_world``) is redirected to the pool."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    global _ACTIVE, _ACTIVE_KEY
+    global _ACTIVE, _ACTIVE_KEY, _POOL
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call "
                            "earl_megatron.runtime.dist.init_distributed() (or run under torchrun) "
                            "before building groups")
-    layout.check(dist.get_world_size(), model)
+    pools = tuple(pools)
+    world, me = dist.get_world_size(), dist.get_rank()
+    if len(pools) > 1:
+        if sum(p.world_size for p in pools) != world:
+            raise ValueError(f"pools {[str(p) for p in pools]} hold "
+                             f"{sum(p.world_size for p in pools)} ranks; the world has {world}")
+        for p in pools:
+            p.check(p.world_size, model)
+    else:
+        pools[0].check(world, model)
     bound = group_cache_size() if max_cached_layouts is None else max_cached_layouts
     gloo = gloo_only()
     timeout_s = group_timeout_s() if timeout_s is None else timeout_s
-    key = _key(layout, timeout_s)
+    key = _key(pools, timeout_s)
     _deactivate()
     if bound <= 1:
         _evict(keep=0)   # no cache: every regroup, even to the same layout, starts afresh
     entry = _CACHE.get(key)
     if entry is None:
         _evict(keep=bound - 1)   # room first: old groups go before new ones are created
-        before = {n: getattr(ps, n) for n in _state_names(ps)}
-        with _one_group_per_rank_list(ps, enabled=gloo):
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.expert_tp,
-                distributed_timeout_minutes=timeout_s / 60.0,
-                order="tp-cp-ep-dp-pp",
-                # On a CPU-only world the regular groups are gloo already; Megatron's extra
-                # gloo groups would only double the fds and threads. With GPUs its regular
-                # groups carry CPU tensors too (runtime/dist.py), and Megatron's own gloo side
-                # groups (distributed optimizer, checkpoints) are made as it expects.
-                create_gloo_process_groups=not gloo,
-            )
-        _CACHE[key] = _LayoutGroups(state={n: getattr(ps, n) for n, v in before.items()
-                                           if n not in _FRESH and getattr(ps, n) is not v})
-    else:
-        for n, v in entry.state.items():
-            setattr(ps, n, v)
-        if hasattr(ps, "_set_global_memory_buffer"):
-            ps._set_global_memory_buffer()
+        mine, offset = None, 0
+        for index, lay in enumerate(pools):
+            member = offset <= me < offset + lay.world_size
+            with _one_group_per_rank_list(ps, enabled=gloo), \
+                    _pool_as_world(ps, offset, lay.world_size, len(pools) > 1):
+                ps.initialize_model_parallel(
+                    tensor_model_parallel_size=lay.tp,
+                    pipeline_model_parallel_size=lay.pp,
+                    context_parallel_size=lay.cp,
+                    expert_model_parallel_size=lay.ep,
+                    expert_tensor_parallel_size=lay.expert_tp,
+                    distributed_timeout_minutes=timeout_s / 60.0,
+                    order="tp-cp-ep-dp-pp",
+                    # On a CPU-only world the regular groups are gloo already; Megatron's extra
+                    # gloo groups would only double the fds and threads. With GPUs its regular
+                    # groups carry CPU tensors too (runtime/dist.py), and Megatron's own gloo
+                    # side groups (distributed optimizer, checkpoints) are made as it expects.
+                    create_gloo_process_groups=not gloo,
+                )
+            if member:
+                state = {n: getattr(ps, n) for n in _state_names(ps)
+                         if n not in _FRESH and getattr(ps, n) is not None}
+                mine = (index, offset, lay, state)
+            for n in _state_names(ps):
+                setattr(ps, n, None)
+            offset += lay.world_size
+        index, offset, lay, state = mine
+        pool_group = None
+        if len(pools) > 1:   # every rank creates every pool's group, in pool order
+            start = 0
+            for i, p in enumerate(pools):
+                g = dist.new_group(list(range(start, start + p.world_size)),
+                                   timeout=timedelta(seconds=timeout_s))
+                start += p.world_size
+                if i == index:
+                    pool_group = g
+            state["_global_process_group_list"] = list(state["_global_process_group_list"]) \
+                + [pool_group]
+        entry = _CACHE[key] = _LayoutGroups(state=state, pool=Pool(index, offset, lay,
+                                                                   pool_group))
+    for n, v in entry.state.items():
+        setattr(ps, n, v)
+    if hasattr(ps, "_set_global_memory_buffer"):
+        ps._set_global_memory_buffer()
     _CACHE.move_to_end(key)
-    _ACTIVE, _ACTIVE_KEY = layout, key
+    _ACTIVE, _ACTIVE_KEY, _POOL = entry.pool.layout, key, entry.pool
     _evict(keep=bound)   # a per-call bound may be below the number cached
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
-    return layout
+    return entry.pool
+
+
+_RANK_LISTS = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS",
+               "_PIPELINE_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS",
+               "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS",
+               "_CONTEXT_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
+               "_EXPERT_MODEL_PARALLEL_RANKS")
+"""parallel_state's globals that hold rank lists (global ranks once initialised)."""
+
+
+class _Redirected:
+    """A module seen through: ``overrides`` first, then the module's own attributes."""
+
+    def __init__(self, base, **overrides):
+        self._base = base
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+@contextlib.contextmanager
+def _pool_as_world(ps, offset: int, size: int, enabled: bool):
+    """While Megatron initialises one pool's layout, parallel_state (and only it: its own
+    ``torch`` name is swapped) sees ranks ``offset .. offset + size - 1`` as the world: world
+    size ``size``, this rank's rank minus ``offset`` (out of range off the pool: Megatron then
+    sets nothing, but still creates every group, as every rank must), and the rank lists it
+    creates groups from shifted by ``offset``. Afterwards its rank lists are shifted back to
+    global ranks."""
+    if not enabled:
+        yield
+        return
+    real = ps.torch
+    d = real.distributed
+
+    def get_world_size(group=None):
+        return size if group is None else d.get_world_size(group)
+
+    def get_rank(group=None):
+        if group is not None:
+            return d.get_rank(group)
+        r = d.get_rank() - offset
+        return r if 0 <= r < size else -1
+
+    def new_group(ranks=None, **kw):
+        ranks = range(size) if ranks is None else ranks
+        return d.new_group(ranks=[r + offset for r in ranks], **kw)
+
+    ps.torch = _Redirected(real, distributed=_Redirected(
+        d, get_world_size=get_world_size, get_rank=get_rank, new_group=new_group))
+    try:
+        yield
+    finally:
+        ps.torch = real
+    for n in _RANK_LISTS:
+        v = getattr(ps, n, None)
+        if v is not None:
+            setattr(ps, n, [r + offset for r in v])
+
+
+def current_pool() -> Pool:
+    """This rank's pool under the active groups (the whole world when there is one pool)."""
+    if _POOL is None:
+        raise RuntimeError("no layout is active: call build_groups(layout) first")
+    return _POOL
+
+
+def pool_group():
+    """The active pool's ranks as one group; None (the world) when the pool is the world or
+    no groups are active."""
+    return None if _POOL is None else _POOL.group
+
+
+def pool_rank() -> int:
+    """This rank's rank in its pool, i.e. in the pool's layout (no groups active: the world's)."""
+    return dist.get_rank() - (0 if _POOL is None else _POOL.offset)
+
+
+@contextlib.contextmanager
+def pool_world():
+    """torch.distributed's world queries and ``all_gather_object`` without a group act on the
+    active pool inside (nothing changes when the pool is the world). For Megatron code that
+    speaks to the world with no group to pass: 0.16's ``get_megatron_optimizer`` gathers every
+    rank's parameter groups over the world (``_get_param_groups``)."""
+    group = pool_group()
+    if group is None:
+        yield
+        return
+    gws, ago = dist.get_world_size, dist.all_gather_object
+    dist.get_world_size = lambda group=None: gws(group if group is not None else pool_group())
+    dist.all_gather_object = lambda out, obj, group=None: ago(
+        out, obj, group=group if group is not None else pool_group())
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = gws, ago
 
 
 @contextlib.contextmanager
@@ -219,8 +399,8 @@ def _one_group_per_rank_list(ps, enabled: bool):
         ps.create_group = original
 
 
-def _key(layout: ParallelLayout, timeout_s: float) -> _CacheKey:
-    return (layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
+def _key(pools: tuple, timeout_s: float) -> _CacheKey:
+    return (pools, dist.get_world_size(), float(timeout_s), dist.get_backend())
 
 
 def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bool:
@@ -228,7 +408,7 @@ def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bo
     cached (evicted, or never built with these options), in which case nothing changes. Models
     built under ``layout`` earlier are usable again after True."""
     timeout_s = group_timeout_s() if timeout_s is None else timeout_s
-    key = _key(layout, timeout_s)
+    key = _key((layout,), timeout_s)
     if key not in _CACHE:
         return False
     if _ACTIVE_KEY != key:
@@ -277,13 +457,13 @@ def _deactivate() -> None:
     initialize_model_parallel directly) are destroyed, as ``destroy_model_parallel`` would not."""
     from megatron.core import parallel_state as ps
 
-    global _ACTIVE, _ACTIVE_KEY
+    global _ACTIVE, _ACTIVE_KEY, _POOL
     # a list while nothing is active: groups made outside build_groups (we reset it to None)
     untracked = _distinct(ps._global_process_group_list) if _ACTIVE_KEY is None else []
     for n in _state_names(ps):
         setattr(ps, n, None)
     _clear_megatron_caches()
-    _ACTIVE, _ACTIVE_KEY = None, None
+    _ACTIVE, _ACTIVE_KEY, _POOL = None, None, None
     if untracked:
         _deregister(untracked)
         _release_later(untracked)

@@ -333,6 +333,6 @@ def _global_loss(reduced: list[dict]) -> tuple[float, int]:
     if groups.is_pipeline_last_stage() and coords["tp"] == 0:
         for r in reduced:
             totals += r["loss"].double().cpu()
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=groups.pool_group())
     loss_sum, ntok = totals.tolist()
     return loss_sum / max(ntok, 1.0), int(round(ntok))

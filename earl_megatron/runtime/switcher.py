@@ -55,6 +55,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.reshard_plan import ReshardPlan, plan_reshard
 from earl_megatron.plan.state_plan import Block, plan_state_segments, segment_rounds
+from earl_megatron.runtime import groups
 from earl_megatron.plan.tensor_table import tensor_table
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
 from earl_megatron.runtime.optimizer_state import (
@@ -111,7 +112,7 @@ def plan_params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, tor
     live = dict(on_layout.module().named_parameters())
     lay = on_layout.layout
     names = plan_names(on_layout.cfg, lay, on_layout.coords.pp, live,
-                       lay.expert_coords(dist.get_rank()).ep)
+                       lay.expert_coords(groups.pool_rank()).ep)
     return names, {names[n]: p.detach() for n, p in live.items()}
 
 

@@ -4,6 +4,8 @@
         yields one bucket of full tensors {global name: tensor} at a time, elsewhere None
     load_shards(policy, target)                      every rank: ``target``'s parameters (the
         same ranks, another layout) receive their shards of ``policy``'s weights
+    hand_off(model, train, rollout)                  every rank: split placement's train pool
+        sends the rollout pool (other ranks, another layout) its shards
 
 Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
 then the bucket's transfers as one round of batched isend/irecv on the world group
@@ -30,6 +32,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.weight_plan import FullAt, ShardsIn, WeightPlan, plan_weights
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.switcher import plan_params
@@ -68,6 +71,23 @@ def load_shards(policy: ModelOnLayout, target: ModelOnLayout, bucket_bytes: int 
     _, src = plan_params(policy)
     _, dst = plan_params(target)
     for _ in run_weight_plan(plan, src, dst=dst, traffic=traffic):
+        pass
+
+
+def hand_off(model: ModelOnLayout, train: ParallelLayout, rollout: ParallelLayout,
+             bucket_bytes: int = 64 << 20, traffic: Optional[Traffic] = None) -> None:
+    """Split placement's handoff (runtime/groups.py ``build_pool_groups((train, rollout))``):
+    the train pool (ranks 0 .. n_t - 1, ``train``) sends every rollout-pool rank (ranks n_t ..,
+    ``rollout``) its shard of the weights, by the weight plan, each row once. Collective over
+    the world: every rank calls it with its own pool's model (the policy on the train pool, the
+    rollout model on the rollout pool)."""
+    n_t = train.world_size
+    dest = ShardsIn(rollout, tuple(range(n_t, n_t + rollout.world_size)))
+    plan = cached_plan(model.cfg, train, (dest,), bucket_bytes, dist.get_world_size())
+    _, params = plan_params(model)
+    sender = dist.get_rank() < n_t
+    for _ in run_weight_plan(plan, params if sender else {}, dst=None if sender else params,
+                             traffic=traffic):
         pass
 
 

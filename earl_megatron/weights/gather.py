@@ -6,7 +6,8 @@ rank receives the whole model, pickled. Nothing in a run uses it: the weight syn
 servers and a model in another layout move weights by a weight plan (plan/weight_plan.py,
 runtime/weight_transfer.py), which the tests check bit-exact against this.
 
-Collective over the world: every rank calls it; every rank gets the same
+Collective over the world (under split placement, over this rank's pool: runtime/groups.py):
+every rank calls it; every rank gets the same
 ``{global Megatron name: full tensor}``. Only ranks with dp == cp == 0 contribute (the others
 hold replicas); of an MoE expert's tensors, the ranks with edp == 0 (its ep rank's expert-data-
 parallel replica 0, which need not have dp == 0: EP regroups the tp x cp x dp ranks), each its
@@ -25,13 +26,14 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.models.sharding import unshard, unwrap
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.tensor_table import tensor_table
+from earl_megatron.runtime import groups
 
 
 def owned_shards(model, cfg: ModelConfig, layout: ParallelLayout
            ) -> dict[str, tuple[int, torch.Tensor]]:
     """{full row name: (shard index, parameter)} of the parameters this rank contributes
     (module docstring; a tied output layer left out)."""
-    rank = dist.get_rank()
+    rank = groups.pool_rank()
     c = layout.coords(rank)
     dense = not (c.dp or c.cp)
     expert = layout.expert_coords(rank).edp == 0
@@ -57,8 +59,8 @@ def gather_full(model, cfg: ModelConfig, layout: ParallelLayout, *,
             g = p.grad if g is None else g
             t = torch.zeros_like(p) if g is None else g
         mine[name] = (tp_rank, t.detach().float().cpu().clone())
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, mine)
+    everything: list = [None] * layout.world_size
+    dist.all_gather_object(everything, mine, group=groups.pool_group())
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for part in everything:
         for name, (tp_rank, t) in part.items():

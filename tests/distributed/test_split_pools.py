@@ -1,0 +1,138 @@
+"""Split placement's runtime base on 4 gloo ranks: two pools, each with its own Megatron-Core
+groups, computing at the same time, and the weight handoff between them (runtime/groups.py
+``build_pool_groups``, runtime/weight_transfer.py ``hand_off``).
+
+Pools (every rank passes the same): train = ranks 0-1, rollout = ranks 2-3, in two pairings,
+DP2 -> TP2 and TP2 -> DP2. Per iteration the train pool takes two optimizer steps (Megatron DDP,
+Adam, its schedule) while the rollout pool scores a batch (a forward with its schedule): the
+pools run different numbers of collectives, so a collective that reached the other pool would
+hang the test. Then the handoff, and both pools gather their full weights (``gather_full``, per
+pool). Checked:
+- each rank's pool, pool rank and coordinates; Megatron's groups hold global ranks of the pool
+  only (tp and dp source ranks, the rank lists);
+- after every handoff the rollout pool's weights equal the train pool's, bit-exact, and they
+  changed since the last handoff (the steps moved them); the rollout pool received exactly the
+  weight plan's bytes and the train pool nothing;
+- the second iteration rebuilds nothing: the pools' groups are a cache hit;
+- pools that do not add up to the world are refused, naming both.
+"""
+
+import pytest
+
+from earl_megatron.testing.multiproc import run_distributed
+
+PAIRINGS = [("dp2", "tp2"), ("tp2", "dp2")]
+
+
+def _two_pools():
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.weight_plan import ShardsIn
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.runtime.step import (forward_logprobs, local_microbatches, random_batch,
+                                            train_step)
+    from earl_megatron.runtime.transport import Traffic
+    from earl_megatron.runtime.weight_transfer import cached_plan, hand_off
+    from earl_megatron.weights.gather import gather_full
+
+    torch.set_num_threads(1)
+    me = dist.get_rank()
+    cfg = ModelConfig.tiny(vocab_size=32)
+    out = {"pairings": []}
+    with cpu_backend():
+        for a, b in PAIRINGS:
+            pools = (ParallelLayout.parse(a, 2, cfg), ParallelLayout.parse(b, 2, cfg))
+            train_side = me < 2
+            lay = pools[0] if train_side else pools[1]
+            model = build_on_layout(cfg, lay, pools=pools, seed=11 if train_side else 12,
+                                    optimizer=OptimizerSpec(lr=1e-2) if train_side else None)
+            pool = groups.current_pool()
+            found = {"pool": (pool.index, pool.offset, groups.pool_rank(), str(model.coords)),
+                     "tp_src": ps.get_tensor_model_parallel_src_rank(),
+                     "dp_src": ps.get_data_parallel_src_rank(),
+                     "tp_ranks": list(ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS),
+                     "dp_ranks": list(ps._DATA_PARALLEL_GLOBAL_RANKS),
+                     "iterations": []}
+            for it in range(2):
+                if train_side:
+                    for step in range(2):
+                        batch = random_batch(4, 16, 32, seed=10 * it + step)
+                        train_step(model, local_microbatches(batch, lay, model.coords, 1),
+                                   seq_len=16, micro_batch_size=1)
+                else:
+                    batch = random_batch(2, 16, 32, seed=it)
+                    forward_logprobs(model, local_microbatches(batch, lay, model.coords, 1),
+                                     seq_len=16, micro_batch_size=1)
+                traffic = Traffic()
+                hand_off(model, pools[0], pools[1], bucket_bytes=40_000, traffic=traffic)
+                full = gather_full(model.model, cfg, lay)
+                every: list = [None] * 4
+                dist.all_gather_object(every, full)
+                plan = cached_plan(cfg, pools[0], (ShardsIn(pools[1], (2, 3)),), 40_000, 4)
+                found["iterations"].append({
+                    "equal": all(torch.equal(every[0][k], every[2][k]) for k in every[0])
+                    and set(every[0]) == set(every[2]),
+                    "train_pools_agree": all(torch.equal(every[0][k], every[1][k])
+                                             for k in every[0]),
+                    "bytes": (traffic.bytes_received, plan.recv_bytes()[me]),
+                    "weights": {k: v.clone() for k, v in full.items()} if me == 2 else None,
+                    "cached": groups.cached_layouts() == [pools],
+                })
+                # the next iteration finds the pools' groups cached: no group is created
+                groups.build_pool_groups(pools, cfg)
+            out["pairings"].append(found)
+            groups.destroy_groups()
+        try:
+            groups.build_pool_groups((ParallelLayout(dp=2), ParallelLayout(tp=4)), cfg)
+            out["refused"] = None
+        except ValueError as e:
+            out["refused"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_two_pools, 4, timeout=400)
+
+
+def test_each_rank_runs_its_pools_layout_on_its_pools_groups(results):
+    for k, (a, b) in enumerate(PAIRINGS):
+        for rank, res in enumerate(results):
+            f = res["pairings"][k]
+            index, offset, prank, coords = f["pool"]
+            lay = a if rank < 2 else b
+            assert (index, offset, prank) == ((0, 0, rank) if rank < 2 else (1, 2, rank - 2))
+            pool = [0, 1] if rank < 2 else [2, 3]
+            if lay == "tp2":
+                assert f["tp_ranks"] == pool and f["dp_ranks"] == [rank], f
+                assert f["tp_src"] == pool[0] and "tp=%d" % (rank % 2) in coords
+            else:
+                assert f["dp_ranks"] == pool and f["tp_ranks"] == [rank], f
+                assert f["dp_src"] == pool[0] and "dp=%d" % (rank % 2) in coords
+
+
+def test_after_every_handoff_the_rollout_pool_holds_the_train_pools_weights(results):
+    for k, pairing in enumerate(PAIRINGS):
+        its = [res["pairings"][k]["iterations"] for res in results]
+        for it in range(2):
+            for rank in range(4):
+                got = its[rank][it]
+                assert got["equal"] and got["train_pools_agree"], (pairing, it, rank)
+                received, planned = got["bytes"]
+                assert received == planned, (pairing, it, rank, got["bytes"])
+                assert (received > 0) == (rank >= 2), (pairing, it, rank, received)
+                assert got["cached"], (pairing, it, rank)   # one entry: the pools
+        # two train steps between handoffs moved the weights
+        w0, w1 = its[2][0]["weights"], its[2][1]["weights"]
+        assert any(not (w0[n] == w1[n]).all() for n in w0), pairing
+
+
+def test_pools_that_do_not_make_the_world_are_refused(results):
+    for res in results:
+        assert "hold 6 ranks; the world has 4" in res["refused"], res["refused"]
