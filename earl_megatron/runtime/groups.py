@@ -40,9 +40,10 @@ Invariants:
   sets every parallel_state data global back to its import-time None, including those
   ``destroy_model_parallel()`` forgets (``*_GLOBAL_RANKS``, ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP
   _WITH_CP``, which still holds the old dp-cp group) and never destroys a group.
-- A cache key is (pools, world size, timeout, backend); one layout is the pools ``(layout,)``.
-  Two keys never share group objects (each initialisation creates its own), so destroying one
-  layout's groups never touches another.
+- A cache key is (pool's first rank, layout, world size, timeout, backend): a pool is cached
+  alone, a plain layout is the pool at rank 0 of the whole world. Two keys never share group
+  objects (each initialisation creates its own), so destroying one layout's groups never
+  touches another; a rank's entry for a pool it is not in holds none.
   A group is deregistered and released exactly once: when its layout is evicted (the least
   recently used inactive one, when a miss would exceed the bound) or by ``destroy_groups()``.
   The active layout is never evicted. ``max_cached_layouts`` <= 1 is the uncached behaviour:
@@ -88,7 +89,8 @@ class _LayoutGroups:
     set (``_global_process_group_list`` included)."""
 
     state: dict[str, Any]
-    pool: Pool
+    pool: Optional[Pool]
+    """None: a pool this rank is not in (kept so every rank's cache decides alike)."""
 
     @property
     def pgs(self) -> list:
@@ -97,7 +99,7 @@ class _LayoutGroups:
         return _distinct(self.state.get("_global_process_group_list"))
 
 
-_CacheKey = tuple   # (pools, world_size, timeout_s, backend)
+_CacheKey = tuple   # (pool's first rank, layout, world_size, timeout_s, backend)
 _CACHE: "OrderedDict[_CacheKey, _LayoutGroups]" = OrderedDict()   # least recently used first
 _ACTIVE: Optional[ParallelLayout] = None
 _ACTIVE_KEY: Optional[_CacheKey] = None
@@ -138,9 +140,10 @@ def group_cache_size() -> int:
 
 
 def cached_layouts() -> list:
-    """Layouts (a tuple of layouts for pools) whose groups are alive on this rank, least
-    recently used first."""
-    return [key[0][0] if len(key[0]) == 1 else key[0] for key in _CACHE]
+    """Layouts whose groups are cached on this rank, least recently used first; a pool that is
+    not the whole world as (its first rank, its layout)."""
+    return [lay if off == 0 and lay.world_size == world else (off, lay)
+            for off, lay, world, *_ in _CACHE]
 
 
 def build_groups(layout: ParallelLayout, model: Optional[ModelConfig] = None, *,
@@ -170,6 +173,8 @@ class Pool:
 
 
 _POOL: Optional[Pool] = None
+_IN_USE: list = []
+"""The cache keys of the pools made current last (every rank's alike): never evicted."""
 
 
 def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConfig] = None, *,
@@ -179,10 +184,12 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     first), each with its own layout; make this rank's pool's Megatron-Core groups current and
     return its ``Pool``. One pool is ``build_groups``.
 
-    Every rank calls it with the same ``pools`` (a cache key like a layout): each pool's
-    ``initialize_model_parallel`` runs on every rank, in pool order, with the pool standing for
-    the world (``_pool_as_world``), so every rank creates every group in the same order, as
-    torch's ``new_group`` requires, and non-members only count it. This rank keeps its own pool's
+    Every rank calls it with the same ``pools``. Each (pool ranks, layout) is cached on its own,
+    so one pool changing its layout leaves the other pool's groups (and its models) alone. A
+    pool not cached yet is initialised on every rank, in pool order, with parallel_state seeing
+    the pool as the world (``_pool_as_world``): every rank creates every group in the same order,
+    as torch's ``new_group`` requires, non-members only counting it (their cache entry for the
+    pool holds no group, so every rank's cache decides alike). This rank keeps its own pool's
     parallel_state globals, rank lists in global ranks. Megatron code then runs per pool as if
     its pool were the world; what still speaks to the world (Megatron's optimizer setup:
     ``pool_world``) is redirected to the pool."""
@@ -207,59 +214,61 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     bound = group_cache_size() if max_cached_layouts is None else max_cached_layouts
     gloo = gloo_only()
     timeout_s = group_timeout_s() if timeout_s is None else timeout_s
-    key = _key(pools, timeout_s)
+    offsets = [sum(p.world_size for p in pools[:i]) for i in range(len(pools))]
+    keys = [_key(o, p, timeout_s) for o, p in zip(offsets, pools)]
+    index = next(i for i, o in enumerate(offsets) if o <= me < o + pools[i].world_size)
     _deactivate()
     if bound <= 1:
         _evict(keep=0)   # no cache: every regroup, even to the same layout, starts afresh
-    entry = _CACHE.get(key)
-    if entry is None:
-        _evict(keep=bound - 1)   # room first: old groups go before new ones are created
-        mine, offset = None, 0
-        for index, lay in enumerate(pools):
-            member = offset <= me < offset + lay.world_size
-            with _one_group_per_rank_list(ps, enabled=gloo), \
-                    _pool_as_world(ps, offset, lay.world_size, len(pools) > 1):
-                ps.initialize_model_parallel(
-                    tensor_model_parallel_size=lay.tp,
-                    pipeline_model_parallel_size=lay.pp,
-                    context_parallel_size=lay.cp,
-                    expert_model_parallel_size=lay.ep,
-                    expert_tensor_parallel_size=lay.expert_tp,
-                    distributed_timeout_minutes=timeout_s / 60.0,
-                    order="tp-cp-ep-dp-pp",
-                    # On a CPU-only world the regular groups are gloo already; Megatron's extra
-                    # gloo groups would only double the fds and threads. With GPUs its regular
-                    # groups carry CPU tensors too (runtime/dist.py), and Megatron's own gloo
-                    # side groups (distributed optimizer, checkpoints) are made as it expects.
-                    create_gloo_process_groups=not gloo,
-                )
-            if member:
-                state = {n: getattr(ps, n) for n in _state_names(ps)
-                         if n not in _FRESH and getattr(ps, n) is not None}
-                mine = (index, offset, lay, state)
-            for n in _state_names(ps):
-                setattr(ps, n, None)
-            offset += lay.world_size
-        index, offset, lay, state = mine
-        pool_group = None
-        if len(pools) > 1:   # every rank creates every pool's group, in pool order
-            start = 0
-            for i, p in enumerate(pools):
-                g = dist.new_group(list(range(start, start + p.world_size)),
+    for k in keys:       # the pools asked for now are the most recently used
+        if k in _CACHE:
+            _CACHE.move_to_end(k)
+    missing = [i for i, k in enumerate(keys) if k not in _CACHE]
+    if missing:
+        _evict(keep=bound - len(missing), spare=keys)  # room first: old groups go first
+    for i in missing:
+        offset, lay = offsets[i], pools[i]
+        with _one_group_per_rank_list(ps, enabled=gloo), \
+                _pool_as_world(ps, offset, lay.world_size, len(pools) > 1):
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=lay.tp,
+                pipeline_model_parallel_size=lay.pp,
+                context_parallel_size=lay.cp,
+                expert_model_parallel_size=lay.ep,
+                expert_tensor_parallel_size=lay.expert_tp,
+                distributed_timeout_minutes=timeout_s / 60.0,
+                order="tp-cp-ep-dp-pp",
+                # On a CPU-only world the regular groups are gloo already; Megatron's extra
+                # gloo groups would only double the fds and threads. With GPUs its regular
+                # groups carry CPU tensors too (runtime/dist.py), and Megatron's own gloo
+                # side groups (distributed optimizer, checkpoints) are made as it expects.
+                create_gloo_process_groups=not gloo,
+            )
+        state = {n: getattr(ps, n) for n in _state_names(ps)
+                 if n not in _FRESH and getattr(ps, n) is not None}
+        for n in _state_names(ps):
+            setattr(ps, n, None)
+        group = None
+        if len(pools) > 1:      # the pool's ranks as one group: every rank creates it
+            group = dist.new_group(list(range(offset, offset + lay.world_size)),
                                    timeout=timedelta(seconds=timeout_s))
-                start += p.world_size
-                if i == index:
-                    pool_group = g
-            state["_global_process_group_list"] = list(state["_global_process_group_list"]) \
-                + [pool_group]
-        entry = _CACHE[key] = _LayoutGroups(state=state, pool=Pool(index, offset, lay,
-                                                                   pool_group))
+        if i == index:
+            if group is not None:
+                state["_global_process_group_list"] = \
+                    list(state.get("_global_process_group_list") or [None]) + [group]
+            _CACHE[keys[i]] = _LayoutGroups(state=state, pool=Pool(i, offset, lay, group))
+        else:                   # not a member: nothing of it lives on this rank
+            _CACHE[keys[i]] = _LayoutGroups(state={}, pool=None)
+    key = keys[index]
+    entry = _CACHE[key]
     for n, v in entry.state.items():
         setattr(ps, n, v)
     if hasattr(ps, "_set_global_memory_buffer"):
         ps._set_global_memory_buffer()
-    _CACHE.move_to_end(key)
+    for k in keys:      # in pool order: every rank's cache keeps the same order
+        _CACHE.move_to_end(k)
     _ACTIVE, _ACTIVE_KEY, _POOL = entry.pool.layout, key, entry.pool
+    _IN_USE[:] = keys
     _evict(keep=bound)   # a per-call bound may be below the number cached
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
@@ -399,8 +408,8 @@ def _one_group_per_rank_list(ps, enabled: bool):
         ps.create_group = original
 
 
-def _key(pools: tuple, timeout_s: float) -> _CacheKey:
-    return (pools, dist.get_world_size(), float(timeout_s), dist.get_backend())
+def _key(offset: int, layout: ParallelLayout, timeout_s: float) -> _CacheKey:
+    return (offset, layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
 
 
 def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bool:
@@ -408,7 +417,7 @@ def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bo
     cached (evicted, or never built with these options), in which case nothing changes. Models
     built under ``layout`` earlier are usable again after True."""
     timeout_s = group_timeout_s() if timeout_s is None else timeout_s
-    key = _key((layout,), timeout_s)
+    key = _key(0, layout, timeout_s)
     if key not in _CACHE:
         return False
     if _ACTIVE_KEY != key:
@@ -464,18 +473,22 @@ def _deactivate() -> None:
         setattr(ps, n, None)
     _clear_megatron_caches()
     _ACTIVE, _ACTIVE_KEY, _POOL = None, None, None
+    _IN_USE.clear()
     if untracked:
         _deregister(untracked)
         _release_later(untracked)
 
 
-def _evict(keep: int) -> None:
-    """Destroy the least recently used inactive layouts until at most ``keep`` remain."""
-    victims = [k for k in _CACHE if k != _ACTIVE_KEY][:max(0, len(_CACHE) - max(keep, 0))]
+def _evict(keep: int, spare: Sequence = ()) -> None:
+    """Destroy the least recently used inactive layouts (pools) until at most ``keep`` remain,
+    never one of ``spare`` (the pools being built) or of the pools in use (the same on every
+    rank: the active key alone is each pool's own)."""
+    victims = [k for k in _CACHE if k not in _IN_USE and k not in spare][
+        :max(0, len(_CACHE) - max(keep, 0))]
     # one list holds the last references: the popped entries die here, the groups on release
     pgs = [g for k in victims for g in _CACHE.pop(k).pgs]
-    if pgs:
-        _deregister(pgs)
+    if victims:     # on every rank alike, even where the victims held no group (a pool's
+        _deregister(pgs)    # non-member)
         _release_later(pgs)
 
 
@@ -489,9 +502,9 @@ def _deregister(pgs: list) -> None:
     # close (a reset) before the passive peer accepted it fails that peer with "Gloo
     # connectFullMesh failed ... Connection closed by peer" (seen under CPU load, 3 runs in 4
     # with two busy loops beside the 100-rebuild test). Every rank deregisters at the same
-    # point of the call sequence (the cache invariant; each rank is in at least one group of
-    # every layout, so ``pgs`` is never empty on some ranks only), so this barrier on the
-    # world, never destroyed here, is matched on every rank.
+    # point of the call sequence (the cache invariant: every rank evicts the same keys, a
+    # pool's non-members too, whose entry holds no group), so this barrier on the world, never
+    # destroyed here, is matched on every rank.
     dist.barrier()
     for g in pgs:
         if g in dist.distributed_c10d._world.pg_map:

@@ -13,7 +13,8 @@ pool). Checked:
 - after every handoff the rollout pool's weights equal the train pool's, bit-exact, and they
   changed since the last handoff (the steps moved them); the rollout pool received exactly the
   weight plan's bytes and the train pool nothing;
-- the second iteration rebuilds nothing: the pools' groups are a cache hit;
+- each pool is cached on its own (the second iteration rebuilds nothing), and a train pool
+  switching its layout leaves the rollout pool's groups, and its model, working;
 - pools that do not add up to the world are refused, naming both.
 """
 
@@ -82,10 +83,28 @@ def _two_pools():
                                              for k in every[0]),
                     "bytes": (traffic.bytes_received, plan.recv_bytes()[me]),
                     "weights": {k: v.clone() for k, v in full.items()} if me == 2 else None,
-                    "cached": groups.cached_layouts() == [pools],
+                    "cached": groups.cached_layouts() == [(0, pools[0]), (2, pools[1])],
                 })
                 # the next iteration finds the pools' groups cached: no group is created
                 groups.build_pool_groups(pools, cfg)
+            # the train pool moves to another layout; the rollout pool's groups and model stay
+            other = ParallelLayout.parse("tp2" if a == "dp2" else "dp2", 2, cfg)
+            moved = (other, pools[1])
+            if train_side:
+                m2 = build_on_layout(cfg, other, pools=moved, seed=13,
+                                     optimizer=OptimizerSpec(lr=1e-2))
+                r = train_step(m2, local_microbatches(random_batch(4, 16, 32, seed=99), other,
+                                                      m2.coords, 1),
+                               seq_len=16, micro_batch_size=1)
+                works = r.update_successful
+            else:
+                groups.build_pool_groups(moved, cfg)
+                lp = forward_logprobs(model, local_microbatches(random_batch(2, 16, 32, seed=5),
+                                                                lay, model.coords, 1),
+                                      seq_len=16, micro_batch_size=1)
+                works = bool(torch.isfinite(lp[0]).all())
+            found["moved"] = (works, groups.cached_layouts() == [(0, pools[0]), (0, other),
+                                                                   (2, pools[1])])
             out["pairings"].append(found)
             groups.destroy_groups()
         try:
@@ -131,6 +150,13 @@ def test_after_every_handoff_the_rollout_pool_holds_the_train_pools_weights(resu
         # two train steps between handoffs moved the weights
         w0, w1 = its[2][0]["weights"], its[2][1]["weights"]
         assert any(not (w0[n] == w1[n]).all() for n in w0), pairing
+
+
+def test_a_pool_changes_layout_without_touching_the_other(results):
+    for k, pairing in enumerate(PAIRINGS):
+        for rank, res in enumerate(results):
+            works, cached = res["pairings"][k]["moved"]
+            assert works and cached, (pairing, rank, works, cached)
 
 
 def test_pools_that_do_not_make_the_world_are_refused(results):
