@@ -35,7 +35,7 @@ Invariants (checked on construction, tested):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -214,6 +214,16 @@ class Placement:
 
     def nbytes(self, piece: Piece) -> int:
         return (piece.end - piece.start) * self.spec[piece.tensor].itemsize
+
+    def shifted(self, offset: int, world_size: int) -> "Placement":
+        """The same pieces on ranks ``offset + r`` of a world of ``world_size`` ranks: a pool's
+        placement (split placement, runtime/groups.py) seen from the whole world, for a
+        dispatch between pools."""
+        if offset < 0 or offset + self.world_size > world_size:
+            raise ValueError(f"a placement over {self.world_size} ranks shifted by {offset} "
+                             f"does not fit a world of {world_size}")
+        return replace(self, world_size=world_size,
+                       pieces=tuple(replace(p, rank=p.rank + offset) for p in self.pieces))
 
     def owned_intervals(self, rank: int, tensor: str, sample_id: int) -> list[Interval]:
         """Elements of this sample that ``rank`` holds and no lower rank holds.

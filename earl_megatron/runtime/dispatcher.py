@@ -19,14 +19,16 @@ chunk 2*cp-1-i, Megatron's order).
 (``Placement.owned_intervals``: the lowest rank holding each element), so a reduction over
 dispatched tensors (runtime/reduce.py) counts every element once.
 
-Only the default (world) process group is supported: shard-map ranks are global ranks.
+Scope (``Scope``): a dispatch runs on this rank's pool by default (runtime/groups.py: the
+world unless split placement made pools): shard-map rank r is global rank ``offset + r`` and the
+collectives run on the pool's group. ``Scope.world()`` spans every rank (between pools).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,9 +37,32 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.placement import (Placement, TensorSpec, consumer_placement,
                                           producer_placement)
 from earl_megatron.plan.shard_map import ShardMap, Topology, Transfer, build_shard_map
+from earl_megatron.runtime import groups
 from earl_megatron.runtime.step_inputs import TRAIN_TENSORS
 
 Local = dict[str, dict[int, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The ranks a dispatch runs on: global ranks ``offset .. offset + size - 1``, shard-map rank
+    r being ``offset + r``; ``group`` their process group (None: the world)."""
+
+    offset: int
+    size: int
+    group: Any = None
+
+    @classmethod
+    def pool(cls) -> "Scope":
+        """This rank's pool (the world when there is one pool)."""
+        return cls(*groups.pool_span(), groups.pool_group())
+
+    @classmethod
+    def world(cls) -> "Scope":
+        return cls(0, dist.get_world_size())
+
+    def rank(self) -> int:
+        return dist.get_rank() - self.offset
 
 
 @dataclass(frozen=True)
@@ -62,10 +87,13 @@ class DispatchResult:
     stats: DispatchStats
 
 
-def exchange_metadata(local: Sequence[SampleMeta]) -> list[list[SampleMeta]]:
-    """All ranks' sample metadata, in rank order (one all_gather_object)."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, [(m.sample_id, m.length, m.group_id) for m in local])
+def exchange_metadata(local: Sequence[SampleMeta],
+                      scope: Optional[Scope] = None) -> list[list[SampleMeta]]:
+    """The scope's ranks' sample metadata, in rank order (one all_gather_object)."""
+    scope = scope or Scope.pool()
+    out: list = [None] * scope.size
+    dist.all_gather_object(out, [(m.sample_id, m.length, m.group_id) for m in local],
+                           group=scope.group)
     return [[SampleMeta(*m) for m in per_rank] for per_rank in out]
 
 
@@ -132,12 +160,14 @@ def _load(store: _Store, placement: Placement, rank: int,
 
 def execute_shard_map(smap: ShardMap, producer: Placement, consumer: Placement,
                       local: Mapping[str, Mapping[int, torch.Tensor]], *,
-                      device: Optional[torch.device] = None) -> DispatchResult:
+                      device: Optional[torch.device] = None,
+                      scope: Optional[Scope] = None) -> DispatchResult:
     """Run ``smap`` (decentralized or centralized) and return what ``consumer`` places here."""
-    rank = dist.get_rank()
-    if dist.get_world_size() != smap.world_size:
-        raise ValueError(f"shard map for {smap.world_size} ranks run on a world of "
-                         f"{dist.get_world_size()}")
+    scope = scope or Scope.pool()
+    rank = scope.rank()
+    if scope.size != smap.world_size:
+        raise ValueError(f"shard map for {smap.world_size} ranks run on {scope.size} ranks "
+                         f"(from rank {scope.offset})")
     names = [t.name for t in consumer.tensors]
     dtypes = {t.name: getattr(torch, t.dtype) for t in consumer.tensors}
     if device is None:
@@ -156,11 +186,11 @@ def execute_shard_map(smap: ShardMap, producer: Placement, consumer: Placement,
                 buf[off:off + t.nbytes].copy_(
                     store.read(t.tensor, t.sample_id, t.start, t.end).view(torch.uint8))
                 off += t.nbytes
-            ops.append(dist.P2POp(dist.isend, buf, dst))
+            ops.append(dist.P2POp(dist.isend, buf, scope.offset + dst, group=scope.group))
             sent += off
         for src, ts in sorted(smap.recvs(rank, rnd).items()):
             buf = torch.empty(sum(t.nbytes for t in ts), dtype=torch.uint8, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, src))
+            ops.append(dist.P2POp(dist.irecv, buf, scope.offset + src, group=scope.group))
             inbox.append((buf, ts))
             received += buf.numel()
         messages += len(ops)
@@ -196,21 +226,24 @@ def dispatch(producer_layout: ParallelLayout, consumer_layout: ParallelLayout,
              topology: Optional[Topology] = None,
              producer_pp_stages: Optional[Mapping[str, str]] = None,
              assignment: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+             scope: Optional[Scope] = None,
              ) -> tuple[DispatchResult, Placement, list[list[SampleMeta]]]:
     """One call for the trainer: exchange metadata, plan, execute. Returns the result, the
     consumer placement (micro-batches, ownership for reductions) and the gathered metadata."""
-    meta = exchange_metadata(local_meta)
+    scope = scope or Scope.pool()
+    meta = exchange_metadata(local_meta, scope)
     producer, consumer, smap = plan_dispatch(
         producer_layout, consumer_layout, meta, tensors, num_micro_batches=num_micro_batches,
         topology=topology, producer_pp_stages=producer_pp_stages, assignment=assignment)
-    return execute_shard_map(smap, producer, consumer, local), consumer, meta
+    return (execute_shard_map(smap, producer, consumer, local, scope=scope), consumer, meta)
 
 
 # ----------------------------------------------------------------------------- reductions
 def owned_slices(placement: Placement, name: str,
                  local: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The parts of this rank's local tensors that it owns (each element has one owner)."""
-    rank = dist.get_rank()
+    """The parts of this rank's local tensors that it owns (each element has one owner);
+    ``placement`` in this rank's pool's ranks."""
+    rank = groups.pool_rank()
     out = {}
     for s, x in local.items():
         ivs = placement.intervals(rank, name, s)

@@ -346,6 +346,13 @@ def pool_group():
     return None if _POOL is None else _POOL.group
 
 
+def pool_span() -> tuple[int, int]:
+    """(first rank, number of ranks) of the active pool (no groups active: the world's)."""
+    if _POOL is None:
+        return 0, dist.get_world_size()
+    return _POOL.offset, _POOL.layout.world_size
+
+
 def pool_rank() -> int:
     """This rank's rank in its pool, i.e. in the pool's layout (no groups active: the world's)."""
     return dist.get_rank() - (0 if _POOL is None else _POOL.offset)

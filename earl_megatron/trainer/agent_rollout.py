@@ -31,6 +31,7 @@ from earl_megatron.agents.broker import Broker, ReplicaDriver
 from earl_megatron.agents.programs import builtin_agent, load_tasks, resolve, run_agents
 from earl_megatron.agents.server import AgentServer, ServerLimits
 from earl_megatron.rollout.agent_loop import Episode, RolloutAbandoned
+from earl_megatron.runtime import groups
 from earl_megatron.seeds import turn_sample_seed
 
 AGENT_ENV = "agent"
@@ -208,7 +209,7 @@ def agent_metrics(owner: bool, ids: Sequence[int], episodes: Sequence[Episode], 
                              bool(i.get("agent_error")), bool(i.get("agent_timeout")),
                              i.get("agent_sampling_overrides", 0),
                              0.0 if lost else e.reward], dtype=torch.float64)
-    dist.all_reduce(acc)
+    dist.all_reduce(acc, group=groups.pool_group())
     eps = max(acc[0].item(), 1.0)
     kept = max(acc[0].item() - acc[5].item() - acc[6].item(), 1.0)
     return dict(zip(METRIC_KEYS, (acc[1].item() / eps, acc[2].item() / eps, int(acc[3]),

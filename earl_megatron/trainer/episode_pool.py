@@ -43,6 +43,7 @@ from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups,
                                           pick_trained, replica_quotas, too_stale)
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
                                               play_turns, replay_env, start_episode)
+from earl_megatron.runtime import groups
 from earl_megatron.seeds import episode_seeds
 
 
@@ -141,7 +142,7 @@ class EpisodePool:
         everyone, saved_layout = self._pending if self._pending is not None else ([], None)
         self._pending, self._before = None, (everyone, saved_layout)
         self.entries, self.layout, self.leader = [], lay, False
-        self.replica = lay.coords(dist.get_rank()).dp
+        self.replica = lay.coords(groups.pool_rank()).dp
 
     def stage(self, policy, engine, it: int, *, sample_seed: int,
               should_stop: Optional[Callable[[], bool]] = None,
@@ -253,8 +254,8 @@ class EpisodePool:
     def _gather(self) -> list[dict]:
         mine = [dict(e.portable(), replica=self.replica) for e in self.entries] \
             if self.leader else []
-        got: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(got, mine)
+        got: list[Any] = [None] * groups.pool_span()[1]
+        dist.all_gather_object(got, mine, group=groups.pool_group())
         return [d for part in got for d in part]
 
     def _rebuild(self, d: dict) -> Entry:
@@ -283,7 +284,7 @@ def _from_json(d: dict) -> dict:
 
 def _coords(lay) -> bool:
     """Is this rank its rollout replica's leader (tp, pp, cp coordinate 0)?"""
-    c = lay.coords(dist.get_rank())
+    c = lay.coords(groups.pool_rank())
     return c.tp == 0 and c.pp == 0 and c.cp == 0
 
 
@@ -320,7 +321,7 @@ def staleness_metrics(owner: bool, episodes: list[Episode], iteration: int,
                                        f"{iteration}, past algorithm.max_staleness="
                                        f"{max_staleness}: the episode pool broke its bound")
                 counts[age] += n
-    dist.all_reduce(counts)
+    dist.all_reduce(counts, group=groups.pool_group())
     st = staleness({a: int(n) for a, n in enumerate(counts.tolist())}, int(counts.sum()))
     return {"staleness_mean": st.mean, "staleness_max": st.max,
             "staleness_shares": {str(a): f for a, f in st.shares.items()}}

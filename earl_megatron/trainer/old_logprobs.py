@@ -45,6 +45,7 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rl.advantages import off_policy_weights
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.engine import check_prompts
+from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.trainer.stages import BatchShape, reference_logprobs
 
@@ -59,7 +60,7 @@ def recompute_logprobs(policy: ModelOnLayout, sequences: Sequence[Sequence[int]]
     check_prompts(sequences)
     ids = list(range(len(sequences)))
     token_ids = {s: list(seq) for s, seq in zip(ids, sequences)}
-    everyone = ParallelLayout(tp=dist.get_world_size())  # one replica: every rank holds all
+    everyone = ParallelLayout(tp=groups.pool_span()[1])  # one replica: every rank holds all
     got, _ = reference_logprobs(policy, everyone, ids, token_ids,
                                 {s: len(t) for s, t in token_ids.items()}, pad_token_id,
                                 BatchShape(micro_batch_size),
@@ -111,8 +112,8 @@ def rescore(policy: ModelOnLayout, ids: list[int], episodes: list[Episode],
             out.append(e)
     # every rank of a replica holds the same episodes: sums and counts repeat by the same
     # factor, so their ratio is the mean over all episodes; the max is unaffected
-    dist.all_reduce(total)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, group=groups.pool_group())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.pool_group())
     n = max(float(total[1]), 1.0)
     found = {"rollout_logprob_diff": float(total[0]) / n,
              "rollout_logprob_diff_max": float(worst[0])}

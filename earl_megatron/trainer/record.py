@@ -23,6 +23,7 @@ import torch.distributed as dist
 from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import Episode
+from earl_megatron.runtime import groups
 from earl_megatron.trainer import segments
 
 
@@ -66,10 +67,10 @@ class StageTimer:
 
 
 def gather_by_sample(ids: list[int], values: list) -> dict:
-    """{sample id: value} of every rank's samples (every rank of a replica holds the same
-    ones: each sample appears once)."""
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, list(zip(ids, values)))
+    """{sample id: value} of every rank's samples, over this rank's pool (every rank of a
+    replica holds the same ones: each sample appears once)."""
+    parts: list = [None] * groups.pool_span()[1]
+    dist.all_gather_object(parts, list(zip(ids, values)), group=groups.pool_group())
     return {s: v for part in parts for s, v in part}
 
 

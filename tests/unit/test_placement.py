@@ -193,3 +193,17 @@ def test_locality_keeps_the_busiest_dp_rank(lengths, dp, prefs):
     with_pref = assign_samples(lens, dp, prefer=prefer)
     assert sorted(s for d in with_pref for mb in d for s in mb) == sorted(lens)
     assert busiest(with_pref) <= busiest(assign_samples(lens, dp))
+
+
+def test_a_pool_placement_shifted_onto_the_world():
+    from earl_megatron.plan.placement import TensorSpec, consumer_placement
+
+    specs = (TensorSpec("tokens", "int64"),)
+    p = consumer_placement(ParallelLayout(dp=2), {0: 4, 1: 6}, specs)
+    q = p.shifted(2, 4)
+    assert q.world_size == 4 and q.lengths == p.lengths
+    assert [(x.rank - 2, x.sample_id) for x in q.pieces] == [(x.rank, x.sample_id)
+                                                            for x in p.pieces]
+    assert q.micro_batches == p.micro_batches
+    with pytest.raises(ValueError, match="does not fit a world of 3"):
+        p.shifted(2, 3)
