@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.placement import TensorSpec, placement_from_assignment, producer_placement
 from earl_megatron.plan.shard_map import build_shard_map
 from earl_megatron.plan.staleness import replica_quotas
-from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.runtime.dispatcher import SampleMeta, Scope, exchange_metadata, \
     execute_shard_map
 
@@ -78,10 +77,11 @@ def _move(train: ParallelLayout, rollout: ParallelLayout, specs, lengths_mine: d
 
 
 def transfer_episodes(train: ParallelLayout, rollout: ParallelLayout, ids: Sequence[int],
-                      episodes: Sequence[Episode], *, group_size: int = 1
-                      ) -> tuple[list[int], list[Episode]]:
+                      episodes: Sequence[Any], *, group_size: int = 1
+                      ) -> tuple[list[int], list[Any]]:
     """(ids, episodes) of this rank's train replica's block, in id order, on the train pool;
-    ([], []) on the rollout pool. Collective over the world (module docstring)."""
+    ([], []) on the rollout pool. Collective over the world (module docstring). ``episodes``
+    are rollout/agent_loop.Episode values (not imported: runtime sits below rollout)."""
     if len(ids) != len(episodes):
         raise ValueError(f"{len(ids)} ids for {len(episodes)} episodes")
     n_t = train.world_size
