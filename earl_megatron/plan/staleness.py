@@ -9,7 +9,8 @@ With ``max_staleness`` k (algorithm.max_staleness):
 
 - **Admission** (``admissible``): a rollout stage starts new episodes, in whole groups, until
   (k + 1) batches' worth are in flight or finished-but-untrained. k = 0 admits exactly one batch
-  into an empty pool: the synchronous loop.
+  into an empty pool: the synchronous loop. Sampling L versions behind the iteration (split
+  placement's rollout pool, L = 1 in steady state) admits (k - L + 1) batches.
 - **The bound** (``too_stale``): a group (GRPO's episodes of one seed; a single episode
   otherwise) trains only whole, in the iteration its last episode finishes or later, so it may
   continue into iteration ``it`` only while ``it - oldest <= k`` (``oldest``: the oldest
@@ -66,12 +67,20 @@ def must_finish(oldest: Optional[int], iteration: int, max_staleness: int) -> bo
     return too_stale(oldest, iteration + 1, max_staleness)
 
 
-def admissible(max_staleness: int, batch: int, group_size: int, held: int) -> int:
+def admissible(max_staleness: int, batch: int, group_size: int, held: int,
+               lag: int = 0) -> int:
     """New groups a rollout stage may start when ``held`` episodes are in flight or finished
-    and untrained: (k + 1) x ``batch`` episodes at most, in whole groups."""
+    and untrained: (k + 1) x ``batch`` episodes at most, in whole groups.
+
+    ``lag``: train steps the sampling weights trail the iteration (split placement: the rollout
+    pool samples with the weights of the step before the one that trains its batch). A group
+    started at lag L can train only in the k - L + 1 steps that keep its oldest token within k,
+    so (k - L + 1) batches at most; k = L admits one batch, and L > k none."""
     if batch % group_size:
         raise ValueError(f"a batch of {batch} episodes is not whole groups of {group_size}")
-    room = (max_staleness + 1) * batch - held
+    if lag < 0:
+        raise ValueError(f"lag must be >= 0, got {lag}")
+    room = (max_staleness - lag + 1) * batch - held
     return max(0, room // group_size)
 
 

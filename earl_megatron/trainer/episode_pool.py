@@ -146,11 +146,17 @@ class EpisodePool:
 
     def stage(self, policy, engine, it: int, *, sample_seed: int,
               should_stop: Optional[Callable[[], bool]] = None,
-              leader: Optional[bool] = None) -> StageOutcome:
+              leader: Optional[bool] = None, version: Optional[int] = None) -> StageOutcome:
         """This replica's block of iteration ``it``'s batch (module docstring). ``engine``
-        decodes for this replica with the policy's weights (version ``it``). ``leader``: this
-        rank's copy of the pool is the one that travels (default: tp, pp, cp coordinate 0;
-        every rank of the replica plays)."""
+        decodes for this replica with the policy's weights, version ``version`` (default
+        ``it``; split placement's rollout pool samples with the version it holds, one or more
+        steps behind: admission then allows k - lag + 1 batches). ``leader``: this rank's copy
+        of the pool is the one that travels (default: tp, pp, cp coordinate 0; every rank of
+        the replica plays)."""
+        version = it if version is None else version
+        if not 0 <= it - version <= self.k:
+            raise ValueError(f"iteration {it} sampling with version {version}: the lag must be "
+                             f"within algorithm.max_staleness={self.k}")
         lay = policy.layout
         if self._pending is None:
             self.begin()
@@ -173,7 +179,7 @@ class EpisodePool:
             else:
                 states.append(st)
         held = sum(s.size for s in states)
-        new = admissible(self.k, self.batch, self.g, held)
+        new = admissible(self.k, self.batch, self.g, held, lag=it - version)
         quotas = replica_quotas(self.batch // self.g, lay.dp)
         where, placed = assign_groups(states, new, quotas, self.k, same)
         r = policy.coords.dp
@@ -220,7 +226,7 @@ class EpisodePool:
 
         lives = [e.live for e in entries if e.live is not None]
         loop = AgentLoopConfig(**{**self.loop.__dict__, "seed": sample_seed})
-        finished, _ = play_turns(engine, lives, self.tok, loop, version=it,
+        finished, _ = play_turns(engine, lives, self.tok, loop, version=version,
                                  should_stop=should_stop,
                                  enough=enough,
                                  env_concurrency=self.env_concurrency)

@@ -132,3 +132,13 @@ def test_a_simulated_pool_never_trains_a_token_older_than_k(k, dp_per_iteration)
     assert trained_ages and max(trained_ages) <= k and dropped == 0
     if k:
         assert max(trained_ages) >= 1   # episodes did carry over
+
+
+def test_admission_under_a_lag_keeps_every_admitted_group_trainable():
+    # split placement: the rollout pool samples one version behind the step that trains
+    assert admissible(1, 8, 1, held=0, lag=1) == 8          # k = lag: one batch
+    assert admissible(2, 8, 2, held=0, lag=1) == 8          # two batches, in groups of 2
+    assert admissible(1, 8, 1, held=0, lag=2) == 0          # past the bound: none
+    assert admissible(3, 8, 1, held=5, lag=1) == 3 * 8 - 5
+    with pytest.raises(ValueError, match="lag must be >= 0"):
+        admissible(1, 8, 1, held=0, lag=-1)
