@@ -124,6 +124,10 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
                           "does)")
+    if cfg.rollout.placement == "split":   # each pool's layout on the pool's ranks
+        from earl_megatron.trainer.split_loop import split_pools
+        split_pools(cfg, world)
+        return
     for stage in STAGE_NAMES:
         text = cfg.layout.static(stage)
         if text is not None:
@@ -282,6 +286,8 @@ def run(cfg: TrainConfig) -> list[dict]:
     if not torch.cuda.is_available():
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
+    if cfg.rollout.placement == "split":
+        from earl_megatron.trainer.split_loop import SplitTrainer as Trainer  # noqa: F811
     with backend:
         return Trainer(cfg, tokenizer).train()
 

@@ -179,6 +179,13 @@ class RolloutConfig:
     agent_port: int = 0
     """env.name=agent: the endpoint's port (0: any free one; each replica leader binds its
     own)."""
+    placement: str = "colocated"
+    """"colocated": every rank plays, then every rank trains (the stages in turn). "split":
+    the last ``pool_ranks`` ranks are a rollout pool that plays while the first ranks, the
+    train pool, train the batch before (trainer/split_loop.py, docs/async.md); layouts
+    static (layout.train on the train pool, layout.rollout on the rollout pool)."""
+    pool_ranks: Optional[int] = None
+    """placement=split: ranks of the rollout pool (None: half the world, rounded down)."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
@@ -193,7 +200,14 @@ class RolloutConfig:
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
-                  "prefill_tokens", "agent_concurrency", "env_concurrency")
+                  "prefill_tokens", "agent_concurrency", "env_concurrency", "pool_ranks")
+        if self.placement not in ("colocated", "split"):
+            raise ConfigError(f"rollout.placement={self.placement!r}: use 'colocated' or "
+                              "'split' ('auto', the selector sizing the split, is not built "
+                              "yet: tools/plan_layouts.py --split auto prints its plan)")
+        if self.pool_ranks is not None and self.placement != "split":
+            raise ConfigError(f"rollout.pool_ranks={self.pool_ranks} sizes split placement's "
+                              "rollout pool: set rollout.placement=split, or drop it")
         if not self.agent_timeout_s > 0 or not 0 <= self.agent_port < 65536:
             raise ConfigError(f"rollout.agent_timeout_s={self.agent_timeout_s} must be > 0 and "
                               f"rollout.agent_port={self.agent_port} in [0, 65535]")
@@ -428,6 +442,10 @@ class TrainConfig:
                 f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "
                 "that waits across iterations does not keep its experts in a checkpoint yet; "
                 "use one of them")
+        if self.rollout.placement == "split":
+            split_problem = _split_problem(self)
+            if split_problem:
+                raise ConfigError(f"rollout.placement=split: {split_problem}")
         if self.algorithm.name == "grpo" and \
                 self.rollout.episodes_per_iteration % self.algorithm.group_size:
             raise ConfigError(
@@ -440,3 +458,30 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _split_problem(cfg: "TrainConfig") -> Optional[str]:
+    """What split placement (trainer/split_loop.py) does not run yet in ``cfg``, with the fix;
+    None: it runs."""
+    a, r, lay = cfg.algorithm, cfg.rollout, cfg.layout
+    if a.max_staleness < 1:
+        return ("the rollout pool plays the next batch while the train pool trains this one, "
+                "one version behind: set algorithm.max_staleness >= 1")
+    if r.engine != "embedded":
+        return (f"rollout.engine={r.engine!r}: the rollout pool runs the embedded engine "
+                "(SGLang servers on it are not built yet)")
+    if lay.mode != "static":
+        return ("layout.mode=auto: the pools' layouts are static for now; set layout.mode=static "
+                "with layout.train (the train pool's) and layout.rollout (the rollout pool's)")
+    if lay.logprob != lay.train:
+        return (f"layout.logprob={lay.logprob}: the train pool re-scores its batch in "
+                f"layout.train={lay.train}; set layout.logprob to the same")
+    if a.kl_mode != "off":
+        return f"algorithm.kl_mode={a.kl_mode}: the KL reference is not built on the train pool yet"
+    if cfg.sft.steps:
+        return (f"sft.steps={cfg.sft.steps}: warm start in a colocated run and pass its "
+                "checkpoint as run.init")
+    if a.old_logprobs != "recompute":
+        return ("algorithm.old_logprobs=rollout: the train pool re-scores what the rollout "
+                "pool played; set algorithm.old_logprobs=recompute")
+    return None

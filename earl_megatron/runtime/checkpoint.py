@@ -17,8 +17,10 @@ refused across the ep = 1 / ep > 1 boundary, where Megatron's chaining of it cha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -46,7 +48,9 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
     ``tokenizer`` (saved with ``save_pretrained``) and ``hf_config`` (the HF config.json the run
     started from) go to ``hf/``, as in a converted checkpoint: ``run.init=`` this checkpoint
     then gets the run's tokenizer, and tools/convert_mcore_to_hf.py exports a complete HF
-    directory from it."""
+    directory from it. ``on_layout`` None: this rank holds no state of the run's model (split
+    placement's rollout pool, whose weights are the train pool's) and joins with nothing;
+    rank 0 must hold it."""
     from megatron.core import dist_checkpointing
 
     if keep_last is not None and keep_last < 1:
@@ -57,11 +61,17 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    msd = on_layout.module().sharded_state_dict()
-    state = {"model": msd}
-    if on_layout.optimizer is not None:
-        state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd, metadata=_OPT_META)
-    dist_checkpointing.save(state, str(tmp))
+    state = {}
+    if on_layout is not None:
+        msd = on_layout.module().sharded_state_dict()
+        state["model"] = msd
+        if on_layout.optimizer is not None:
+            state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd,
+                                                                        metadata=_OPT_META)
+    # a rank without the model's state has no common state either (the optimizer's param
+    # groups): Megatron's check that every rank's equals rank 0's would warn for nothing
+    with _quiet("megatron.core.dist_checkpointing.validation", on_layout is None):
+        dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         _write_synced(tmp / "loop.json", json.dumps(loop_state, indent=1, sort_keys=True))
@@ -80,6 +90,18 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
     return final
 
 
+@contextlib.contextmanager
+def _quiet(logger: str, enabled: bool):
+    log = logging.getLogger(logger)
+    level = log.level
+    if enabled:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 # ------------------------------------------------------------------ loading
 def base_hf_config(init: Optional[str]) -> Optional[Path]:
     """The HF config.json a run started from ``init`` carries into its checkpoints: the HF
@@ -95,11 +117,15 @@ def base_hf_config(init: Optional[str]) -> Optional[Path]:
 
 def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
     """Collective: load weights (and optimizer state when on_layout has an optimizer) from
-    ``path``."""
+    ``path``. ``on_layout`` None: this rank loads nothing and only joins (``save_checkpoint``)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     loop = read_loop_state(path)
+    if on_layout is None:
+        with reading(path, "training checkpoint"):
+            dist_checkpointing.load({}, str(path))
+        return loop
     msd = on_layout.module().sharded_state_dict()
     state = {"model": msd}
     if on_layout.optimizer is not None:

@@ -78,6 +78,8 @@ class StageOutcome:
     ids: list[int]
     episodes: list[Episode]
     metrics: dict = field(default_factory=dict)
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    """The pool key (iteration started, index) of each episode, beside ``ids``."""
 
 
 class EpisodePool:
@@ -116,6 +118,13 @@ class EpisodePool:
                     "entries": [_to_json(d) for d in self._restored]}
         return {"layout": None if self.layout is None else str(self.layout),
                 "entries": [_to_json(d) for d in self._gather()]}
+
+    def state_before(self) -> dict:
+        """The whole pool as it was before the last stage, as ``state`` writes it; every rank
+        holds it (no collective). Split placement checkpoints this beside weights that have
+        moved on: the resumed run plays that stage again, under the newer weights."""
+        everyone, saved_layout = self._before
+        return {"layout": saved_layout, "entries": [_to_json(d) for d in everyone]}
 
     def restore(self, state: dict) -> None:
         """The pool a checkpoint saved (``state``); its episodes stay on their replicas when
@@ -236,16 +245,17 @@ class EpisodePool:
                 for gk in {s.key for s in complete([])}]
         chosen = pick_trained(done, quota)
         offset = sum(quotas[:r])
-        ids, episodes, train_keys = [], [], set()
+        ids, episodes, keys = [], [], []
         for pos, gk in enumerate(chosen):
             members = sorted((e for e in self.entries if e.group == gk), key=lambda e: e.key)
             for m, e in enumerate(members):
                 ids.append((offset + pos) * self.g + m)
                 episodes.append(e.episode)
-                train_keys.add(e.key)
-        self.entries = [e for e in self.entries if e.key not in train_keys]
+                keys.append(e.key)
+        trained = set(keys)
+        self.entries = [e for e in self.entries if e.key not in trained]
         return StageOutcome(ids, episodes, {"pool_carried": held, "pool_admitted": new * self.g,
-                                            "pool_dropped": dropped})
+                                            "pool_dropped": dropped}, keys)
 
     # ------------------------------------------------------------------ helpers
     def _keep(self, lay, r: int, entries: list[Entry], finished: list,

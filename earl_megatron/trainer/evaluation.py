@@ -1,6 +1,7 @@
 """Evaluation: win rate (and the tool metrics) of the policy on held-out seeds, greedy and sampled.
 
-Every rank calls ``evaluate``. The environments are the evaluation stream of earl_megatron/seeds.py
+Every rank of the pool that evaluates calls ``evaluate`` (the world, colocated; split
+placement's train pool). The environments are the evaluation stream of earl_megatron/seeds.py
 (never a training game) and the sampling seed is fixed (``EVAL_SAMPLE_SEED``), so the start and
 the end of a run play the same games with the same random numbers: they compare policies. The
 engine decodes with cp = 1, so the policy evaluates in its layout with the cp ranks spent on dp
@@ -42,7 +43,7 @@ def evaluate(cfg: TrainConfig, rollout, stop: StopControl, models: ModelPair,
             except RolloutAbandoned:
                 ids, eps = [], []
             after_play()
-            if stop.world_should_stop():  # every rank: no evaluation once stopping
+            if stop.pool_should_stop():  # every rank of the pool: none once stopping
                 return None
             by_id = gather_by_sample(ids, [(e.info.get("outcome"), e.reward, tool_row(e))
                                            for e in eps])

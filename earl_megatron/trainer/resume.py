@@ -67,6 +67,11 @@ def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
     found = find_checkpoint(out / "checkpoints") if cfg.run.resume else None
     if found is not None:
         ckpt, state = found.path, found.state
+        if state.get("placement"):
+            raise ConfigError(
+                f"{ckpt} was written under rollout.placement=split (pools "
+                f"{state['placement']}): resume with rollout.placement=split and the same "
+                "pools, or start a new run from it with run.init")
         elastic = segments.resume_message(state, world, planner.auto)
         if elastic is None:
             planner.restore(state.get("selector"), state["last_lengths"], state.get("profile"))

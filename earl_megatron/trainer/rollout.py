@@ -153,9 +153,11 @@ class EmbeddedRollout:
         return list(block), episodes
 
     def play_pool(self, policy: ModelOnLayout, pool, iteration: int, *, sample_seed: int,
-                  should_stop: Optional[Callable[[], bool]] = None):
+                  should_stop: Optional[Callable[[], bool]] = None,
+                  version: Optional[int] = None):
         """Asynchronous RL's stage (trainer/episode_pool.py): this replica's block of the batch,
-        its live episodes continued and new ones started, on the policy as it stands."""
+        its live episodes continued and new ones started, on the policy as it stands (its
+        weights are version ``version``: default ``iteration``)."""
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
         sp = self.spec
@@ -165,7 +167,7 @@ class EmbeddedRollout:
                                 prefill_tokens=sp.prefill_tokens)
         try:
             return pool.stage(policy, engine, iteration, sample_seed=sample_seed,
-                              should_stop=should_stop)
+                              should_stop=should_stop, version=version)
         finally:
             engine.close()
 

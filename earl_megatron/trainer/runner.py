@@ -103,7 +103,7 @@ class Trainer:
         # one memory fraction: the servers start with it and the selector plans with it
         frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
             if r.engine == "sglang" else None
-        self.planner = StagePlanner(cfg.model, cfg.layout, cfg.cluster, self.world,
+        self.planner = StagePlanner(cfg.model, cfg.layout, cfg.cluster, self.planned_world(),
                                     distributed_optimizer=a.use_distributed_optimizer,
                                     episodes=r.episodes_per_iteration, batch=self.batch,
                                     sglang_mem_fraction=frac,
@@ -148,6 +148,10 @@ class Trainer:
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
         groups.set_group_timeout(cfg.cluster.group_timeout_s)
 
+    def planned_world(self) -> int:
+        """Ranks the stage planner lays out: the world (split placement: the train pool)."""
+        return self.world
+
     # ------------------------------------------------------------------ one iteration
     def iteration(self, it: int, models: ModelPair) -> Optional[dict]:
         """One iteration's record; None when told to stop during its rollout (abandoned before
@@ -181,6 +185,18 @@ class Trainer:
             if self.pool is not None:
                 self.pool.rewind()
             return None
+        return self.score_and_train(it, models, policy, layouts, ids, episodes, pool_metrics,
+                                    t, sync=True)
+
+    def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,
+                        episodes: list, pool_metrics: dict, t: StageTimer, *,
+                        sync: bool) -> dict:
+        """The iteration after its rollout: re-score, plan LOGPROB and TRAIN, advantages, train,
+        [``sync``: weights to the rollout engine], record. ``policy`` holds the batch (each
+        replica its block whole: the rollout layout's rule); split placement's train pool calls
+        it with the episodes it received (trainer/split_loop.py)."""
+        cfg, plan, ref = self.cfg, self.planner, models.reference
+        n = cfg.rollout.episodes_per_iteration
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         engine_metrics, tis = {"rollout_engine": cfg.rollout.engine, **pool_metrics}, {}
@@ -230,9 +246,10 @@ class Trainer:
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                            cfg.algorithm.epochs, routes=routes)
-        with t("weight_sync"):
-            self.rollout.sync(trainee)
-        metrics.update(self.rollout.metrics())
+        if sync:
+            with t("weight_sync"):
+                self.rollout.sync(trainee)
+            metrics.update(self.rollout.metrics())
         plan.last_lengths = lengths
         metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
                        clip_fraction=res.clip_fraction,

@@ -113,6 +113,23 @@ class StopControl:
         self._agreed = self._agreed or bool(flag.item())
         return self._agreed
 
+    def pool_should_stop(self) -> bool:
+        """Collective over this rank's pool (runtime/groups.py ``pool_group``): the world
+        under colocated placement, the train or the rollout pool under split placement, whose
+        pools agree with each other only where they meet (trainer/split_loop.py)."""
+        from earl_megatron.runtime import groups
+
+        flag = torch.tensor([int(self.local())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.pool_group())
+        self._agreed = self._agreed or bool(flag.item())
+        return self._agreed
+
+    def agree(self, stop: bool) -> bool:
+        """Record a decision the ranks reached together some other way (split placement's
+        meeting); once stopping, always stopping."""
+        self._agreed = self._agreed or stop
+        return self._agreed
+
     def replica_should_stop(self) -> bool:
         """Collective over this rank's rollout replica (tp then pp groups of the live layout)."""
         from earl_megatron.runtime import groups

@@ -296,17 +296,20 @@ def _nbytes(entry) -> int:
 
 # ----------------------------------------------------------------------------- trainer loading
 def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = True,
-                optimizer=None, seed: int = 1234, recompute: Optional[str] = None):
+                optimizer=None, seed: int = 1234, recompute: Optional[str] = None,
+                pools: Optional[tuple] = None):
     """Build the model for ``layout`` and load an HF directory or a converted checkpoint into it.
 
     Collective over the world (every rank calls it). The layout is checked against the model
     before anything is built or read (InvalidLayoutError). Returns runtime.build.ModelOnLayout
     (``build_on_layout`` with a loader); its ``cfg`` is the ModelConfig read from ``path``.
+    ``pools``: split placement's pools, as ``build_on_layout`` takes them (``layout`` is this
+    rank's pool's).
     """
     from earl_megatron.runtime.build import build_on_layout
 
     cfg = read_model_config(path)
-    layout.check(dist.get_world_size(), cfg)
+    layout.check(layout.world_size if pools else dist.get_world_size(), cfg)
     what = "policy checkpoint" if is_mcore_checkpoint(path) else "HF model"
     if is_mcore_checkpoint(path):
         def load(model, coords):
@@ -320,7 +323,7 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
             with reading(path, what):
                 load_hf_into(model, ckpt, cfg, layout, coords)
     return build_on_layout(cfg, layout, load=load, ddp=ddp, optimizer=optimizer, seed=seed,
-                           recompute=recompute)
+                           recompute=recompute, pools=pools)
 
 
 def load_mcore_into(model, path: str | os.PathLike) -> None:

@@ -1,0 +1,381 @@
+"""Split placement (``rollout.placement=split``): a rollout pool plays while a train pool trains.
+
+The world is two pools (plan/split.py, runtime/groups.py ``build_pool_groups``): the train pool,
+ranks ``0 .. n_t - 1`` in ``layout.train``, holds the policy and its optimizer; the rollout
+pool, the last ``rollout.pool_ranks`` ranks in ``layout.rollout``, holds a copy of the weights
+without an optimizer and plays the episode pool (trainer/episode_pool.py). Each pool is SPMD
+inside itself, on its own Megatron-Core groups, and the two touch only at one meeting per
+iteration, where every rank of the world calls the same collectives in the same order:
+
+    ROLLOUT POOL                                   TRAIN POOL
+    stage j: play under the weights it holds       train B_{j-1} (re-score, advantages,
+      (version v_j-1 after the first meeting)        one optimizer step -> v_j), record it
+    ============================ meeting j (the world) ==============================
+      1 agree       one all_gather_object: stop? (a signal, the stop file, an abandoned
+                    stage), the stage's metrics and seconds
+      2 checkpoint  when due (periodic, the last, a stop): iteration j-1, weights v_j, the
+                    episode pool as it was before stage j (its leader sends it to rank 0)
+      3 episodes    B_j, rollout replicas -> train replicas, point to point
+                    (runtime/episode_transfer.py)
+      4 weights     v_j, train pool -> rollout pool, point to point by the weight plan
+                    (runtime/weight_transfer.py ``hand_off``)
+    then stage j+1 plays under v_j while the train pool trains B_j.
+
+So each batch is one version behind the weights it trains (k = 1 is "one step off-policy";
+stage j's admission counts that lag: plan/staleness.py ``admissible(lag=)``), and an iteration
+takes ``max(rollout, train) + meeting`` rather than their sum: plan/split.py's period.
+
+Invariants (tests/distributed/test_split_trainer.py):
+- every episode the rollout pool hands over is trained exactly once, in the step after the
+  meeting that moved it; an episode is in the pool, in transit at a meeting, or in the batch
+  being trained, never two of these;
+- no trained token is older than ``algorithm.max_staleness`` (staleness_metrics raises);
+- after each handoff the rollout pool's weights equal the train pool's, bit for bit;
+- a checkpoint holds the train pool's weights and optimizer after iteration j-1 and the pool
+  before stage j: the resumed run plays stage j again (under v_j, lag 0), so nothing is trained
+  twice or lost. A stop is agreed at a meeting (a rollout stage that saw it abandons at its next
+  turn first); the train pool finishes a step it began.
+
+Not here yet (docs/async.md): SGLang servers on the rollout pool, the KL reference, layouts that
+change with the contexts, ``placement=auto`` (the selector sizing the split at run time), a
+handoff with its own timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.rollout_rules import rollout_layout_problem
+from earl_megatron.rollout.agent_loop import RolloutAbandoned
+from earl_megatron.runtime import groups
+from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
+from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
+from earl_megatron.runtime.checkpoint_files import find_checkpoint
+from earl_megatron.runtime.episode_transfer import transfer_episodes
+from earl_megatron.runtime.transport import Traffic
+from earl_megatron.runtime.weight_transfer import hand_off
+from earl_megatron.seeds import rollout_sample_seed
+from earl_megatron.trainer import segments
+from earl_megatron.trainer.model_pair import ModelPair
+from earl_megatron.trainer.record import Recorder, StageTimer
+from earl_megatron.trainer.runner import Trainer
+from earl_megatron.trainer.samples import SampleWriter
+
+AUDIT_ENV = "EARL_SPLIT_AUDIT"
+"""A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there
+(the exactly-once and bit-exact checks of the tests; costs a weight gather per handoff)."""
+
+
+def split_pools(cfg: TrainConfig, world: int) -> tuple[ParallelLayout, ParallelLayout]:
+    """(train pool's layout, rollout pool's layout) of ``cfg`` on ``world`` ranks; a
+    ConfigError naming the fix when they do not divide the world or cannot run."""
+    n_r = cfg.rollout.pool_ranks or world // 2
+    if not 1 <= n_r < world:
+        raise ConfigError(f"rollout.placement=split on {world} ranks: rollout.pool_ranks="
+                          f"{n_r} must leave both pools at least one rank (1 .. {world - 1})")
+    n_t = world - n_r
+
+    def parse(stage: str, text: Optional[str], n: int) -> ParallelLayout:
+        try:
+            return ParallelLayout.parse(text, world_size=n, model=cfg.model)
+        except ValueError as e:
+            raise ConfigError(f"layout.{stage}={text} on the {stage} pool's {n} ranks "
+                              f"(rollout.placement=split, rollout.pool_ranks={n_r}): {e}") \
+                from None
+
+    train = parse("train", cfg.layout.train, n_t)
+    rollout = parse("rollout", cfg.layout.rollout, n_r)
+    problem = rollout_layout_problem(rollout, "embedded")
+    if problem:
+        raise ConfigError(f"layout.rollout={rollout}: {problem}")
+    if train.cp > 1:
+        raise ConfigError(f"layout.train={train}: the train pool holds each replica's episodes "
+                          "whole, which cp > 1 does not yet; use tp, pp or dp there")
+    episodes, g = cfg.rollout.episodes_per_iteration, cfg.algorithm.group_size
+    if episodes // g < max(train.dp, rollout.dp):
+        raise ConfigError(f"rollout.episodes_per_iteration={episodes} is {episodes // g} groups "
+                          f"of {g}: fewer than the train pool's {train.dp} or the rollout "
+                          f"pool's {rollout.dp} replicas; raise it")
+    return train, rollout
+
+
+class SplitTrainer(Trainer):
+    """The trainer under split placement (module docstring); the train pool's half of each
+    iteration is ``Trainer.score_and_train``, unchanged."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer):
+        self.pools = split_pools(cfg, dist.get_world_size())
+        super().__init__(cfg, tokenizer)
+        self.train_side = self.rank < self.pools[0].world_size
+        self.audit = Path(os.environ[AUDIT_ENV]) if os.environ.get(AUDIT_ENV) else None
+        self.model: Optional[ModelOnLayout] = None
+        """This rank's model: the policy with its optimizer (train pool), or the rollout copy."""
+
+    def planned_world(self) -> int:
+        return self.pools[0].world_size
+
+    # ------------------------------------------------------------------ the run
+    def train(self) -> list[dict]:
+        from earl_megatron.trainer.live import LiveView
+
+        cfg = self.cfg
+        start, pool_state, messages = self._start()
+        if pool_state and not self.train_side:
+            self.pool.restore(pool_state)
+        view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
+                        tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
+        self.recorder = Recorder(self.out, self.history, view, self.rank)
+        self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
+                                          view, enabled=self.rank == 0)
+        messages += self.recorder.start(start)
+        t, r = self.pools
+        messages.append(f"split placement: train pool ranks 0-{t.world_size - 1} in {t}, "
+                        f"rollout pool ranks {t.world_size}-{self.world - 1} in {r}")
+        self.stop.install()
+        try:
+            with view:
+                for line in messages:
+                    view.message(line)
+                if start >= cfg.run.iterations and start:
+                    view.message(f"the run is complete ({start} iterations): nothing to do; "
+                                 "raise run.iterations to train further")
+                    return self.history
+                self._run_split(start)
+        finally:
+            self.stop.close()
+            self.rollout.close()
+        return self.history
+
+    def _start(self) -> tuple[int, Optional[dict], list[str]]:
+        """Build each pool's model and load the newest checkpoint of this placement, if any:
+        (first iteration, the episode pool it held, lines for the live view)."""
+        cfg, (t, r) = self.cfg, self.pools
+        if not cfg.run.resume:
+            refused = segments.earlier_run(self.out)
+            if refused is not None:
+                raise ConfigError(refused)
+        found = find_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
+        placement = {"train": str(t), "rollout": str(r)}
+        if found is not None and found.state.get("placement") != placement:
+            raise ConfigError(
+                f"{found.path} was written under placement {found.state.get('placement') or 'colocated'}"
+                f" on {found.state.get('world_size')} ranks, not split {placement} on "
+                f"{self.world}: resume with the placement it was written in, or start a new "
+                "run from it with run.init")
+        lay = t if self.train_side else r
+        spec = self.optimizer if self.train_side else None
+        if cfg.run.init:
+            from earl_megatron.weights.convert import load_policy
+            model = load_policy(cfg.run.init, lay, ddp=self.train_side, optimizer=spec,
+                                seed=cfg.run.seed, pools=self.pools)
+        else:
+            model = build_on_layout(cfg.model, lay, ddp=self.train_side, optimizer=spec,
+                                    seed=cfg.run.seed, pools=self.pools)
+        self.model = model
+        if found is None:
+            return 0, None, []
+        state = found.state
+        load_checkpoint(model if self.train_side else None, found.path)
+        self.planner.restore(state.get("selector"), state["last_lengths"], state.get("profile"))
+        self.history.extend(state["history"])
+        self._saved = state["iteration"]
+        notes = [m for m in (found.message(),) if m is not None]
+        return state["iteration"] + 1, state.get("pool"), notes + [
+            f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
+
+    def _run_split(self, start: int) -> None:
+        cfg, n = self.cfg, self.cfg.run.iterations
+        models = ModelPair(self.model, None) if self.train_side else None
+        if start == 0 and self.train_side:
+            self._evaluate_into("start", models)   # the rollout pool waits at the handoff
+        self._hand_off(start)                        # the rollout pool's weights: v_start
+        held = start
+        """The version the rollout pool's weights are (train steps in them)."""
+        batch = None
+        """Train pool: (ids, episodes, rollout metrics) of the batch it trains next."""
+        for j in range(start, n + 1):
+            out, abandoned, seconds = None, False, 0.0
+            if self.train_side:
+                if batch is not None:
+                    self._train_batch(j - 1, models, *batch)
+                    last = j == n
+                    if cfg.run.eval_every and j % cfg.run.eval_every == 0 and not last:
+                        self._evaluate_into(f"iter{j}", models)
+            elif j < n and not self.stop.stopping:
+                t0 = time.perf_counter()
+                try:
+                    out = self.rollout.play_pool(
+                        self.model, self.pool, j, version=held,
+                        sample_seed=rollout_sample_seed(cfg.run.seed, j),
+                        should_stop=self.stop.replica_should_stop)
+                except RolloutAbandoned:
+                    abandoned = True
+                seconds = time.perf_counter() - t0
+                self._audit_stage("rollout", j, t0, out)
+            met = self._meet(j, start, out, abandoned, seconds)
+            if met is None:
+                break
+            batch = met
+            held = j
+        self._finish(models)
+
+    # ------------------------------------------------------------------ the meeting
+    def _meet(self, j: int, start: int, out, abandoned: bool,
+              rollout_seconds: float) -> Optional[tuple]:
+        """Meeting j (module docstring), every rank of the world; the batch B_j on the train
+        pool (([], [], metrics) on the rollout pool), or None: the run ends here."""
+        cfg, (t, r) = self.cfg, self.pools
+        n_t, n = t.world_size, cfg.run.iterations
+        arrived = time.perf_counter()
+        mine = {"stop": self.stop.local() or abandoned, "played": out is not None,
+                "metrics": out.metrics if out is not None else {},
+                "rollout_s": rollout_seconds}
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        wait = time.perf_counter() - arrived
+        stop = self.stop.agree(any(e["stop"] for e in everyone))
+        played = everyone[n_t]["played"]
+        if not self.train_side and played != (out is not None):
+            raise RuntimeError(f"rank {self.rank}: rollout stage {j} played on some rollout "
+                               "ranks only")
+        done = j - 1
+        every = cfg.run.checkpoint_every
+        if j > start and (stop or j == n or (every and j % every == 0)) and self._saved != done:
+            if not self.train_side and stop and played:
+                self.pool.rewind()
+            self._checkpoint_split(done, played and not stop)
+        if stop:
+            if not self.train_side and played and self._saved != done:
+                self.pool.rewind()
+            return None
+        if j == n:
+            return None
+        with_timer = time.perf_counter()
+        ids, episodes = transfer_episodes(t, r, out.ids if out else [],
+                                          out.episodes if out else [],
+                                          group_size=cfg.algorithm.group_size)
+        transfer_s = time.perf_counter() - with_timer
+        self._audit_sent(j, out)
+        handoff_s, handoff_bytes = self._hand_off(j) if j > start else (0.0, 0)
+        metrics = {**everyone[n_t]["metrics"],
+                   "split": {"rollout_s": everyone[n_t]["rollout_s"], "train_wait_s": wait,
+                             "transfer_s": transfer_s, "handoff_s": handoff_s,
+                             "handoff_bytes": handoff_bytes}}
+        return ids, episodes, metrics
+
+    def _hand_off(self, j: int) -> tuple[float, int]:
+        """Weights v_j to the rollout pool (world); (seconds, bytes the busiest rank received)."""
+        t, r = self.pools
+        traffic = Traffic()
+        t0 = time.perf_counter()
+        hand_off(self.model, t, r, traffic=traffic)
+        seconds = time.perf_counter() - t0
+        got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        if self.audit is not None:
+            self._audit_weights(j)
+        return seconds, int(got.item())
+
+    def _checkpoint_split(self, done: int, played: bool) -> None:
+        """Checkpoint iteration ``done`` at a meeting (world): the train pool's model and
+        optimizer, the episode pool as it was before the stage just played (``played``; else
+        as it is), sent by the rollout pool's first rank to rank 0."""
+        t, r = self.pools
+        n_t = t.world_size
+        state = None
+        if not self.train_side:
+            state = self.pool.state_before() if played else self.pool.state()
+        if self.rank == n_t:
+            dist.send_object_list([state], dst=0)
+        elif self.rank == 0:
+            got = [None]
+            dist.recv_object_list(got, src=n_t)
+            state = got[0]
+        loop = {"iteration": done, "layout": str(t), "world_size": self.world,
+                "placement": {"train": str(t), "rollout": str(r)},
+                "history": self.history, "last_lengths": self.planner.last_lengths,
+                "ref_layout": None, "selector": self.planner.state_json(self.planner.state),
+                "profile": self.planner.profile_json(), "pool": state}
+        save_checkpoint(self.model if self.train_side else None, self.out / "checkpoints", done,
+                        loop, keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
+                        hf_config=base_hf_config(self.cfg.run.init))
+        self._saved = done
+
+    # ------------------------------------------------------------------ the train pool
+    def _train_batch(self, it: int, models: ModelPair, ids: list, episodes: list,
+                     metrics: dict) -> dict:
+        t, r = self.pools
+        timer = StageTimer()
+        t0 = time.perf_counter()
+        rec = self.score_and_train(it, models, models.policy, {"rollout": r, "train": t}, ids,
+                                   episodes, metrics, timer, sync=False)
+        self._audit_stage("train", it, t0, None, ids=ids, episodes=episodes)
+        return rec
+
+    def _finish(self, models: Optional[ModelPair]) -> None:
+        cfg = self.cfg
+        if self.stop.stopping:
+            self.recorder.view.message(
+                f"stopped at a safe point after iteration {self._saved}: checkpoint saved, "
+                "evaluation skipped; rerun (or the requeued job) resumes there")
+        elif cfg.run.iterations and self.train_side:
+            self._evaluate_into("end", models)
+        self.recorder.finish()
+        if self.stop.stopping:
+            self.stop.mark_stopped(self._saved)
+
+    # ------------------------------------------------------------------ audit (tests)
+    def _audit_write(self, row: dict) -> None:
+        if self.audit is None:
+            return
+        self.audit.mkdir(parents=True, exist_ok=True)
+        with open(self.audit / f"rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _audit_stage(self, side: str, it: int, t0: float, out, *, ids=(), episodes=()) -> None:
+        if self.audit is None:
+            return
+        row = {"side": side, "it": it, "start": t0 + time.time() - time.perf_counter(),
+               "end": time.time()}
+        if side == "train" and self.model.coords.tp == 0 and self.model.coords.pp == 0:
+            row["digests"] = sorted(_digest(e) for e in episodes)
+            row["ids"] = list(ids)
+        self._audit_write(row)
+
+    def _audit_sent(self, j: int, out) -> None:
+        if self.audit is None or out is None or not self.pool.leader:
+            return
+        self._audit_write({"side": "sent", "it": j, "keys": [list(k) for k in out.keys],
+                           "digests": sorted(_digest(e) for e in out.episodes),
+                           "dropped": out.metrics.get("pool_dropped", 0)})
+
+    def _audit_weights(self, j: int) -> None:
+        """Each pool's full weights, gathered inside the pool, hashed by its first rank."""
+        from earl_megatron.weights.gather import gather_full
+
+        full = gather_full(self.model.model, self.model.cfg, self.model.layout)
+        if groups.pool_rank() == 0:
+            h = hashlib.sha256()
+            for name in sorted(full):
+                h.update(name.encode())
+                h.update(full[name].detach().cpu().contiguous().view(torch.uint8).numpy()
+                         .tobytes())
+            self._audit_write({"side": "weights", "it": j,
+                               "pool": "train" if self.train_side else "rollout",
+                               "sha256": h.hexdigest()})
+
+
+def _digest(e) -> str:
+    """An episode's identity for the audit: its tokens, mask, logprobs and versions."""
+    return hashlib.sha256(repr((e.token_ids, e.loss_mask, e.logprobs, e.versions))
+                          .encode()).hexdigest()[:20]
