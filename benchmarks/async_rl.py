@@ -45,12 +45,29 @@ zero-latency tool; printed: what the 0.1 s latency adds to the zero-latency roll
 case (bound with concurrency: each rank steps its episodes' tools of a turn together, so it adds
 one latency per turn: 4 x 0.1 s = 0.4 s per rank, at most 2 x 4 x 0.1 = 0.8 s).
 
+Section 4 (``--section split``). Split placement (``rollout.placement=split``,
+trainer/split_loop.py) against the synchronous loop, both workloads, the same configuration:
+sync is the colocated loop on 2 ranks (rollout dp2, train tp2; k = 0), split k=1 runs on 3
+ranks: the train pool is the same 2 ranks in tp2, the rollout pool 1 more rank (dp1) that plays
+the next batch while they train. This host has 2 cores: a 1 + 1 split would leave one rank to
+train what two train colocated, so the fair comparison on it adds a process that mostly waits
+(on tools) rather than moving half the trainer onto it; cpu s/it (every rank's process CPU
+seconds per measured iteration) is printed beside the rates to show what each run spent. The tool
+workload's latency (``--split-latency``, default 0.25 s a call) is set so that the synchronous
+rollout stage takes about as long as the rest of the iteration (printed: rollout s and train s
+of the sync run), where overlap can at best halve the time (the ideal is 2x). A split record's
+seconds are the train pool's: its wait at the meeting for the rollout pool, the transfer, the
+handoff and the training, whose total is the period; eps/s counts the same iterations as sync.
+Connect Four's rollout is a tenth of its iteration: little to overlap there, and the rollout
+rank's decoding competes with the trainers for the 2 cores.
+
 Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
 (plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and
 auto's split, with the ratios to sync, at 2K, 8K and 32K contexts.
 
-Its last line: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
-(trained episodes/s ratios of section 1).
+Its last lines: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
+(trained episodes/s ratios of section 1) and ``async: split k=1 / sync <X.XX>x (tool latency),
+<Y.YY>x (connect four)`` (section 4).
 
 Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
       [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
@@ -139,9 +156,10 @@ def _train(cfg_dict: dict) -> dict:
             return tot
 
     runner.StageTimer = Timer
+    cpu0 = time.process_time()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the live view
         hist = run(TrainConfig.from_dict(cfg_dict))
-    return {"history": hist, "ranks": per_it}
+    return {"history": hist, "ranks": per_it, "cpu": time.process_time() - cpu0}
 
 
 def _config(workload: str, k: int, args, out: str) -> dict:
@@ -310,6 +328,77 @@ def section_env(args) -> None:
               f"{args.turns} x {args.latency} = {8 * args.turns * args.latency:.2f} s a rank)")
 
 
+def _split_config(workload: str, k: int, args, out: str, init=None) -> dict:
+    """Section 4's run: the workload's config; k = 0 colocated, k >= 1 split on 3 ranks."""
+    cfg = _config(workload, k, args, out)
+    cfg["run"] = dict(cfg["run"], resume=False)
+    if workload == "tool":
+        cfg["env"]["kwargs"] = dict(cfg["env"]["kwargs"], tool_latency_s=args.split_latency)
+        cfg.pop("sft")
+        cfg["run"]["init"] = init   # the warm start's checkpoint: both runs start from it
+    if k:
+        cfg["layout"] = {"mode": "static", "rollout": "dp1", "logprob": "tp2", "train": "tp2"}
+        cfg["rollout"] = dict(cfg["rollout"], placement="split", pool_ranks=1)
+    return cfg
+
+
+def section_split(args) -> dict:
+    from earl_megatron.runtime.checkpoint_files import find_checkpoint
+    from earl_megatron.testing.multiproc import run_distributed
+
+    ratios = {}
+    names = {"tool": "tool latency", "connect_four": "connect four"}
+    for w in args.workloads:
+        print(f"\n[split: {names[w]}] {args.episodes} episodes/iteration, {args.iterations} "
+              f"iterations (rates over iterations 1..{args.iterations - 1}); sync: 2 ranks "
+              "colocated (rollout dp2, train tp2); split k=1: train pool 2 ranks tp2 + rollout "
+              "pool 1 rank dp1" + (f", tool latency {args.split_latency} s" if w == "tool"
+                                   else ""), flush=True)
+        warm, init = None, None
+        if w == "tool":
+            warm = tempfile.mkdtemp(prefix="earl-split-warm-")
+            cfg = _config(w, 0, args, warm)
+            cfg["run"].update(iterations=0, checkpoint_every=args.sft_steps)
+            run_distributed(_train, 2, cfg, timeout=args.timeout)
+            init = str(find_checkpoint(os.path.join(warm, "checkpoints", "sft")).path)
+        print(f"  {'run':8s} {'ranks':>5s} {'eps/s':>7s} {'rollout s':>9s} {'train s':>7s} "
+              f"{'wait s':>6s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} {'reward':>7s} "
+              f"{'cpu s/it':>8s}", flush=True)
+        rows = {}
+        order = [0, 1] + ([0] if args.bracket else [])
+        for n, k in enumerate(order):
+            again = n == len(order) - 1 and k == 0 and n > 0
+            ranks = 3 if k else 2
+            with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
+                res = run_distributed(_train, ranks, _split_config(w, k, args, tmp, init),
+                                      timeout=args.timeout)
+            s = _summary(res, 1, args.episodes)
+            meas = res[0]["history"][1:]
+            s["cpu"] = sum(r["cpu"] for r in res) / len(res[0]["history"])
+            if k:
+                s["rollout_s"] = sum(h["split"]["rollout_s"] for h in meas) / len(meas)
+                wait = sum(h["split"]["train_wait_s"] for h in meas) / len(meas)
+            else:
+                wait = 0.0
+            train = sum(h["seconds"].get(st, 0.0) for h in meas
+                        for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
+            if again:
+                rows[0] = dict(rows[0], eps=2 / (1 / rows[0]["eps"] + 1 / s["eps"]))
+            else:
+                rows[k] = s
+            name = "sync'" if again else ("sync" if k == 0 else f"split k={k}")
+            print(f"  {name:8s} {ranks:5d} {s['eps']:7.2f} {s['rollout_s']:9.2f} {train:7.2f} "
+                  f"{wait:6.2f} {s['st_mean']:7.3f} {s['st_max']:6d} {s['dropped']:7d} "
+                  f"{s['reward']:7.2f} {s['cpu']:8.2f}", flush=True)
+        if warm is not None:
+            shutil.rmtree(warm, ignore_errors=True)
+        ratios[w] = rows[1]["eps"] / rows[0]["eps"]
+        print(f"  sync baseline {rows[0]['eps']:.2f} episodes/s"
+              + (" (harmonic mean of sync and sync')" if args.bracket else "")
+              + f"; split k=1 {ratios[w]:.2f}x", flush=True)
+    return ratios
+
+
 def section_plan(args) -> None:
     """The time model's projection for the 72B recipe on 128 H100 (plan/split.py): seconds per
     iteration synchronous colocated, split on half the GPUs, and auto's split, per context."""
@@ -341,10 +430,12 @@ def section_plan(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=("all", "async", "env", "plan"), default="all")
+    ap.add_argument("--section", choices=("all", "async", "env", "plan", "split"),
+                    default="all")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1)
+    ap.add_argument("--split-latency", type=float, default=0.25)
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--workloads", nargs="*", default=["tool", "connect_four"])
     ap.add_argument("--ks", nargs="*", type=int, default=[0, 1, 2])
@@ -364,11 +455,16 @@ def main() -> None:
         section_env(args)
     if args.section in ("all", "async"):
         ratios = section_async(args)
+    split = section_split(args) if args.section in ("all", "split") else {}
     print(f"\n(whole run {time.perf_counter() - t0:.0f} s)")
     if ratios:
         print("async: colocated k=1 / sync "
               f"{ratios.get('tool', float('nan')):.2f}x (tool latency), "
               f"{ratios.get('connect_four', float('nan')):.2f}x (connect four)")
+    if split:
+        print("async: split k=1 / sync "
+              f"{split.get('tool', float('nan')):.2f}x (tool latency), "
+              f"{split.get('connect_four', float('nan')):.2f}x (connect four)")
 
 
 if __name__ == "__main__":

@@ -481,7 +481,4 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
     if cfg.sft.steps:
         return (f"sft.steps={cfg.sft.steps}: warm start in a colocated run and pass its "
                 "checkpoint as run.init")
-    if a.old_logprobs != "recompute":
-        return ("algorithm.old_logprobs=rollout: the train pool re-scores what the rollout "
-                "pool played; set algorithm.old_logprobs=recompute")
     return None

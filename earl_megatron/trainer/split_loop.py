@@ -174,13 +174,17 @@ class SplitTrainer(Trainer):
                 "run from it with run.init")
         lay = t if self.train_side else r
         spec = self.optimizer if self.train_side else None
-        if cfg.run.init:
+        if cfg.run.init and self.train_side:
             from earl_megatron.weights.convert import load_policy
-            model = load_policy(cfg.run.init, lay, ddp=self.train_side, optimizer=spec,
+            model = load_policy(cfg.run.init, lay, ddp=True, optimizer=spec,
                                 seed=cfg.run.seed, pools=self.pools)
-        else:
+        else:   # the rollout pool's weights come from the train pool at the first handoff
             model = build_on_layout(cfg.model, lay, ddp=self.train_side, optimizer=spec,
-                                    seed=cfg.run.seed, pools=self.pools)
+                                    seed=cfg.run.seed, pools=self.pools,
+                                    init=None if self.train_side else False)
+            if cfg.run.init:
+                from earl_megatron.weights.convert import join_policy_load
+                join_policy_load(cfg.run.init)
         self.model = model
         if found is None:
             return 0, None, []
@@ -317,6 +321,14 @@ class SplitTrainer(Trainer):
         t, r = self.pools
         timer = StageTimer()
         t0 = time.perf_counter()
+        # the iteration's seconds on the train pool: the meeting that brought the batch (its
+        # wait for the rollout pool, the transfer, the handoff), then the training; their total
+        # is the period (plan/split.py), as a colocated iteration's is rollout + training
+        meet = metrics["split"]
+        for name, key in (("meeting_wait", "train_wait_s"), ("transfer", "transfer_s"),
+                          ("handoff", "handoff_s")):
+            timer.seconds[name] = meet[key]
+        timer.t0 -= meet["train_wait_s"] + meet["transfer_s"] + meet["handoff_s"]
         rec = self.score_and_train(it, models, models.policy, {"rollout": r, "train": t}, ids,
                                    episodes, metrics, timer, sync=False)
         self._audit_stage("train", it, t0, None, ids=ids, episodes=episodes)

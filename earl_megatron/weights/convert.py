@@ -337,6 +337,18 @@ def load_mcore_into(model, path: str | os.PathLike) -> None:
     model.load_state_dict({k: v for k, v in loaded.items() if k in want}, strict=True)
 
 
+def join_policy_load(path: str | os.PathLike) -> None:
+    """A rank that holds no part of the model (split placement's rollout pool, which gets the
+    weights from the train pool) joins the collective read of ``load_policy`` on the others
+    (a converted or trainer checkpoint: dist_checkpointing reads on every rank of the world);
+    an HF directory is read per rank, so there is nothing to join."""
+    from megatron.core import dist_checkpointing
+
+    if is_mcore_checkpoint(path):
+        with reading(path, "policy checkpoint"):
+            dist_checkpointing.load({}, str(path))
+
+
 def load_hf_into(model, ckpt: HFCheckpoint, cfg: ModelConfig, layout: ParallelLayout,
                  coords) -> None:
     """Read only this rank's shard of each of its parameters from HF shards (row/col ranges)."""

@@ -136,3 +136,62 @@ def test_split_k2_checkpoints_and_resumes_without_losing_an_episode(tmp_path):
     assert not set(before) & set(after)
     for h in hist:
         assert h["staleness_max"] <= 2 and h["pool_dropped"] == 0
+
+
+def test_split_stop_during_a_rollout_checkpoints_both_pools_then_resumes(tmp_path):
+    """k=2, Connect Four held once two iterations are recorded (earl_megatron/testing/envs.py:
+    the rollout pool's steps wait for the stop request, so it lands inside a rollout stage on
+    any machine). The stage is abandoned, the meeting agrees to stop, the last trained
+    iteration is checkpointed with the pool as it was before the abandoned stage; the resumed
+    run trains the rest, every episode exactly once over both runs."""
+    import threading
+    import time
+
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    metrics, release = out / "metrics.jsonl", tmp_path / "release"
+    cfg = _cfg(str(out), 5, 2, checkpoint_every=0).to_dict()
+    cfg["env"] = {"name": "earl_megatron.testing.envs:held_connect_four", "eval_opponents": [],
+                  "kwargs": {**cfg["env"]["kwargs"], "hold_when": str(metrics),
+                             "hold_lines": 2, "release_when": str(release)}}
+    done = threading.Event()
+
+    def request_stop():
+        while not done.is_set():
+            if metrics.exists() and metrics.read_text().count("\n") >= 2:
+                (out / "stop").write_text("requested\n")
+                return
+            time.sleep(0.02)
+
+    stopper = threading.Thread(target=request_stop)
+    stopper.start()
+    try:
+        first = run_distributed(_train, 4, TrainConfig.from_dict(cfg), str(audit),
+                                timeout=500)[0]
+    finally:
+        done.set()
+        stopper.join()
+    stopped = (out / "stop").read_text()
+    assert stopped.startswith("stopped "), stopped
+    last = int(stopped.split()[1])
+    assert last in (1, 2), stopped   # the stage held: 2 or 3, whichever ran when line 2 landed
+    assert [h["iteration"] for h in first] == list(range(last + 1))
+    loop = json.loads((out / "checkpoints" / f"iter_{last:06d}" / "loop.json").read_text())
+    assert loop["iteration"] == last and loop["pool"] is not None
+    # nothing the abandoned stage started is in the checkpoint's pool
+    assert all(e["key"][0] <= last for e in loop["pool"]["entries"]), loop["pool"]["entries"]
+    rows = _audit(audit)
+    _check_exactly_once(rows, last + 1)
+    _check_handoffs(rows)
+
+    release.write_text("")
+    (out / "stop").unlink()
+    audit2 = tmp_path / "audit2"
+    hist = run_distributed(_train, 4, TrainConfig.from_dict(cfg), str(audit2), timeout=500)[0]
+    assert [h["iteration"] for h in hist] == list(range(5))
+    rows2 = _audit(audit2)
+    _check_exactly_once(rows2, 5, first=last + 1)
+    before = {d for r in rows if r["side"] == "train" and "digests" in r for d in r["digests"]}
+    after = {d for r in rows2 if r["side"] == "train" and "digests" in r for d in r["digests"]}
+    assert not before & after
+    for h in hist:
+        assert h["staleness_max"] <= 2 and h["pool_dropped"] == 0

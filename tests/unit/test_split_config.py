@@ -1,0 +1,60 @@
+"""rollout.placement=split's configuration: what it runs, and each thing it does not run yet
+refused at construction (or by ``split_pools`` against the world) with one line naming the fix."""
+
+import pytest
+
+from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.trainer.split_loop import split_pools
+
+SPLIT = {"layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
+         "rollout": {"placement": "split", "episodes_per_iteration": 4},
+         "algorithm": {"max_staleness": 1, "off_policy": "decoupled",
+                       "old_logprobs": "recompute", "name": "grpo", "group_size": 2}}
+
+
+def _cfg(**over) -> TrainConfig:
+    d = {k: dict(v) for k, v in SPLIT.items()}
+    for key, value in over.items():
+        section, name = key.split("__")
+        d.setdefault(section, {})[name] = value
+    return TrainConfig.from_dict(d)
+
+
+def test_split_pools_are_the_layouts_on_each_pools_ranks():
+    t, r = split_pools(_cfg(), 4)
+    assert (t.world_size, t.dp, r.world_size, r.dp) == (2, 2, 2, 2)
+    t, r = split_pools(_cfg(layout__train="tp2", layout__logprob="tp2", layout__rollout="dp1",
+                            rollout__pool_ranks=1), 3)
+    assert (t.tp, t.world_size, r.world_size) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"algorithm__max_staleness": 0}, "algorithm.max_staleness >= 1"),
+    ({"rollout__engine": "sglang"}, "rollout.engine='sglang'"),
+    ({"layout__mode": "auto"}, "layout.mode=static"),
+    ({"algorithm__kl_mode": "loss", "algorithm__kl_coef": 0.1}, "algorithm.kl_mode=loss"),
+    ({"sft__steps": 4}, "run.init"),
+    ({"layout__logprob": "tp2"}, "layout.logprob to the same"),
+    ({"rollout__placement": "auto"}, "is not built yet"),
+])
+def test_what_split_does_not_run_is_refused_with_the_fix(over, says):
+    with pytest.raises(ConfigError, match="split|placement") as e:
+        _cfg(**over)
+    assert says in str(e.value)
+
+
+def test_pool_ranks_without_split_is_refused():
+    with pytest.raises(ConfigError, match="rollout.placement=split"):
+        TrainConfig.from_dict({"rollout": {"pool_ranks": 1}})
+
+
+@pytest.mark.parametrize("over, world, says", [
+    ({"rollout__pool_ranks": 4}, 4, "at least one rank"),
+    ({"layout__rollout": "dp3"}, 4, "layout.rollout=dp3 on the rollout pool's 2 ranks"),
+    ({"layout__train": "cp2", "layout__logprob": "cp2"}, 4, "cp > 1"),
+    ({"rollout__episodes_per_iteration": 2}, 4, "fewer than the train pool's 2"),
+])
+def test_pools_that_cannot_run_on_the_world_are_refused(over, world, says):
+    with pytest.raises(ConfigError) as e:
+        split_pools(_cfg(**over), world)
+    assert says in str(e.value)
