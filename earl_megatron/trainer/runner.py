@@ -29,6 +29,10 @@ iteration's rollout, in whatever layout it plans (with their contexts counted), 
 part of every checkpoint. k = 0 is the synchronous loop above, unchanged (a parity test against
 records of the loop before the pool existed).
 
+Split placement (``rollout.placement=split``, trainer/split_loop.py): a rollout pool plays the
+next batch while a train pool runs ``score_and_train`` (the loop body after the rollout) on this
+one; the pools meet once per iteration.
+
 Where a run starts (the newest complete checkpoint, the warm start's, or fresh) is
 trainer/resume.py's; the evaluations (start, every run.eval_every, end) trainer/evaluation.py's.
 
@@ -262,8 +266,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def train(self) -> list[dict]:
-        from earl_megatron.trainer.live import LiveView
-
         cfg = self.cfg
         begin = resume.start(cfg, self.planner, self.out, self.world, self.optimizer, self.kl_on)
         start, models, messages = begin.iteration, begin.models, begin.messages
@@ -275,6 +277,15 @@ class Trainer:
         elif begin.pool and begin.pool["entries"]:
             messages.append(f"the checkpoint held {len(begin.pool['entries'])} episodes in "
                             "flight; algorithm.max_staleness=0 drops them")
+        self._mark_completed(models, start - 1)
+        return self.drive(start, messages, lambda: self._run(start, models))
+
+    def drive(self, start: int, messages: list[str], loop) -> list[dict]:
+        """Run ``loop()`` from iteration ``start`` inside the live view, with the recorder,
+        the sample writer and the stop control in place; the history."""
+        from earl_megatron.trainer.live import LiveView
+
+        cfg = self.cfg
         view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
                         tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
         self.recorder = Recorder(self.out, self.history, view, self.rank)
@@ -282,7 +293,6 @@ class Trainer:
                                           view, enabled=self.rank == 0)
         messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()
-        self._mark_completed(models, start - 1)
         try:
             with view:
                 for line in messages:
@@ -291,7 +301,7 @@ class Trainer:
                     view.message(f"the run is complete ({start} iterations): nothing to do; "
                                  "raise run.iterations to train further")
                     return self.history
-                self._run(start, models)
+                loop()
         finally:
             self.stop.close()
             self.rollout.close()

@@ -67,9 +67,8 @@ from earl_megatron.runtime.weight_transfer import hand_off
 from earl_megatron.seeds import rollout_sample_seed
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.model_pair import ModelPair
-from earl_megatron.trainer.record import Recorder, StageTimer
+from earl_megatron.trainer.record import StageTimer
 from earl_megatron.trainer.runner import Trainer
-from earl_megatron.trainer.samples import SampleWriter
 
 AUDIT_ENV = "EARL_SPLIT_AUDIT"
 """A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there
@@ -126,35 +125,13 @@ class SplitTrainer(Trainer):
 
     # ------------------------------------------------------------------ the run
     def train(self) -> list[dict]:
-        from earl_megatron.trainer.live import LiveView
-
-        cfg = self.cfg
         start, pool_state, messages = self._start()
         if pool_state and not self.train_side:
             self.pool.restore(pool_state)
-        view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
-                        tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
-        self.recorder = Recorder(self.out, self.history, view, self.rank)
-        self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
-                                          view, enabled=self.rank == 0)
-        messages += self.recorder.start(start)
         t, r = self.pools
-        messages.append(f"split placement: train pool ranks 0-{t.world_size - 1} in {t}, "
-                        f"rollout pool ranks {t.world_size}-{self.world - 1} in {r}")
-        self.stop.install()
-        try:
-            with view:
-                for line in messages:
-                    view.message(line)
-                if start >= cfg.run.iterations and start:
-                    view.message(f"the run is complete ({start} iterations): nothing to do; "
-                                 "raise run.iterations to train further")
-                    return self.history
-                self._run_split(start)
-        finally:
-            self.stop.close()
-            self.rollout.close()
-        return self.history
+        messages.append(f"split placement: train pool {_ranks(0, t.world_size)} in {t}, "
+                        f"rollout pool {_ranks(t.world_size, self.world)} in {r}")
+        return self.drive(start, messages, lambda: self._run_split(start))
 
     def _start(self) -> tuple[int, Optional[dict], list[str]]:
         """Build each pool's model and load the newest checkpoint of this placement, if any:
@@ -385,6 +362,10 @@ class SplitTrainer(Trainer):
             self._audit_write({"side": "weights", "it": j,
                                "pool": "train" if self.train_side else "rollout",
                                "sha256": h.hexdigest()})
+
+
+def _ranks(first: int, end: int) -> str:
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
 
 
 def _digest(e) -> str:
