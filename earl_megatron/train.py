@@ -128,6 +128,13 @@ def validate(cfg: TrainConfig, world: int) -> None:
         from earl_megatron.trainer.split_loop import split_pools
         split_pools(cfg, world)
         return
+    if cfg.rollout.placement == "auto":    # the split's plan checks the pools at the start
+        if world < 2:
+            raise ConfigError("rollout.placement=auto splits the world into a rollout and a "
+                              "train pool: run on at least 2 ranks")
+        return
+    if cfg.rollout.placement != "colocated":
+        raise ConfigError(f"rollout.placement={cfg.rollout.placement!r}")
     for stage in STAGE_NAMES:
         text = cfg.layout.static(stage)
         if text is not None:
@@ -286,7 +293,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     if not torch.cuda.is_available():
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
-    if cfg.rollout.placement == "split":
+    if cfg.rollout.placement != "colocated":   # split, auto
         from earl_megatron.trainer.split_loop import SplitTrainer as Trainer  # noqa: F811
     with backend:
         return Trainer(cfg, tokenizer).train()

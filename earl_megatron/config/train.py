@@ -183,7 +183,9 @@ class RolloutConfig:
     """"colocated": every rank plays, then every rank trains (the stages in turn). "split":
     the last ``pool_ranks`` ranks are a rollout pool that plays while the first ranks, the
     train pool, train the batch before (trainer/split_loop.py, docs/async.md); layouts
-    static (layout.train on the train pool, layout.rollout on the rollout pool)."""
+    static (layout.train on the train pool, layout.rollout on the rollout pool). "auto": split,
+    with the pools' sizes and layouts the selector's (plan/split.py), re-planned at every
+    iteration from the lengths and the seconds each pool measured (layout.mode=auto)."""
     pool_ranks: Optional[int] = None
     """placement=split: ranks of the rollout pool (None: half the world, rounded down)."""
 
@@ -201,13 +203,13 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
                   "prefill_tokens", "agent_concurrency", "env_concurrency", "pool_ranks")
-        if self.placement not in ("colocated", "split"):
-            raise ConfigError(f"rollout.placement={self.placement!r}: use 'colocated' or "
-                              "'split' ('auto', the selector sizing the split, is not built "
-                              "yet: tools/plan_layouts.py --split auto prints its plan)")
+        if self.placement not in ("colocated", "split", "auto"):
+            raise ConfigError(f"rollout.placement={self.placement!r}: use 'colocated', 'split' "
+                              "or 'auto'")
         if self.pool_ranks is not None and self.placement != "split":
             raise ConfigError(f"rollout.pool_ranks={self.pool_ranks} sizes split placement's "
-                              "rollout pool: set rollout.placement=split, or drop it")
+                              f"rollout pool: set rollout.placement=split, or drop it "
+                              f"(placement={self.placement})")
         if not self.agent_timeout_s > 0 or not 0 <= self.agent_port < 65536:
             raise ConfigError(f"rollout.agent_timeout_s={self.agent_timeout_s} must be > 0 and "
                               f"rollout.agent_port={self.agent_port} in [0, 65535]")
@@ -442,10 +444,11 @@ class TrainConfig:
                 f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "
                 "that waits across iterations does not keep its experts in a checkpoint yet; "
                 "use one of them")
-        if self.rollout.placement == "split":
+        if self.rollout.placement != "colocated":
             split_problem = _split_problem(self)
             if split_problem:
-                raise ConfigError(f"rollout.placement=split: {split_problem}")
+                raise ConfigError(f"rollout.placement={self.rollout.placement}: "
+                                  f"{split_problem}")
         if self.algorithm.name == "grpo" and \
                 self.rollout.episodes_per_iteration % self.algorithm.group_size:
             raise ConfigError(
@@ -470,10 +473,16 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine!r}: the rollout pool runs the embedded engine "
                 "(SGLang servers on it are not built yet)")
-    if lay.mode != "static":
-        return ("layout.mode=auto: the pools' layouts are static for now; set layout.mode=static "
-                "with layout.train (the train pool's) and layout.rollout (the rollout pool's)")
-    if lay.logprob != lay.train:
+    if r.placement == "split" and lay.mode != "static":
+        return ("layout.mode=auto: a fixed split's pools take static layouts; set layout.mode="
+                "static with layout.train (the train pool's) and layout.rollout (the rollout "
+                "pool's), or rollout.placement=auto (the selector sizes the pools and lays "
+                "them out)")
+    if r.placement == "auto" and lay.mode != "auto":
+        return ("layout.mode=static: auto placement plans the pools' sizes and their layouts "
+                "together; set layout.mode=auto, or rollout.placement=split with "
+                "rollout.pool_ranks")
+    if r.placement == "split" and lay.logprob != lay.train:
         return (f"layout.logprob={lay.logprob}: the train pool re-scores its batch in "
                 f"layout.train={lay.train}; set layout.logprob to the same")
     if a.kl_mode != "off":

@@ -250,18 +250,20 @@ def _factors(selector: Selector, workload: SplitWorkload,
 
 def plan_split(selector: Selector, workload: SplitWorkload, *,
                rollout_ranks: Optional[int] = None, rates: Optional[MeasuredRates] = None,
-               current: Optional[SplitPlan] = None, hysteresis: Optional[float] = None
-               ) -> SplitPlan:
+               current: Optional[SplitPlan] = None, hysteresis: Optional[float] = None,
+               colocated: bool = True) -> SplitPlan:
     """The split for ``workload``: ``rollout_ranks`` fixed (split placement with the user's
-    pool), or the fastest of ``split_choices`` (auto), kept at ``current`` under
-    ``hysteresis`` (default: the selector's). ``rates`` scale each side's predictions."""
+    pool), or the fastest of ``split_choices`` (auto; and colocated unless ``colocated`` is
+    False: a run under rollout.placement=auto, whose loop is the split one), kept at
+    ``current`` under ``hysteresis`` (default: the selector's). ``rates`` scale each side's
+    predictions."""
     factors = _factors(selector, workload, rates)
     if rollout_ranks is not None:
         plan = _pools(selector, workload, rollout_ranks, factors, current)
         what = "colocated" if plan.colocated else "fixed split"
         return replace(plan, reason=f"{what}: {plan.describe()}")
     found, skipped, first = [], [], None
-    for n_r in (0,) + split_choices(selector.cluster):
+    for n_r in ((0,) if colocated else ()) + split_choices(selector.cluster):
         try:
             found.append(_pools(selector, workload, n_r, factors, current))
         except SplitDoesNotFitError as e:

@@ -42,6 +42,7 @@ from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import (RECOMPUTE_ORDER, LayoutOverBudgetError, Selector,
                                          SelectorConfig, SelectorState)
 from earl_megatron.plan.server_restart import model_key
+from earl_megatron.plan.split import SplitWorkload
 from earl_megatron.plan.specs import (PREFILL_TOKENS, ClusterSpec, DecodeEngine, GiB, Recompute,
                                       Stage, StageWorkload, TrainOptions, cluster_spec,
                                       human_bytes)
@@ -91,13 +92,16 @@ class StagePlanner:
         self.last_lengths: list[int] = []
 
     def plan(self, stage: str, lengths: list[int], current: Optional[ParallelLayout],
-             resident_bytes: int = 0) -> ParallelLayout:
+             resident_bytes: int = 0, *, fixed: Optional[ParallelLayout] = None
+             ) -> ParallelLayout:
         """The layout of ``stage`` for episodes of ``lengths`` tokens (NoLayoutFitsError when
-        nothing fits in auto mode, LayoutOverBudgetError when the static layout does not)."""
+        nothing fits in auto mode, LayoutOverBudgetError when the static layout does not).
+        ``fixed``: this layout, checked as a static one is (split placement's train pool, whose
+        layout the split's plan chose)."""
         wl = self._workload(stage, lengths)
-        if not self.auto:
-            lay = ParallelLayout.parse(self.layout_cfg.static(stage), world_size=self.world,
-                                       model=self.model)
+        if not self.auto or fixed is not None:
+            lay = fixed or ParallelLayout.parse(self.layout_cfg.static(stage),
+                                                world_size=self.world, model=self.model)
             problem = stage == "rollout" and rollout_layout_problem(
                 lay, "sglang" if self.servers else "embedded")
             if problem:
@@ -165,6 +169,15 @@ class StagePlanner:
         if self.batch.micro_batch_tokens:  # length-grouped micro-batches: a long one trains alone
             tokens = max(longest, min(self.batch.micro_batch_tokens, tokens))
         return StageWorkload.of(Stage(stage), lengths, micro_batch_tokens=tokens)
+
+    def split_workload(self, env_seconds: float = 0.0) -> SplitWorkload:
+        """One iteration's work for split placement's plan (plan/split.py): the rollout of
+        what is in flight (plus ``env_seconds`` of environments), the scoring and training of a
+        batch like the last one."""
+        lengths = self.last_lengths or [FIRST_ROLLOUT_TOKENS] * self.episodes
+        return SplitWorkload(self._workload("rollout", self.rollout_lengths()),
+                             self._workload("logprob", lengths),
+                             self._workload("train", lengths), env_seconds=env_seconds)
 
     # --- what the other model keeps resident, per rank (its most loaded pp_stage) ---------
     def weight_bytes(self, layout: Optional[ParallelLayout]) -> int:

@@ -19,6 +19,7 @@ nor sglang_rollout: no import loop).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -154,10 +155,12 @@ class EmbeddedRollout:
 
     def play_pool(self, policy: ModelOnLayout, pool, iteration: int, *, sample_seed: int,
                   should_stop: Optional[Callable[[], bool]] = None,
-                  version: Optional[int] = None):
+                  version: Optional[int] = None, time_decode: bool = False):
         """Asynchronous RL's stage (trainer/episode_pool.py): this replica's block of the batch,
         its live episodes continued and new ones started, on the policy as it stands (its
-        weights are version ``version``: default ``iteration``)."""
+        weights are version ``version``: default ``iteration``). ``time_decode``: the outcome's
+        metrics hold ``rollout_decode_s``, the seconds spent decoding (the rest of the stage is
+        the environments' and the loop's: what more ranks would not shorten)."""
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
         sp = self.spec
@@ -165,11 +168,15 @@ class EmbeddedRollout:
                                 reuse_prefix=not sp.routing_replay,
                                 record_routes=sp.routing_replay,
                                 prefill_tokens=sp.prefill_tokens)
+        timed = _TimedEngine(engine)
         try:
-            return pool.stage(policy, engine, iteration, sample_seed=sample_seed,
-                              should_stop=should_stop, version=version)
+            out = pool.stage(policy, timed if time_decode else engine, iteration,
+                             sample_seed=sample_seed, should_stop=should_stop, version=version)
         finally:
             engine.close()
+        if time_decode:
+            out.metrics["rollout_decode_s"] = timed.seconds
+        return out
 
     def _play_agents(self, policy, engine, block, seeds, temperature, sample_seed,
                      should_stop):
@@ -222,3 +229,17 @@ class EmbeddedRollout:
         if self._player is not None:
             self._player.close()
             self._player = None
+
+
+class _TimedEngine:
+    """An engine whose ``generate`` calls are timed (``seconds``, summed)."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds = engine, 0.0
+
+    def generate(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t

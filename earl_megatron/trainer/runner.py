@@ -50,6 +50,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from earl_megatron.config.train import TrainConfig, sglang_kv_tokens, sglang_mem_fraction
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.advantages import tis_weighted
 from earl_megatron.rl.losses import PolicyLossConfig
@@ -107,13 +108,7 @@ class Trainer:
         # one memory fraction: the servers start with it and the selector plans with it
         frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
             if r.engine == "sglang" else None
-        self.planner = StagePlanner(cfg.model, cfg.layout, cfg.cluster, self.planned_world(),
-                                    distributed_optimizer=a.use_distributed_optimizer,
-                                    episodes=r.episodes_per_iteration, batch=self.batch,
-                                    sglang_mem_fraction=frac,
-                                    sglang_restart_s=r.sglang_restart_s,
-                                    prefill_tokens=r.prefill_tokens,
-                                    in_flight=in_flight)
+        self.planner = self.make_planner(self.planned_world())
         context = r.max_context_tokens or cfg.model.max_position_embeddings
         self.rollout = make_rollout(r.engine, EpisodeSpec(
             env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
@@ -156,6 +151,18 @@ class Trainer:
         """Ranks the stage planner lays out: the world (split placement: the train pool)."""
         return self.world
 
+    def make_planner(self, world: int) -> StagePlanner:
+        """The stage planner of ``world`` ranks for this run's model, layouts and batch."""
+        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
+            if r.engine == "sglang" else None
+        return StagePlanner(cfg.model, cfg.layout, cfg.cluster, world,
+                            distributed_optimizer=a.use_distributed_optimizer,
+                            episodes=r.episodes_per_iteration, batch=self.batch,
+                            sglang_mem_fraction=frac, sglang_restart_s=r.sglang_restart_s,
+                            prefill_tokens=r.prefill_tokens,
+                            in_flight=(a.max_staleness + 1) * r.episodes_per_iteration)
+
     # ------------------------------------------------------------------ one iteration
     def iteration(self, it: int, models: ModelPair) -> Optional[dict]:
         """One iteration's record; None when told to stop during its rollout (abandoned before
@@ -194,11 +201,12 @@ class Trainer:
 
     def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,
                         episodes: list, pool_metrics: dict, t: StageTimer, *,
-                        sync: bool) -> dict:
+                        sync: bool, train_layout: Optional[ParallelLayout] = None) -> dict:
         """The iteration after its rollout: re-score, plan LOGPROB and TRAIN, advantages, train,
         [``sync``: weights to the rollout engine], record. ``policy`` holds the batch (each
         replica its block whole: the rollout layout's rule); split placement's train pool calls
-        it with the episodes it received (trainer/split_loop.py)."""
+        it with the episodes it received and its pool's layout as ``train_layout`` (checked
+        against the budget, not planned: trainer/split_loop.py)."""
         cfg, plan, ref = self.cfg, self.planner, models.reference
         n = cfg.rollout.episodes_per_iteration
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
@@ -223,7 +231,8 @@ class Trainer:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
                                            plan.train_bytes(policy.layout))
         layouts["train"] = plan.plan("train", lengths, policy.layout,
-                                     plan.weight_bytes(layouts.get("logprob")))
+                                     plan.weight_bytes(layouts.get("logprob")),
+                                     fixed=train_layout)
         ref_lp, moved_lp, metrics, kl = {}, 0, dict(engine_metrics), None
         if ref is not None:
             with t("logprob"):

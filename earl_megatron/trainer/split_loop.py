@@ -44,6 +44,7 @@ handoff with its own timeout.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 import json
 import os
 import time
@@ -56,6 +57,7 @@ import torch.distributed as dist
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
+from earl_megatron.plan.split import MeasuredRates, SplitPlan, plan_split
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
@@ -113,45 +115,101 @@ class SplitTrainer(Trainer):
     iteration is ``Trainer.score_and_train``, unchanged."""
 
     def __init__(self, cfg: TrainConfig, tokenizer):
-        self.pools = split_pools(cfg, dist.get_world_size())
+        self.auto = cfg.rollout.placement == "auto"
+        self.pools: Optional[tuple[ParallelLayout, ParallelLayout]] = \
+            None if self.auto else split_pools(cfg, dist.get_world_size())
         super().__init__(cfg, tokenizer)
-        self.train_side = self.rank < self.pools[0].world_size
+        self.world_planner = self.planner if self.auto else None
+        """auto: the planner of the whole world, whose selector plans the split (cp = 1: the
+        train pool holds each replica's episodes whole, and decoding never uses cp)."""
+        if self.auto:
+            sel = self.planner.selector
+            self.planner.selector = replace(sel, config=replace(sel.config, max_cp=1))
+        self.split_plan: Optional[SplitPlan] = None
+        """auto: the split in force and why (plan/split.py)."""
+        self.train_side = self.pools is not None and self.rank < self.pools[0].world_size
         self.audit = Path(os.environ[AUDIT_ENV]) if os.environ.get(AUDIT_ENV) else None
         self.model: Optional[ModelOnLayout] = None
         """This rank's model: the policy with its optimizer (train pool), or the rollout copy."""
+        self.models: Optional[ModelPair] = None
+        self._train_s = 0.0
+        """Train pool: the seconds its last step took (scoring and training), for auto's rates."""
 
     def planned_world(self) -> int:
-        return self.pools[0].world_size
+        return self.world if self.pools is None else self.pools[0].world_size
+
+    # ------------------------------------------------------------------ the pools
+    def _use(self, plan: SplitPlan) -> None:
+        """Take ``plan``'s pools (auto): this rank's side and its pool's stage planner."""
+        train, rollout = plan.train.layout, plan.rollout.layout
+        if train.cp > 1:
+            raise ConfigError(f"the split's train layout {train} has cp > 1, which the train "
+                              "pool does not run yet (it holds each replica's episodes whole); "
+                              "set layout.max_cp=1")
+        problem = rollout_layout_problem(rollout, "embedded")
+        if problem:
+            raise ConfigError(f"the split's rollout layout {rollout}: {problem}")
+        self.split_plan, self.pools = plan, (train, rollout)
+        self.train_side = self.rank < train.world_size
+        self.planner = self.make_planner(train.world_size)
+
+    def _plan_split(self, lengths: list[int], rates: Optional[MeasuredRates],
+                    env_seconds: float = 0.0) -> SplitPlan:
+        """auto: the split for batches of ``lengths`` tokens under the measured ``rates`` (the
+        rollout's ``env_seconds``, which more ranks do not shorten, apart), kept where it is
+        unless another is faster by the hysteresis, moving included. A pure function of its
+        inputs, which every rank holds alike, so every rank plans the same."""
+        wp = self.world_planner
+        wp.last_lengths = list(lengths)
+        return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
+                          current=self.split_plan, colocated=False)
 
     # ------------------------------------------------------------------ the run
     def train(self) -> list[dict]:
         start, pool_state, messages = self._start()
         if pool_state and not self.train_side:
             self.pool.restore(pool_state)
-        t, r = self.pools
-        messages.append(f"split placement: train pool {_ranks(0, t.world_size)} in {t}, "
-                        f"rollout pool {_ranks(t.world_size, self.world)} in {r}")
+        messages.append(self._describe())
         return self.drive(start, messages, lambda: self._run_split(start))
 
-    def _start(self) -> tuple[int, Optional[dict], list[str]]:
-        """Build each pool's model and load the newest checkpoint of this placement, if any:
-        (first iteration, the episode pool it held, lines for the live view)."""
-        cfg, (t, r) = self.cfg, self.pools
-        if not cfg.run.resume:
+    def _describe(self) -> str:
+        t, r = self.pools
+        line = (f"split placement: train pool {_ranks(0, t.world_size)} in {t}, rollout pool "
+                f"{_ranks(t.world_size, self.world)} in {r}")
+        return line + (f" ({self.split_plan.reason})" if self.split_plan else "")
+
+    def _start(self, *, moved: bool = False) -> tuple[int, Optional[dict], list[str]]:
+        """Build each pool's model and load the newest checkpoint, if any: (first iteration, the
+        episode pool it held, lines for the live view). auto plans the pools first (from the
+        checkpoint's lengths); ``moved``: the pools were just re-planned and the checkpoint
+        written, in this process."""
+        cfg = self.cfg
+        if not cfg.run.resume and not moved:
             refused = segments.earlier_run(self.out)
             if refused is not None:
                 raise ConfigError(refused)
-        found = find_checkpoint(self.out / "checkpoints") if cfg.run.resume else None
-        placement = {"train": str(t), "rollout": str(r)}
-        if found is not None and found.state.get("placement") != placement:
+        found = find_checkpoint(self.out / "checkpoints") if cfg.run.resume or moved else None
+        if found is not None and (found.state.get("world_size") != self.world or
+                                  not found.state.get("placement")):
             raise ConfigError(
-                f"{found.path} was written under placement {found.state.get('placement') or 'colocated'}"
-                f" on {found.state.get('world_size')} ranks, not split {placement} on "
-                f"{self.world}: resume with the placement it was written in, or start a new "
-                "run from it with run.init")
+                f"{found.path} was written under placement "
+                f"{found.state.get('placement') or 'colocated'} on "
+                f"{found.state.get('world_size')} ranks: resume split placement on the same "
+                "world size, or start a new run from it with run.init")
+        if self.auto and not moved:
+            self._use(self._plan_split(found.state["last_lengths"] if found else [], None))
+        t, r = self.pools
+        placement = {"train": str(t), "rollout": str(r)}
+        if found is not None and not self.auto and found.state["placement"] != placement:
+            raise ConfigError(
+                f"{found.path} was written with pools {found.state['placement']}, not "
+                f"{placement}: resume with the pools it was written with (or "
+                "rollout.placement=auto, which plans its own), or start a new run from it "
+                "with run.init")
         lay = t if self.train_side else r
         spec = self.optimizer if self.train_side else None
-        if cfg.run.init and self.train_side:
+        self.model = self.models = None     # a move: the old pools' models go first
+        if cfg.run.init and self.train_side and found is None:
             from earl_megatron.weights.convert import load_policy
             model = load_policy(cfg.run.init, lay, ddp=True, optimizer=spec,
                                 seed=cfg.run.seed, pools=self.pools)
@@ -159,25 +217,38 @@ class SplitTrainer(Trainer):
             model = build_on_layout(cfg.model, lay, ddp=self.train_side, optimizer=spec,
                                     seed=cfg.run.seed, pools=self.pools,
                                     init=None if self.train_side else False)
-            if cfg.run.init:
+            if cfg.run.init and found is None:
                 from earl_megatron.weights.convert import join_policy_load
                 join_policy_load(cfg.run.init)
         self.model = model
+        self.models = ModelPair(model, None) if self.train_side else None
         if found is None:
             return 0, None, []
         state = found.state
         load_checkpoint(model if self.train_side else None, found.path)
-        self.planner.restore(state.get("selector"), state["last_lengths"], state.get("profile"))
-        self.history.extend(state["history"])
+        # the selector state is per pool layout and the pools may differ: lengths and profile
+        self.planner.restore([], state["last_lengths"], state.get("profile"))
+        self.history[:] = state["history"]
         self._saved = state["iteration"]
+        if moved:
+            return state["iteration"] + 1, state.get("pool"), []
         notes = [m for m in (found.message(),) if m is not None]
         return state["iteration"] + 1, state.get("pool"), notes + [
             f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
 
     def _run_split(self, start: int) -> None:
+        j: Optional[int] = start
+        while j is not None:
+            j = self._segment(j, evaluate=j == start == 0)
+        self._finish(self.models)
+
+    def _segment(self, start: int, evaluate: bool) -> Optional[int]:
+        """Iterations from ``start`` on the current pools, from a handoff of the weights the
+        train pool holds; None when the run ends or stops, else the iteration to go on from
+        after auto moved the pools."""
         cfg, n = self.cfg, self.cfg.run.iterations
-        models = ModelPair(self.model, None) if self.train_side else None
-        if start == 0 and self.train_side:
+        models = self.models
+        if evaluate and self.train_side:
             self._evaluate_into("start", models)   # the rollout pool waits at the handoff
         self._hand_off(start)                        # the rollout pool's weights: v_start
         held = start
@@ -198,29 +269,34 @@ class SplitTrainer(Trainer):
                     out = self.rollout.play_pool(
                         self.model, self.pool, j, version=held,
                         sample_seed=rollout_sample_seed(cfg.run.seed, j),
-                        should_stop=self.stop.replica_should_stop)
+                        should_stop=self.stop.replica_should_stop, time_decode=True)
                 except RolloutAbandoned:
                     abandoned = True
                 seconds = time.perf_counter() - t0
                 self._audit_stage("rollout", j, t0, out)
             met = self._meet(j, start, out, abandoned, seconds)
             if met is None:
-                break
+                return None
+            if isinstance(met, SplitPlan):
+                self._move(met)
+                return j
             batch = met
             held = j
-        self._finish(models)
+        return None
 
     # ------------------------------------------------------------------ the meeting
-    def _meet(self, j: int, start: int, out, abandoned: bool,
-              rollout_seconds: float) -> Optional[tuple]:
-        """Meeting j (module docstring), every rank of the world; the batch B_j on the train
-        pool (([], [], metrics) on the rollout pool), or None: the run ends here."""
+    def _meet(self, j: int, start: int, out, abandoned: bool, rollout_seconds: float):
+        """Meeting j (module docstring), every rank of the world: the batch B_j on the train
+        pool (([], [], metrics) on the rollout pool); None: the run ends here; a SplitPlan:
+        auto moves the pools there (iteration j - 1 checkpointed, stage j to play again)."""
         cfg, (t, r) = self.cfg, self.pools
         n_t, n = t.world_size, cfg.run.iterations
         arrived = time.perf_counter()
         mine = {"stop": self.stop.local() or abandoned, "played": out is not None,
                 "metrics": out.metrics if out is not None else {},
                 "rollout_s": rollout_seconds}
+        if self.rank == 0:   # auto's inputs: the last batch's lengths, the step's seconds
+            mine.update(lengths=self.planner.last_lengths, train_s=self._train_s)
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         wait = time.perf_counter() - arrived
@@ -241,6 +317,15 @@ class SplitTrainer(Trainer):
             return None
         if j == n:
             return None
+        if self.auto and j > start:
+            plan = self._replan(everyone[0], everyone[n_t])
+            if (plan.train.layout, plan.rollout.layout) != self.pools:
+                if not self.train_side:
+                    self.pool.rewind()        # stage j plays again on the new pools
+                if self._saved != done:
+                    self._checkpoint_split(done, played=False)
+                return plan
+            self.split_plan = plan
         with_timer = time.perf_counter()
         ids, episodes = transfer_episodes(t, r, out.ids if out else [],
                                           out.episodes if out else [],
@@ -248,11 +333,36 @@ class SplitTrainer(Trainer):
         transfer_s = time.perf_counter() - with_timer
         self._audit_sent(j, out)
         handoff_s, handoff_bytes = self._hand_off(j) if j > start else (0.0, 0)
-        metrics = {**everyone[n_t]["metrics"],
-                   "split": {"rollout_s": everyone[n_t]["rollout_s"], "train_wait_s": wait,
-                             "transfer_s": transfer_s, "handoff_s": handoff_s,
-                             "handoff_bytes": handoff_bytes}}
-        return ids, episodes, metrics
+        split = {"rollout_s": everyone[n_t]["rollout_s"], "train_wait_s": wait,
+                 "transfer_s": transfer_s, "handoff_s": handoff_s,
+                 "handoff_bytes": handoff_bytes, "rollout_ranks": r.world_size}
+        if self.split_plan is not None:
+            split["plan"] = self.split_plan.reason
+        return ids, episodes, {**everyone[n_t]["metrics"], "split": split}
+
+    def _replan(self, train0: dict, rollout0: dict) -> SplitPlan:
+        """auto, at a meeting: the split for the last batch's lengths and the seconds the two
+        pools just measured (stage j's rollout, step j-1's scoring and training)."""
+        lengths, stage = train0["lengths"], rollout0["rollout_s"]
+        rates, env = None, 0.0
+        if lengths and train0["train_s"] > 0 and stage > 0:
+            tokens = sum(lengths)
+            rates = MeasuredRates(self.pools[1].world_size, stage, tokens, train0["train_s"],
+                                  tokens)
+            # what the stage did besides decoding: tools, games, the loop; more ranks keep it
+            env = max(0.0, stage - rollout0["metrics"].get("rollout_decode_s", stage))
+        return self._plan_split(lengths, rates, env)
+
+    def _move(self, plan: SplitPlan) -> None:
+        """auto moves the pools to ``plan``: every rank regroups, builds its new side's model
+        and loads the checkpoint just written (dist_checkpointing reshards the train state onto
+        the new train pool); the new rollout pool restores the episode pool from it."""
+        old = self._describe()
+        self._use(plan)
+        _, pool_state, _ = self._start(moved=True)
+        if not self.train_side:
+            self.pool.restore(pool_state)
+        self.recorder.view.message(f"moved from {old.split(' (')[0]} to {self._describe()}")
 
     def _hand_off(self, j: int) -> tuple[float, int]:
         """Weights v_j to the rollout pool (world); (seconds, bytes the busiest rank received)."""
@@ -307,7 +417,9 @@ class SplitTrainer(Trainer):
             timer.seconds[name] = meet[key]
         timer.t0 -= meet["train_wait_s"] + meet["transfer_s"] + meet["handoff_s"]
         rec = self.score_and_train(it, models, models.policy, {"rollout": r, "train": t}, ids,
-                                   episodes, metrics, timer, sync=False)
+                                   episodes, metrics, timer, sync=False, train_layout=t)
+        self._train_s = sum(rec["seconds"].get(k, 0.0) for k in ("old_logprob", "switch",
+                                                                  "train"))
         self._audit_stage("train", it, t0, None, ids=ids, episodes=episodes)
         return rec
 

@@ -195,3 +195,79 @@ def test_split_stop_during_a_rollout_checkpoints_both_pools_then_resumes(tmp_pat
     assert not before & after
     for h in hist:
         assert h["staleness_max"] <= 2 and h["pool_dropped"] == 0
+
+
+def _auto_cfg(out, iterations):
+    return TrainConfig.from_dict({
+        "model": {"vocab_size": 32},
+        "layout": {"mode": "auto"},
+        "env": {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
+                "eval_opponents": []},
+        "rollout": {"episodes_per_iteration": 8, "max_turns": 4, "placement": "auto"},
+        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
+                      "old_logprobs": "recompute", "off_policy": "decoupled",
+                      "max_staleness": 1},
+        "run": {"iterations": iterations, "output_dir": out, "eval_episodes": 2,
+                "live_view": False, "checkpoint_every": 0},
+    })
+
+
+def _train_moving(cfg, audit, move_at):
+    """The trainer with auto's decision at meeting ``move_at`` forced to the other split of
+    the selector's (the plan itself is tests/unit/test_split_plan.py's): the move's mechanism
+    on any machine, whatever the rates it measures."""
+    import os
+
+    from earl_megatron.plan.split import plan_split
+    from earl_megatron.trainer.split_loop import SplitTrainer
+
+    os.environ["EARL_SPLIT_AUDIT"] = audit
+    decide = SplitTrainer._replan
+    calls = []
+
+    def replan(self, train0, rollout0):
+        plan = decide(self, train0, rollout0)
+        calls.append(plan.rollout_ranks)
+        if len(calls) == move_at:
+            wp = self.world_planner
+            other = 2 if plan.rollout_ranks != 2 else 1
+            plan = plan_split(wp.selector, wp.split_workload(), rollout_ranks=other)
+        return plan
+
+    SplitTrainer._replan = replan
+    from earl_megatron.train import run
+    return run(cfg)
+
+
+def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_path):
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    hist = run_distributed(_train_moving, 4, _auto_cfg(str(out), 5), str(audit), 1,
+                           timeout=500)[0]
+    assert [h["iteration"] for h in hist] == list(range(5))
+    ranks = [h["split"]["rollout_ranks"] for h in hist]
+    # the first meeting that re-plans is meeting 1: iteration 0 trained on the first pools,
+    # iteration 1's batch was played again on the new ones
+    assert ranks[0] != ranks[1], ranks
+    assert all("rollout" in h["split"]["plan"] for h in hist), hist[0]["split"]
+    assert all(h["layouts"]["train"] and h["layouts"]["rollout"] for h in hist)
+    loop = json.loads((out / "checkpoints" / "iter_000000" / "loop.json").read_text())
+    assert loop["iteration"] == 0   # the move's checkpoint (checkpoint_every=0)
+    rows = _audit(audit)
+    # exactly once across the move: the batch of the abandoned stage 1 was never sent
+    sent = {}
+    for r in rows:
+        if r["side"] == "sent":
+            sent.setdefault(r["it"], []).extend(r["digests"])
+    trained = {}
+    for r in rows:
+        if r["side"] == "train" and "digests" in r:
+            trained.setdefault(r["it"], []).extend(r["digests"])
+    assert sorted(sent) == sorted(trained) == list(range(5))
+    for it in sent:
+        assert Counter(sent[it]) == Counter(trained[it]), it
+        assert len(sent[it]) == 8
+    keys = Counter(tuple(k) for r in rows if r["side"] == "sent" for k in r["keys"])
+    assert max(keys.values()) == 1
+    _check_handoffs(rows)
+    for h in hist:
+        assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0

@@ -35,7 +35,9 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
     ({"algorithm__kl_mode": "loss", "algorithm__kl_coef": 0.1}, "algorithm.kl_mode=loss"),
     ({"sft__steps": 4}, "run.init"),
     ({"layout__logprob": "tp2"}, "layout.logprob to the same"),
-    ({"rollout__placement": "auto"}, "is not built yet"),
+    ({"rollout__placement": "auto"}, "set layout.mode=auto"),
+    ({"rollout__placement": "auto", "layout__mode": "auto", "rollout__pool_ranks": 1},
+     "set rollout.placement=split"),
 ])
 def test_what_split_does_not_run_is_refused_with_the_fix(over, says):
     with pytest.raises(ConfigError, match="split|placement") as e:
@@ -58,3 +60,8 @@ def test_pools_that_cannot_run_on_the_world_are_refused(over, world, says):
     with pytest.raises(ConfigError) as e:
         split_pools(_cfg(**over), world)
     assert says in str(e.value)
+
+
+def test_auto_placement_takes_auto_layouts():
+    cfg = _cfg(rollout__placement="auto", layout__mode="auto")
+    assert cfg.rollout.placement == "auto"

@@ -179,3 +179,13 @@ def test_workload_and_rates_are_checked():
         replace(w, env_seconds=-1)
     with pytest.raises(ValueError, match="rollout_ranks >= 0"):
         MeasuredRates(-1, 1.0, 1, 1.0, 1)
+
+
+def test_a_run_under_auto_placement_weighs_only_splits():
+    """rollout.placement=auto's loop is the split one: its plans never pick colocated, even
+    where colocated would be faster (no environment time to overlap)."""
+    sel = _cpu()
+    slow = replace(sel, cluster=sel.cluster.with_(intra_node_bandwidth=1e3))
+    assert plan_split(slow, _work()).colocated   # a dear handoff: colocated is the fastest
+    plan = plan_split(slow, _work(), colocated=False)
+    assert plan.rollout_ranks in (1, 2, 3) and "of 3 splits" in plan.reason
