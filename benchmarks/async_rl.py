@@ -45,29 +45,34 @@ zero-latency tool; printed: what the 0.1 s latency adds to the zero-latency roll
 case (bound with concurrency: each rank steps its episodes' tools of a turn together, so it adds
 one latency per turn: 4 x 0.1 s = 0.4 s per rank, at most 2 x 4 x 0.1 = 0.8 s).
 
-Section 4 (``--section split``). Split placement (``rollout.placement=split``,
-trainer/split_loop.py) against the synchronous loop, both workloads, the same configuration:
-sync is the colocated loop on 2 ranks (rollout dp2, train tp2; k = 0), split k=1 runs on 3
-ranks: the train pool is the same 2 ranks in tp2, the rollout pool 1 more rank (dp1) that plays
-the next batch while they train. This host has 2 cores: a 1 + 1 split would leave one rank to
-train what two train colocated, so the fair comparison on it adds a process that mostly waits
-(on tools) rather than moving half the trainer onto it; cpu s/it (every rank's process CPU
-seconds per measured iteration) is printed beside the rates to show what each run spent. The tool
-workload's latency (``--split-latency``, default 0.25 s a call) is set so that the synchronous
-rollout stage takes about as long as the rest of the iteration (printed: rollout s and train s
-of the sync run), where overlap can at best halve the time (the ideal is 2x). A split record's
-seconds are the train pool's: its wait at the meeting for the rollout pool, the transfer, the
-handoff and the training, whose total is the period; eps/s counts the same iterations as sync.
-Connect Four's rollout is a tenth of its iteration: little to overlap there, and the rollout
-rank's decoding competes with the trainers for the 2 cores.
+Section 4 (``--section split``). Split placement (trainer/split_loop.py) against the
+synchronous loop, both workloads, the same configuration but the placement: sync is the
+colocated loop on 2 ranks (every stage dp2; k = 0); "split 1" and "split 2" run on 3 ranks with
+1 or 2 of them as the rollout pool (``rollout.placement=split``, each pool in the layout the
+selector gives that split: 1 -> rollout dp1 + train dp2, 2 -> rollout dp2 + train dp1; k = 1);
+"auto" runs on the same 3 ranks with ``rollout.placement=auto`` (the selector picks the split
+and the layouts, and re-plans at every iteration from what the pools measured). This host has 2
+cores: a 1 + 1 split would leave one rank to train what two train colocated, so the comparison
+adds a process that mostly waits (on tools) rather than moving half the trainer onto it; cpu
+s/it (every rank's process CPU seconds per iteration, start-up included) is printed beside the
+rates to show what each run spent. The tool workload's latency (``--split-latency``, default
+0.25 s a call) is set so that the synchronous rollout stage takes about as long as the rest of
+the iteration (printed: rollout s and train s of the sync run), where overlap can at best halve
+the time (the ideal is 2x). A split record's seconds are the train pool's: its wait at the
+meeting for the rollout pool, the transfer, the handoff and the training, whose total is the
+period; eps/s counts the same iterations as sync. Connect Four's rollout is a sixth of its
+iteration: little to overlap there, and the rollout ranks' decoding competes with the trainers
+for the 2 cores. Printed: each run's ratio to sync, and auto's to the best fixed split, with
+auto's pools per iteration and its first plan's reason.
 
 Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
 (plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and
 auto's split, with the ratios to sync, at 2K, 8K and 32K contexts.
 
 Its last lines: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
-(trained episodes/s ratios of section 1) and ``async: split k=1 / sync <X.XX>x (tool latency),
-<Y.YY>x (connect four)`` (section 4).
+(trained episodes/s ratios of section 1), ``async: split k=1 / sync <X.XX>x (tool latency),
+<Y.YY>x (connect four)`` (section 4: split 1) and ``async: auto / best fixed split <A.AA> (tool
+latency), <B.BB> (connect four)``.
 
 Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
       [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
@@ -328,17 +333,30 @@ def section_env(args) -> None:
               f"{args.turns} x {args.latency} = {8 * args.turns * args.latency:.2f} s a rank)")
 
 
-def _split_config(workload: str, k: int, args, out: str, init=None) -> dict:
-    """Section 4's run: the workload's config; k = 0 colocated, k >= 1 split on 3 ranks."""
-    cfg = _config(workload, k, args, out)
+SPLITS = {1: {"mode": "static", "rollout": "dp1", "logprob": "dp2", "train": "dp2"},
+          2: {"mode": "static", "rollout": "dp2", "logprob": "dp1", "train": "dp1"}}
+"""Section 4's fixed splits of 3 ranks: rollout ranks -> the pools' layouts, each the one the
+selector gives that split (plan_split with the pool fixed), so the fixed splits and auto differ
+only in how the ranks are divided."""
+
+
+def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
+    """Section 4's run: the workload's config; placement None: colocated sync on 2 ranks, 1
+    or 2: that many rollout ranks of 3, "auto": the selector's split of 3 (k = 1)."""
+    cfg = _config(workload, 0 if placement is None else 1, args, out)
     cfg["run"] = dict(cfg["run"], resume=False)
     if workload == "tool":
         cfg["env"]["kwargs"] = dict(cfg["env"]["kwargs"], tool_latency_s=args.split_latency)
         cfg.pop("sft")
-        cfg["run"]["init"] = init   # the warm start's checkpoint: both runs start from it
-    if k:
-        cfg["layout"] = {"mode": "static", "rollout": "dp1", "logprob": "tp2", "train": "tp2"}
-        cfg["rollout"] = dict(cfg["rollout"], placement="split", pool_ranks=1)
+        cfg["run"]["init"] = init   # the warm start's checkpoint: every run starts from it
+    if placement is None:
+        cfg["layout"] = {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"}
+    elif placement == "auto":
+        cfg["layout"] = {"mode": "auto"}
+        cfg["rollout"] = dict(cfg["rollout"], placement="auto")
+    elif placement is not None:
+        cfg["layout"] = SPLITS[placement]
+        cfg["rollout"] = dict(cfg["rollout"], placement="split", pool_ranks=placement)
     return cfg
 
 
@@ -351,9 +369,9 @@ def section_split(args) -> dict:
     for w in args.workloads:
         print(f"\n[split: {names[w]}] {args.episodes} episodes/iteration, {args.iterations} "
               f"iterations (rates over iterations 1..{args.iterations - 1}); sync: 2 ranks "
-              "colocated (rollout dp2, train tp2); split k=1: train pool 2 ranks tp2 + rollout "
-              "pool 1 rank dp1" + (f", tool latency {args.split_latency} s" if w == "tool"
-                                   else ""), flush=True)
+              "colocated, dp2; k=1 on 3 ranks: split 1 = rollout dp1 + train dp2, split 2 = "
+              "rollout dp2 + train dp1, auto = the selector's" +
+              (f"; tool latency {args.split_latency} s" if w == "tool" else ""), flush=True)
         warm, init = None, None
         if w == "tool":
             warm = tempfile.mkdtemp(prefix="earl-split-warm-")
@@ -364,38 +382,50 @@ def section_split(args) -> dict:
         print(f"  {'run':8s} {'ranks':>5s} {'eps/s':>7s} {'rollout s':>9s} {'train s':>7s} "
               f"{'wait s':>6s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} {'reward':>7s} "
               f"{'cpu s/it':>8s}", flush=True)
-        rows = {}
-        order = [0, 1] + ([0] if args.bracket else [])
-        for n, k in enumerate(order):
-            again = n == len(order) - 1 and k == 0 and n > 0
-            ranks = 3 if k else 2
+        rows, plans = {}, []
+        order = [None, 1, 2, "auto"] + ([None] if args.bracket else [])
+        for n, placement in enumerate(order):
+            again = n == len(order) - 1 and placement is None and n > 0
+            ranks = 2 if placement is None else 3
             with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
-                res = run_distributed(_train, ranks, _split_config(w, k, args, tmp, init),
+                res = run_distributed(_train, ranks,
+                                      _split_config(w, placement, args, tmp, init),
                                       timeout=args.timeout)
             s = _summary(res, 1, args.episodes)
-            meas = res[0]["history"][1:]
-            s["cpu"] = sum(r["cpu"] for r in res) / len(res[0]["history"])
-            if k:
+            hist = res[0]["history"]
+            meas = hist[1:]
+            s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
+            wait = 0.0
+            if placement is not None:
                 s["rollout_s"] = sum(h["split"]["rollout_s"] for h in meas) / len(meas)
                 wait = sum(h["split"]["train_wait_s"] for h in meas) / len(meas)
-            else:
-                wait = 0.0
             train = sum(h["seconds"].get(st, 0.0) for h in meas
                         for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
             if again:
-                rows[0] = dict(rows[0], eps=2 / (1 / rows[0]["eps"] + 1 / s["eps"]))
+                rows[None] = dict(rows[None], eps=2 / (1 / rows[None]["eps"] + 1 / s["eps"]))
             else:
-                rows[k] = s
-            name = "sync'" if again else ("sync" if k == 0 else f"split k={k}")
+                rows[placement] = s
+            name = "sync'" if again else {None: "sync", 1: "split 1", 2: "split 2",
+                                          "auto": "auto"}[placement]
             print(f"  {name:8s} {ranks:5d} {s['eps']:7.2f} {s['rollout_s']:9.2f} {train:7.2f} "
                   f"{wait:6.2f} {s['st_mean']:7.3f} {s['st_max']:6d} {s['dropped']:7d} "
                   f"{s['reward']:7.2f} {s['cpu']:8.2f}", flush=True)
+            if placement == "auto":
+                plans = [(h["split"]["rollout_ranks"], h["layouts"]) for h in hist]
+                print("           auto's pools by iteration (rollout ranks, layouts): " +
+                      ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}" for n_r, lay in plans)
+                      + f"; its first plan: {hist[0]['split']['plan']}", flush=True)
         if warm is not None:
             shutil.rmtree(warm, ignore_errors=True)
-        ratios[w] = rows[1]["eps"] / rows[0]["eps"]
-        print(f"  sync baseline {rows[0]['eps']:.2f} episodes/s"
+        base = rows[None]["eps"]
+        best = max((1, 2), key=lambda p: rows[p]["eps"])
+        ratios[w] = rows[1]["eps"] / base
+        ratios[w + "/auto"] = rows["auto"]["eps"] / rows[best]["eps"]
+        print(f"  sync baseline {base:.2f} episodes/s"
               + (" (harmonic mean of sync and sync')" if args.bracket else "")
-              + f"; split k=1 {ratios[w]:.2f}x", flush=True)
+              + f"; split 1 {rows[1]['eps'] / base:.2f}x, split 2 {rows[2]['eps'] / base:.2f}x, "
+              f"auto {rows['auto']['eps'] / base:.2f}x; auto / the best fixed split (split "
+              f"{best}) {ratios[w + '/auto']:.2f}", flush=True)
     return ratios
 
 
@@ -465,6 +495,9 @@ def main() -> None:
         print("async: split k=1 / sync "
               f"{split.get('tool', float('nan')):.2f}x (tool latency), "
               f"{split.get('connect_four', float('nan')):.2f}x (connect four)")
+        print("async: auto / best fixed split "
+              f"{split.get('tool/auto', float('nan')):.2f} (tool latency), "
+              f"{split.get('connect_four/auto', float('nan')):.2f} (connect four)")
 
 
 if __name__ == "__main__":
