@@ -10,8 +10,9 @@
 Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
 then the bucket's transfers as one round of batched isend/irecv (runtime/transport.py, as the
 switcher runs its rounds) on the world group, or on ``group=`` where the caller passes one
-(split placement's handoff runs on a group of its own, whose timeout bounds it). A rank that neither sends nor receives
-in a bucket posts nothing for it: only the plan's senders and destinations touch weights.
+(split placement's handoff runs on a group of its own, whose timeout bounds it). A rank that
+neither sends nor receives in a bucket posts nothing for it: only the plan's senders and
+destinations touch weights.
 Tensors stay on the model's device: on GPUs they travel over NCCL and a pusher's buckets are
 already on the device its server's NCCL weight group broadcasts from; on CPU the same code runs
 over gloo.
