@@ -132,6 +132,7 @@ class SplitTrainer(Trainer):
         self.audit = Path(os.environ[AUDIT_ENV]) if os.environ.get(AUDIT_ENV) else None
         self.model: Optional[ModelOnLayout] = None
         """This rank's model: the policy with its optimizer (train pool), or the rollout copy."""
+        dist.barrier()   # every rank arrives together: the group's setup has that timeout too
         self.handoff_group = dist.new_group(
             list(range(self.world)),
             timeout=timedelta(seconds=cfg.cluster.weight_sync_timeout_s))

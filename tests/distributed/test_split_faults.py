@@ -7,7 +7,9 @@ the test hits the same moment on any machine speed:
   own group) rather than the world's collective timeout (120 s here), with ``HandoffFailed``
   naming the limit and the checkpoint a rerun resumes from (iteration 1: ``checkpoint_every=2``,
   so iteration 2 is trained again); that checkpoint exists and the rerun, fault disarmed,
-  completes with every episode of the kept lineage trained exactly once.
+  completes with every episode of the kept lineage trained exactly once;
+- the failure's text in each case (a checkpoint at the meeting, an older one, none yet, a peer
+  that died before the limit), without a world.
 
 A stop during a rollout stage is struck in tests/distributed/test_split_trainer.py (the held
 Connect Four).
@@ -141,3 +143,34 @@ def test_a_stalled_handoff_fails_within_its_timeout_naming_the_checkpoint_to_res
             weights.setdefault(r["it"], {})[r["pool"]] = r["sha256"]
     assert sorted(weights) == [2, 3]
     assert all(w["train"] == w["rollout"] for w in weights.values()), weights
+
+
+def test_the_handoff_failure_names_what_a_rerun_does_again():
+    """HandoffFailed's text without a world: a checkpoint at the meeting (nothing lost), an
+    older one, none yet, a failure before the limit."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from earl_megatron.runtime.weight_transfer import WeightPlanError
+    from earl_megatron.trainer.split_loop import SplitTrainer
+
+    def text(saved, j, seconds=5.0, cause="Timed out waiting 5000ms for recv"):
+        me = SimpleNamespace(pools=(SimpleNamespace(world_size=2),), world=4, _saved=saved,
+                             cfg=SimpleNamespace(cluster=SimpleNamespace(
+                                 weight_sync_timeout_s=5.0)), out=Path("/r"))
+        e = WeightPlanError(2, "bucket 1 of 3 (receiving from ranks [0], sending to ranks [])",
+                            RuntimeError(cause))
+        return SplitTrainer._handoff_failure(me, j, e, seconds)
+
+    t = text(2, 3)
+    assert t.startswith("split placement: the weight handoff at meeting 3 (the weights after "
+                        "iteration 2, train pool ranks 0-1 -> rollout pool ranks 2-3) did not "
+                        "complete within cluster.weight_sync_timeout_s=5 s: rank 2, bucket 1 "
+                        "of 3 (receiving from ranks [0], sending to ranks [])"), t
+    assert "The last checkpoint is iteration 2 (/r/checkpoints/iter_000002)" in t, t
+    assert "nothing trained is lost" in t and "raise cluster.weight_sync_timeout_s" in t, t
+    assert "it trains iterations 1-3 again" in text(0, 4)
+    t = text(-1, 0, seconds=0.2, cause="Connection closed by peer")
+    assert "(the start's weights, " in t and "failed after 0.2 s" in t, t
+    assert "No checkpoint was written yet: a rerun starts from iteration 0." in t, t
+    assert "trains iteration 0 again" in text(-1, 1)
