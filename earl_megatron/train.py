@@ -294,7 +294,12 @@ def run(cfg: TrainConfig) -> list[dict]:
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
     if cfg.rollout.placement != "colocated":   # split, auto
-        from earl_megatron.trainer.split_loop import SplitTrainer as Trainer  # noqa: F811
+        from earl_megatron.trainer.split_loop import HandoffFailed, SplitTrainer
+        with backend:
+            try:
+                return SplitTrainer(cfg, tokenizer).train()
+            except HandoffFailed as e:   # one line naming the limit and the checkpoint
+                _fail("handoff error", e)
     with backend:
         return Trainer(cfg, tokenizer).train()
 

@@ -1,4 +1,5 @@
-"""Named fault points: places in the SGLang path where a test can pause a process and strike.
+"""Named fault points: places in the SGLang path and in split placement's weight handoff where a
+test can pause a process and strike.
 
 A fault test must hit a server at an exact moment (while it starts, while the trainer forms the
 weight-update group, during a weight push, during a rollout request), on any machine speed.

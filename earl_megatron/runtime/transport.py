@@ -77,11 +77,17 @@ def open_outboxes(transport: str, rounds: list[list[Message]],
 
 
 def run_rounds(rounds: list[list[Message]], me: int, outgoing: Views, incoming: Views,
-               boxes: Optional[SharedOutboxes], traffic: Traffic) -> None:
+               boxes: Optional[SharedOutboxes], traffic: Traffic, group=None) -> None:
+    """Run ``rounds``; ``me`` and every message's ranks are global ranks. ``group``: the
+    process group of the isend/irecv (None: the world; torch maps the peers into it). Shared
+    outboxes fence with world barriers, so they take no group."""
+    if group is not None and boxes is not None:
+        raise ValueError("run_rounds: shared outboxes fence on the world group; pass boxes=None "
+                         "to run on a group of its own")
     traffic.transport = "p2p" if boxes is None else "shm"
     for rnd in rounds:
         if boxes is None:
-            _p2p_round(rnd, me, outgoing, incoming, traffic)
+            _p2p_round(rnd, me, outgoing, incoming, traffic, group)
         else:
             _shared_round(rnd, me, outgoing, incoming, boxes, traffic)
         traffic.rounds += 1
@@ -108,14 +114,15 @@ def _numel(views: list[torch.Tensor]) -> int:
     return sum(v.numel() for v in views)
 
 
-def _p2p_round(rnd, me: int, outgoing: Views, incoming: Views, traffic: Traffic) -> None:
+def _p2p_round(rnd, me: int, outgoing: Views, incoming: Views, traffic: Traffic,
+               group=None) -> None:
     ops, landings = [], []
     for m in rnd:
         if m.src == me:
             views = outgoing(m)
             buf = views[0] if len(views) == 1 and views[0].is_contiguous() else pack(
                 views, torch.empty(_numel(views), dtype=views[0].dtype, device=views[0].device))
-            ops.append(dist.P2POp(dist.isend, buf, m.dst))
+            ops.append(dist.P2POp(dist.isend, buf, m.dst, group=group))
             traffic.bytes_sent += m.nbytes
         elif m.dst == me:
             views = incoming(m)
@@ -124,7 +131,7 @@ def _p2p_round(rnd, me: int, outgoing: Views, incoming: Views, traffic: Traffic)
             else:
                 buf = torch.empty(_numel(views), dtype=views[0].dtype, device=views[0].device)
                 landings.append((buf, views))
-            ops.append(dist.P2POp(dist.irecv, buf, m.src))
+            ops.append(dist.P2POp(dist.irecv, buf, m.src, group=group))
             traffic.bytes_received += m.nbytes
     if not ops:
         return

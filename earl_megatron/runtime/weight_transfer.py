@@ -8,16 +8,23 @@
         sends the rollout pool (other ranks, another layout) its shards
 
 Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
-then the bucket's transfers as one round of batched isend/irecv on the world group
-(runtime/transport.py, as the switcher runs its rounds). A rank that neither sends nor receives
-in a bucket posts nothing for it: only the plan's senders and destinations touch weights.
+then the bucket's transfers as one round of batched isend/irecv (runtime/transport.py, as the
+switcher runs its rounds) on the world group, or on ``group=`` where the caller passes one
+(split placement's handoff runs on a group of its own, whose timeout bounds it). A rank that
+neither sends nor receives in a bucket posts nothing for it: only the plan's senders and
+destinations touch weights.
 Tensors stay on the model's device: on GPUs they travel over NCCL and a pusher's buckets are
 already on the device its server's NCCL weight group broadcasts from; on CPU the same code runs
 over gloo.
 
 One small tensor collective per transfer gives every receiver the dtype of every tensor it
 receives (a model may keep tensors in different dtypes): an all-reduce (max) of one code per
-tensor over the world, each sender writing the codes of what it sends.
+tensor over the world (or ``group``), each sender writing the codes of what it sends.
+
+A collective or point-to-point op that fails (a peer stalled past the group's timeout, or died)
+raises ``WeightPlanError``: the rank, the step it was in (the dtype agreement, or bucket i of n
+and the ranks it was receiving from and sending to) and torch's own error. Never the shared
+memory transport (runtime/shm.py, whose fences are world barriers): isend/irecv only.
 
 Memory per rank: a pusher holds one bucket of full tensors (at most ``bucket_bytes``, or one
 tensor larger than that) while its caller converts and pushes it; a sender stages at most one
@@ -39,6 +46,15 @@ from earl_megatron.runtime.switcher import plan_params
 from earl_megatron.runtime.transport import Message, Traffic, run_rounds
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class WeightPlanError(RuntimeError):
+    """A weight plan's collective or point-to-point op failed on this rank (module docstring)."""
+
+    def __init__(self, rank: int, step: str, cause: BaseException):
+        self.rank, self.step = rank, step
+        first = " ".join(str(cause).split())[:300]
+        super().__init__(f"rank {rank}, {step}: {type(cause).__name__}: {first}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -75,31 +91,35 @@ def load_shards(policy: ModelOnLayout, target: ModelOnLayout, bucket_bytes: int 
 
 
 def hand_off(model: ModelOnLayout, train: ParallelLayout, rollout: ParallelLayout,
-             bucket_bytes: int = 64 << 20, traffic: Optional[Traffic] = None) -> None:
+             bucket_bytes: int = 64 << 20, traffic: Optional[Traffic] = None,
+             group=None) -> None:
     """Split placement's handoff (runtime/groups.py ``build_pool_groups((train, rollout))``):
     the train pool (ranks 0 .. n_t - 1, ``train``) sends every rollout-pool rank (ranks n_t ..,
     ``rollout``) its shard of the weights, by the weight plan, each row once. Collective over
     the world: every rank calls it with its own pool's model (the policy on the train pool, the
-    rollout model on the rollout pool)."""
+    rollout model on the rollout pool). ``group``: the process group every op runs on (None:
+    the world; it must hold every rank); a failure raises ``WeightPlanError``."""
     n_t = train.world_size
     dest = ShardsIn(rollout, tuple(range(n_t, n_t + rollout.world_size)))
     plan = cached_plan(model.cfg, train, (dest,), bucket_bytes, dist.get_world_size())
     _, params = plan_params(model)
     sender = dist.get_rank() < n_t
     for _ in run_weight_plan(plan, params if sender else {}, dst=None if sender else params,
-                             traffic=traffic):
+                             traffic=traffic, group=group):
         pass
 
 
 @torch.no_grad()
 def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
                     dst: Optional[dict[str, torch.Tensor]] = None,
-                    traffic: Optional[Traffic] = None
+                    traffic: Optional[Traffic] = None, group=None
                     ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
     """Run ``plan`` from this rank's source parameters ``src`` ({plan local name: tensor}) into
     ``dst`` (this rank's parameters under a ``ShardsIn`` destination, by plan local name), and
     yield (index, count, full tensors of the bucket at a ``FullAt`` rank, else None) per
-    bucket. Collective over the world (module docstring)."""
+    bucket. Collective over the world, or over ``group`` (every collective and point-to-point
+    op; the plan's ranks stay global ranks, torch maps them into the group), which must hold
+    every rank that calls (module docstring). A failed op raises ``WeightPlanError``."""
     me = dist.get_rank()
     traffic = traffic if traffic is not None else Traffic()
     full_here = me in plan.full_ranks
@@ -108,7 +128,11 @@ def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
         raise ValueError(f"rank {me} is a ShardsIn destination of the plan; pass its "
                          "parameters as dst=")
     device = next(iter(src.values())).device if src else torch.device("cpu")
-    dtypes = _dtypes(plan, me, src, device)
+    try:
+        dtypes = _dtypes(plan, me, src, device, group)
+    except RuntimeError as e:
+        raise WeightPlanError(me, "agreeing the dtypes (an all-reduce of every rank of the "
+                              "plan's group)", e) from e
     if dst is not None:
         wrong = sorted({t.dst_local for b in plan.buckets for t in b.transfers
                         if t.dst == me and dst[t.dst_local].dtype != dtypes[t.name]})
@@ -133,17 +157,24 @@ def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
         mine = [Message(t.src, t.dst, t.elements * dtypes[t.name].itemsize, t)
                 for t in bucket.transfers if me in (t.src, t.dst)]
         if mine:
-            run_rounds([mine], me,
-                       lambda m: [src[m.key.src_local].narrow(m.key.dim, m.key.src_offset,
-                                                              m.key.rows)],
-                       lambda m: [into(m.key)], None, traffic)
+            try:
+                run_rounds([mine], me,
+                           lambda m: [src[m.key.src_local].narrow(m.key.dim, m.key.src_offset,
+                                                                  m.key.rows)],
+                           lambda m: [into(m.key)], None, traffic, group=group)
+            except RuntimeError as e:
+                peers_in = sorted({m.src for m in mine if m.dst == me})
+                peers_out = sorted({m.dst for m in mine if m.src == me})
+                raise WeightPlanError(me, f"bucket {i + 1} of {n} (receiving from ranks "
+                                      f"{peers_in}, sending to ranks {peers_out})", e) from e
         yield i, n, (full if full_here else None)
         del full
 
 
 def _dtypes(plan: WeightPlan, me: int, src: dict[str, torch.Tensor],
-            device: torch.device) -> dict[str, torch.dtype]:
-    """{full name: dtype} of every tensor that moves, agreed over the world (module docstring)."""
+            device: torch.device, group=None) -> dict[str, torch.dtype]:
+    """{full name: dtype} of every tensor that moves, agreed over the world or ``group``
+    (module docstring)."""
     names = [name for name, _ in plan.row_shapes]
     index = {name: k for k, name in enumerate(names)}
     codes = torch.zeros(len(names), dtype=torch.int64, device=device)
@@ -151,5 +182,5 @@ def _dtypes(plan: WeightPlan, me: int, src: dict[str, torch.Tensor],
         for t in b.transfers + b.local_copies:
             if t.src == me:
                 codes[index[t.name]] = _DTYPES.index(src[t.src_local].dtype) + 1
-    dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
     return {name: _DTYPES[int(c) - 1] for name, c in zip(names, codes.tolist()) if c}

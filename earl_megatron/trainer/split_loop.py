@@ -36,9 +36,16 @@ Invariants (tests/distributed/test_split_trainer.py):
   twice or lost. A stop is agreed at a meeting (a rollout stage that saw it abandons at its next
   turn first); the train pool finishes a step it began.
 
+The handoff runs on a process group of its own (the world's ranks, made once at setup) whose
+timeout is ``cluster.weight_sync_timeout_s``: once every rank has arrived (a world barrier, so
+the train pool's start evaluation or a checkpoint write is not counted), a rank that stalls or
+dies in the handoff fails it on every other rank within that bound, with ``HandoffFailed``
+naming the step, the limit and the checkpoint a rerun resumes from (the newest; the training
+since it is done again: the handoff cannot checkpoint, its world is broken). Fault point
+``split.handoff`` (info ``it``, ``rank``), tests/distributed/test_split_faults.py.
+
 Not here yet (docs/async.md): SGLang servers on the rollout pool, the KL reference, layouts that
-change with the contexts, ``placement=auto`` (the selector sizing the split at run time), a
-handoff with its own timeout.
+change with the contexts, ``placement=auto`` (the selector sizing the split at run time).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from dataclasses import replace
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -64,8 +72,9 @@ from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
 from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
 from earl_megatron.runtime.checkpoint_files import find_checkpoint
 from earl_megatron.runtime.episode_transfer import transfer_episodes
+from earl_megatron.runtime.fault_points import fault_point
 from earl_megatron.runtime.transport import Traffic
-from earl_megatron.runtime.weight_transfer import hand_off
+from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off
 from earl_megatron.seeds import rollout_sample_seed
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.model_pair import ModelPair
@@ -75,6 +84,10 @@ from earl_megatron.trainer.runner import Trainer
 AUDIT_ENV = "EARL_SPLIT_AUDIT"
 """A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there
 (the exactly-once and bit-exact checks of the tests; costs a weight gather per handoff)."""
+
+
+class HandoffFailed(RuntimeError):
+    """Split placement's weight handoff timed out or failed on this rank (module docstring)."""
 
 
 def split_pools(cfg: TrainConfig, world: int) -> tuple[ParallelLayout, ParallelLayout]:
@@ -134,6 +147,12 @@ class SplitTrainer(Trainer):
         self.models: Optional[ModelPair] = None
         self._train_s = 0.0
         """Train pool: the seconds its last step took (scoring and training), for auto's rates."""
+        dist.barrier()   # every rank arrives together: the group's setup has that timeout too
+        self.handoff_group = dist.new_group(
+            list(range(self.world)),
+            timeout=timedelta(seconds=cfg.cluster.weight_sync_timeout_s))
+        """The handoff's own group (every rank, in order: group rank = global rank), so that
+        ``cluster.weight_sync_timeout_s`` bounds it, not the world's collective timeout."""
 
     def planned_world(self) -> int:
         return self.world if self.pools is None else self.pools[0].world_size
@@ -365,17 +384,56 @@ class SplitTrainer(Trainer):
         self.recorder.view.message(f"moved from {old.split(' (')[0]} to {self._describe()}")
 
     def _hand_off(self, j: int) -> tuple[float, int]:
-        """Weights v_j to the rollout pool (world); (seconds, bytes the busiest rank received)."""
+        """Weights v_j to the rollout pool (world); (seconds, bytes the busiest rank received).
+        Every rank arrives first (a world barrier), then the handoff runs on its own group:
+        ``HandoffFailed`` when it times out or fails here (module docstring)."""
         t, r = self.pools
         traffic = Traffic()
+        dist.barrier()   # the handoff's timeout counts the handoff, not a peer's way to it
         t0 = time.perf_counter()
-        hand_off(self.model, t, r, traffic=traffic)
+        try:
+            fault_point("split.handoff", it=j, rank=self.rank)
+            hand_off(self.model, t, r, traffic=traffic, group=self.handoff_group)
+            got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
+            try:
+                dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.handoff_group)
+            except RuntimeError as e:
+                raise WeightPlanError(self.rank, "agreeing the bytes received", e) from e
+        except WeightPlanError as e:
+            raise HandoffFailed(self._handoff_failure(j, e, time.perf_counter() - t0)) from e
         seconds = time.perf_counter() - t0
-        got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
-        dist.all_reduce(got, op=dist.ReduceOp.MAX)
         if self.audit is not None:
             self._audit_weights(j)
         return seconds, int(got.item())
+
+    def _handoff_failure(self, j: int, e: WeightPlanError, seconds: float) -> str:
+        """What ``HandoffFailed`` says: the handoff, the step and the limit, the checkpoint a
+        rerun resumes from and what it does again, and the fix."""
+        n_t, limit = self.pools[0].world_size, self.cfg.cluster.weight_sync_timeout_s
+        timed_out = seconds >= 0.9 * limit or "timed out" in str(e).lower()
+        what = (f"did not complete within cluster.weight_sync_timeout_s={limit:g} s"
+                if timed_out else
+                f"failed after {seconds:.1f} s (cluster.weight_sync_timeout_s={limit:g} s)")
+        weights = "the start's weights" if j == 0 else f"the weights after iteration {j - 1}"
+        saved = self._saved
+
+        def its(first: int, last: int) -> str:
+            return f"iteration {first}" if first == last else f"iterations {first}-{last}"
+
+        if saved >= 0:
+            again = (f"; it trains {its(saved + 1, j - 1)} again" if saved < j - 1
+                     else "; nothing trained is lost")
+            resume = (f"the last checkpoint is iteration {saved} "
+                      f"({self.out / 'checkpoints' / f'iter_{saved:06d}'}): a rerun "
+                      f"(run.resume=true) resumes there{again}")
+        else:
+            resume = ("no checkpoint was written yet: a rerun starts from iteration 0"
+                      + (f" and trains {its(0, j - 1)} again" if j > 0 else ""))
+        return (f"split placement: the weight handoff at meeting {j} ({weights}, train pool "
+                f"{_ranks(0, n_t)} -> rollout pool {_ranks(n_t, self.world)}) {what}: "
+                f"{e}. {resume[0].upper()}{resume[1:]}. Look for a stalled or dead rank (its "
+                "log, the other ranks' errors), or raise cluster.weight_sync_timeout_s if the "
+                "handoff is only slow (its usual seconds: split.handoff_s in metrics.jsonl)")
 
     def _checkpoint_split(self, done: int, played: bool) -> None:
         """Checkpoint iteration ``done`` at a meeting (world): the train pool's model and
