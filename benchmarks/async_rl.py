@@ -56,9 +56,14 @@ cores: a 1 + 1 split would leave one rank to train what two train colocated, so 
 adds a process that mostly waits (on tools) rather than moving half the trainer onto it; cpu
 s/it (every rank's process CPU seconds per iteration, start-up included) is printed beside the
 rates to show what each run spent. The tool workload's latency (``--split-latency``, default
-0.25 s a call) is set so that the synchronous rollout stage takes about as long as the rest of
-the iteration (printed: rollout s and train s of the sync run), where overlap can at best halve
-the time (the ideal is 2x). A split record's seconds are the train pool's: its wait at the
+0.15 s a call, with ``--split-episodes`` 16 a batch and ``--split-iterations`` 8) is set so
+that the synchronous rollout stage is as long as the rest of the iteration or somewhat longer
+(printed: rollout s and train s of the sync run; 0.23 s and 0.12-0.15 s here): overlap can then
+at best take the shorter side off the period (the ideal, 2x, is the balanced case). Smaller
+latencies balance the sides but shrink both below the meeting's fixed cost (about 0.05 s here:
+two dispatches, the handoff, the agreement); larger batches make the one rollout rank decode
+more while the trainers compete with it for the 2 cores. Single runs on this host spread by
+about 10% (sync and sync' differ by that much). A split record's seconds are the train pool's: its wait at the
 meeting for the rollout pool, the transfer, the handoff and the training, whose total is the
 period; eps/s counts the same iterations as sync. Connect Four's rollout is a sixth of its
 iteration: little to overlap there, and the rollout ranks' decoding competes with the trainers
@@ -340,6 +345,12 @@ selector gives that split (plan_split with the pool fixed), so the fixed splits 
 only in how the ranks are divided."""
 
 
+def _same(a: str, b: str, ranks: int) -> bool:
+    """Are layout strings ``a`` and ``b`` the same layout of ``ranks`` ranks?"""
+    from earl_megatron.plan.layout import ParallelLayout
+    return ParallelLayout.parse(a, world_size=ranks) == ParallelLayout.parse(b, world_size=ranks)
+
+
 def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
     """Section 4's run: the workload's config; placement None: colocated sync on 2 ranks, 1
     or 2: that many rollout ranks of 3, "auto": the selector's split of 3 (k = 1)."""
@@ -364,6 +375,8 @@ def section_split(args) -> dict:
     from earl_megatron.runtime.checkpoint_files import find_checkpoint
     from earl_megatron.testing.multiproc import run_distributed
 
+    args = argparse.Namespace(**{**vars(args), "episodes": args.split_episodes,
+                                 "iterations": args.split_iterations})
     ratios = {}
     names = {"tool": "tool latency", "connect_four": "connect four"}
     for w in args.workloads:
@@ -383,7 +396,7 @@ def section_split(args) -> dict:
               f"{'wait s':>6s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} {'reward':>7s} "
               f"{'cpu s/it':>8s}", flush=True)
         rows, plans = {}, []
-        order = [None, 1, 2, "auto"] + ([None] if args.bracket else [])
+        order = [None, 1, "auto", 2] + ([None] if args.bracket else [])
         for n, placement in enumerate(order):
             again = n == len(order) - 1 and placement is None and n > 0
             ranks = 2 if placement is None else 3
@@ -412,6 +425,12 @@ def section_split(args) -> dict:
                   f"{s['reward']:7.2f} {s['cpu']:8.2f}", flush=True)
             if placement == "auto":
                 plans = [(h["split"]["rollout_ranks"], h["layouts"]) for h in hist]
+                same = [p for p in (1, 2) if all(
+                    n_r == p and _same(lay["rollout"], SPLITS[p]["rollout"], p) and
+                    _same(lay["train"], SPLITS[p]["train"], 3 - p) for n_r, lay in plans)]
+                if same:
+                    print(f"           auto ran split {same[0]}'s pools and layouts at every "
+                          "iteration: their ratio is this host's run-to-run spread", flush=True)
                 print("           auto's pools by iteration (rollout ranks, layouts): " +
                       ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}" for n_r, lay in plans)
                       + f"; its first plan: {hist[0]['split']['plan']}", flush=True)
@@ -465,7 +484,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1)
-    ap.add_argument("--split-latency", type=float, default=0.25)
+    ap.add_argument("--split-latency", type=float, default=0.15)
+    ap.add_argument("--split-episodes", type=int, default=16)
+    ap.add_argument("--split-iterations", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--workloads", nargs="*", default=["tool", "connect_four"])
     ap.add_argument("--ks", nargs="*", type=int, default=[0, 1, 2])

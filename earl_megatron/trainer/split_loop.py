@@ -147,6 +147,8 @@ class SplitTrainer(Trainer):
         self.models: Optional[ModelPair] = None
         self._train_s = 0.0
         """Train pool: the seconds its last step took (scoring and training), for auto's rates."""
+        self._last_rollout: dict = {"rollout_s": 0.0, "metrics": {}}
+        """What the rollout pool's first rank said at the last meeting (auto's rates)."""
         dist.barrier()   # every rank arrives together: the group's setup has that timeout too
         self.handoff_group = dist.new_group(
             list(range(self.world)),
@@ -177,7 +179,8 @@ class SplitTrainer(Trainer):
         """auto: the split for batches of ``lengths`` tokens under the measured ``rates`` (the
         rollout's ``env_seconds``, which more ranks do not shorten, apart), kept where it is
         unless another is faster by the hysteresis, moving included. A pure function of its
-        inputs, which every rank holds alike, so every rank plans the same."""
+        inputs: at the start every rank plans from the same checkpoint; at a meeting rank 0
+        plans and the others take its plan."""
         wp = self.world_planner
         wp.last_lengths = list(lengths)
         return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
@@ -314,13 +317,17 @@ class SplitTrainer(Trainer):
         mine = {"stop": self.stop.local() or abandoned, "played": out is not None,
                 "metrics": out.metrics if out is not None else {},
                 "rollout_s": rollout_seconds}
-        if self.rank == 0:   # auto's inputs: the last batch's lengths, the step's seconds
-            mine.update(lengths=self.planner.last_lengths, train_s=self._train_s)
+        if self.rank == 0 and self.auto and j > start:
+            # auto's decision, made on rank 0 before the meeting (while it would wait) from the
+            # step it just trained and the stage the meeting before measured; every rank
+            # follows it
+            mine["plan"] = self._replan(self._last_rollout)
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         wait = time.perf_counter() - arrived
         stop = self.stop.agree(any(e["stop"] for e in everyone))
         played = everyone[n_t]["played"]
+        self._last_rollout = everyone[n_t]
         if not self.train_side and played != (out is not None):
             raise RuntimeError(f"rank {self.rank}: rollout stage {j} played on some rollout "
                                "ranks only")
@@ -337,7 +344,7 @@ class SplitTrainer(Trainer):
         if j == n:
             return None
         if self.auto and j > start:
-            plan = self._replan(everyone[0], everyone[n_t])
+            plan = everyone[0]["plan"]
             if (plan.train.layout, plan.rollout.layout) != self.pools:
                 if not self.train_side:
                     self.pool.rewind()        # stage j plays again on the new pools
@@ -359,14 +366,15 @@ class SplitTrainer(Trainer):
             split["plan"] = self.split_plan.reason
         return ids, episodes, {**everyone[n_t]["metrics"], "split": split}
 
-    def _replan(self, train0: dict, rollout0: dict) -> SplitPlan:
-        """auto, at a meeting: the split for the last batch's lengths and the seconds the two
-        pools just measured (stage j's rollout, step j-1's scoring and training)."""
-        lengths, stage = train0["lengths"], rollout0["rollout_s"]
+    def _replan(self, rollout0: dict) -> SplitPlan:
+        """auto, on rank 0 before meeting j: the split for the last batch's lengths and the
+        seconds the two pools measured (step j-1's scoring and training, here; stage j-1's
+        rollout, ``rollout0``: what the rollout pool's first rank said at meeting j-1)."""
+        lengths, stage = self.planner.last_lengths, rollout0["rollout_s"]
         rates, env = None, 0.0
-        if lengths and train0["train_s"] > 0 and stage > 0:
+        if lengths and self._train_s > 0 and stage > 0:
             tokens = sum(lengths)
-            rates = MeasuredRates(self.pools[1].world_size, stage, tokens, train0["train_s"],
+            rates = MeasuredRates(self.pools[1].world_size, stage, tokens, self._train_s,
                                   tokens)
             # what the stage did besides decoding: tools, games, the loop; more ranks keep it
             env = max(0.0, stage - rollout0["metrics"].get("rollout_decode_s", stage))

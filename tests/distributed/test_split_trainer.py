@@ -225,8 +225,8 @@ def _train_moving(cfg, audit, move_at):
     decide = SplitTrainer._replan
     calls = []
 
-    def replan(self, train0, rollout0):
-        plan = decide(self, train0, rollout0)
+    def replan(self, rollout0):
+        plan = decide(self, rollout0)
         calls.append(plan.rollout_ranks)
         if len(calls) == move_at:
             wp = self.world_planner
