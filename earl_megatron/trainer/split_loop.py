@@ -44,17 +44,25 @@ naming the step, the limit and the checkpoint a rerun resumes from (the newest; 
 since it is done again: the handoff cannot checkpoint, its world is broken). Fault point
 ``split.handoff`` (info ``it``, ``rank``), tests/distributed/test_split_faults.py.
 
-Not here yet (docs/async.md): SGLang servers on the rollout pool, the KL reference, layouts that
-change with the contexts, ``placement=auto`` (the selector sizing the split at run time).
+``rollout.placement=auto``: the pools' sizes and layouts are the selector's (plan/split.py
+``plan_split`` over the splits of the world), planned at the start from the checkpoint's lengths
+and, at every meeting, by rank 0 from the step it just trained and the stage the meeting before
+measured (decoding apart from the environments' time); the others follow its plan. A move
+rewinds the stage just played, checkpoints iteration j-1 and has every rank rebuild its side on
+the new pools from that checkpoint (dist_checkpointing reshards the train state); the loop goes
+on from stage j. tests/distributed/test_split_trainer.py forces one and checks exactly once.
+
+Not here yet (docs/async.md): SGLang servers on the rollout pool, the KL reference, the train
+pool's own LOGPROB / TRAIN layouts, moves in memory rather than through a checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 import json
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -65,7 +73,8 @@ import torch.distributed as dist
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
-from earl_megatron.plan.split import MeasuredRates, SplitPlan, plan_split
+from earl_megatron.plan.split import (MeasuredRates, SplitDoesNotFitError, SplitPlan,
+                                      plan_split)
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
@@ -178,9 +187,8 @@ class SplitTrainer(Trainer):
                     env_seconds: float = 0.0) -> SplitPlan:
         """auto: the split for batches of ``lengths`` tokens under the measured ``rates`` (the
         rollout's ``env_seconds``, which more ranks do not shorten, apart), kept where it is
-        unless another is faster by the hysteresis, moving included. A pure function of its
-        inputs: at the start every rank plans from the same checkpoint; at a meeting rank 0
-        plans and the others take its plan."""
+        unless another is faster by the hysteresis, moving included. Rank 0 plans (at the start
+        and before every meeting); the others take its plan."""
         wp = self.world_planner
         wp.last_lengths = list(lengths)
         return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
@@ -218,8 +226,21 @@ class SplitTrainer(Trainer):
                 f"{found.state.get('placement') or 'colocated'} on "
                 f"{found.state.get('world_size')} ranks: resume split placement on the same "
                 "world size, or start a new run from it with run.init")
-        if self.auto and not moved:
-            self._use(self._plan_split(found.state["last_lengths"] if found else [], None))
+        if self.auto and not moved:   # rank 0 plans, every rank takes its plan (or error)
+            got: list = [None]
+            if self.rank == 0:
+                try:
+                    got[0] = self._plan_split(found.state["last_lengths"] if found else [],
+                                              None)
+                except SplitDoesNotFitError as e:
+                    got[0] = ConfigError(
+                        f"rollout.placement=auto on {self.world} ranks: {e}. Fix: more ranks, "
+                        "a larger layout.memory_budget_gb, or shorter contexts "
+                        "(rollout.max_context_tokens)")
+            dist.broadcast_object_list(got, src=0)
+            if isinstance(got[0], Exception):
+                raise got[0]
+            self._use(got[0])
         t, r = self.pools
         placement = {"train": str(t), "rollout": str(r)}
         if found is not None and not self.auto and found.state["placement"] != placement:
@@ -321,7 +342,11 @@ class SplitTrainer(Trainer):
             # auto's decision, made on rank 0 before the meeting (while it would wait) from the
             # step it just trained and the stage the meeting before measured; every rank
             # follows it
-            mine["plan"] = self._replan(self._last_rollout)
+            try:
+                mine["plan"] = self._replan(self._last_rollout)
+            except SplitDoesNotFitError as e:   # keep the split that runs; say why
+                mine["plan"] = self.split_plan
+                self.recorder.view.message(f"auto kept its split: no other fits ({e})")
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         wait = time.perf_counter() - arrived
