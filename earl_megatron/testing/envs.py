@@ -9,6 +9,7 @@ in by luck. ``held_connect_four`` decides it by construction:
     env.kwargs.hold_when=<run>/metrics.jsonl      # hold once it has a line: iteration 1 on
     env.kwargs.hold_after_stop_s=35               # optional: a stop that takes 35 s more
     env.kwargs.release_when=<path>                # optional: never hold once it exists
+    env.kwargs.holding_file=<path>                # optional: created when a step starts holding
 
 - It plays Connect Four exactly as ``connect_four`` with the same other kwargs (same seeds, same
   moves, same rewards), so its metrics equal a plain run's.
@@ -21,6 +22,9 @@ in by luck. ``held_connect_four`` decides it by construction:
   the last completed iteration is 0, on every machine.
 - Once the path ``release_when`` exists, the environment never holds: a requeued or resumed run
   with the same configuration plays through (the test creates it after the stop it wanted).
+- ``holding_file``, when given, is created as a step starts to hold: a test that needs its
+  request to land *inside* the held rollout (not at the stage boundary just before it, where
+  the trainer also looks) waits for this file instead of for ``hold_when``.
 - A hold that outlasts ``hold_limit_s`` (default 600 s) raises ``HoldTimeout``: a test whose
   request never comes fails with that message instead of hanging.
 
@@ -47,7 +51,8 @@ class HeldEnv(OpenSpielEnv):
     """Connect Four that holds every step once ``hold_when`` exists, until told to stop."""
 
     def __init__(self, hold_when: str, hold_lines: int = 1, hold_after_stop_s: float = 0.0,
-                 hold_limit_s: float = 600.0, release_when: Optional[str] = None, **kwargs):
+                 hold_limit_s: float = 600.0, release_when: Optional[str] = None,
+                 holding_file: Optional[str] = None, **kwargs):
         super().__init__(game="connect_four", **kwargs)
         if not hold_when:
             raise ValueError("held_connect_four needs hold_when=<path> (the event that starts "
@@ -60,6 +65,7 @@ class HeldEnv(OpenSpielEnv):
         self.release_when = str(release_when) if release_when else None
         self.hold_after_stop_s = float(hold_after_stop_s)
         self.hold_limit_s = float(hold_limit_s)
+        self.holding_file = str(holding_file) if holding_file else None
 
     def _step(self, action: str) -> StepResult:
         released = self.release_when is not None and os.path.exists(self.release_when)
@@ -78,11 +84,15 @@ class HeldEnv(OpenSpielEnv):
         from earl_megatron.trainer.stop import told_to_stop
 
         deadline = time.monotonic() + self.hold_limit_s
+        if self.holding_file is not None and not os.path.exists(self.holding_file):
+            with open(self.holding_file, "a"):
+                pass
         while not told_to_stop():
             if time.monotonic() > deadline:
                 raise HoldTimeout(f"held_connect_four: {self.hold_when} has {self.hold_lines} "
-                                  f"line(s) but this process was not told to stop within {self.hold_limit_s:.0f} s "
-                                  "(send SIGTERM or write 'requested' to the stop file)")
+                                  "line(s) but this process was not told to stop within "
+                                  f"{self.hold_limit_s:.0f} s (send SIGTERM or write "
+                                  "'requested' to the stop file)")
             time.sleep(POLL_S)
         time.sleep(self.hold_after_stop_s)
 

@@ -9,8 +9,11 @@ line.
 Both "mid-iteration" and "a long stop" hold by construction, not by the machine's speed: the job
 plays ``earl_megatron.testing.envs:held_connect_four``, whose steps hold from iteration 1's
 rollout on (once metrics.jsonl has iteration 0's line) until the trainer is told to stop, then
-35 s more before the turn ends. So the TERM always lands in iteration 1, the files say
-"stopped 0", and the stop outlasts 30 s on an idle host and a loaded one. The test writes the
+35 s more before the turn ends. The test sends TERM once a step has begun to hold (the env's
+``holding_file``), not once the metrics line exists: between that line and the rollout the
+trainer looks for a stop at the stage boundary too, and a TERM landing there stops it at once
+(seen once in CI, a 10 s stop). So the TERM always lands inside iteration 1's rollout, the files
+say "stopped 0", and the stop outlasts 30 s on an idle host and a loaded one. The test writes the
 ``release`` file once the first segment stopped: the requeued segment plays through."""
 
 import re
@@ -25,11 +28,12 @@ RUN = SMALL + ["layout=static", "layout.rollout=dp2", "layout.logprob=dp2", "lay
                "rollout.episodes_per_iteration=8", "run.iterations=2", "run.checkpoint_every=2"]
 
 
-def _held(out, release):
+def _held(out, release, holding):
     return ["env.name=earl_megatron.testing.envs:held_connect_four",
             f"+env.kwargs.hold_when={out / 'metrics.jsonl'}",
             f"+env.kwargs.hold_after_stop_s={HOLD_AFTER_STOP_S}",
-            f"+env.kwargs.release_when={release}"]
+            f"+env.kwargs.release_when={release}",
+            f"+env.kwargs.holding_file={holding}"]
 
 
 def _until(what, predicate, deadline, log):
@@ -40,17 +44,18 @@ def _until(what, predicate, deadline, log):
 
 @pytest.mark.timeout(1500)  # three short jobs, a 35 s stop and a requeue, on a loaded host
 def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path):
-    out, release = tmp_path / "preempted", tmp_path / "release"
-    job = slurm.submit(2, RUN + _held(out, release) + [f"run.output_dir={out}"], tmp_path,
+    out, release, holding = tmp_path / "preempted", tmp_path / "release", tmp_path / "holding"
+    job = slurm.submit(2, RUN + _held(out, release, holding) + [f"run.output_dir={out}"], tmp_path,
                        EARL_NPROC_PER_NODE="1")
     deadline = time.monotonic() + 900
     log = lambda: slurm.log(job)  # noqa: E731
 
-    def running_with_one_record():
+    def running_and_holding():
         assert slurm.show(job)["JobState"] in ("PENDING", "RUNNING"), log()[-3000:]
-        return len(metrics(out)) >= 1
-    # the event: iteration 0 recorded; iteration 1's rollout now holds until told to stop
-    _until("metrics line for iteration 0", running_with_one_record, deadline, log)
+        return holding.exists()
+    # the event: iteration 0 recorded and iteration 1's rollout holding until told to stop
+    _until("held step in iteration 1", running_and_holding, deadline, log)
+    assert len(metrics(out)) == 1
     t_term = time.monotonic()
     subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], check=True, timeout=30)
     # the first segment ends requeued (PENDING again, Restarts=1)

@@ -71,10 +71,13 @@ def test_held_env_plays_the_plain_game(tmp_path):
 
 
 def test_held_env_holds_until_told_to_stop(tmp_path):
-    env = _held(tmp_path, hold_limit_s=0.3)
+    holding = tmp_path / "holding"
+    env = _held(tmp_path, hold_limit_s=0.3, holding_file=str(holding))
     env.reset(0)
+    assert not holding.exists()
     with pytest.raises(HoldTimeout, match="has 1 line"):   # nobody asked: it holds, then fails
         env.step("3")
+    assert holding.exists()                                 # said so as the hold began
     env = _held(tmp_path, hold_lines=2, hold_limit_s=0.3)
     env.reset(0)
     assert not env.step("3").info.get("illegal")           # one line < hold_lines=2: plays
@@ -90,9 +93,11 @@ def test_held_env_holds_until_told_to_stop(tmp_path):
 
 def test_held_env_never_holds_once_released(tmp_path):
     (tmp_path / "release").write_text("")
-    env = _held(tmp_path, hold_limit_s=0.3, release_when=str(tmp_path / "release"))
+    env = _held(tmp_path, hold_limit_s=0.3, release_when=str(tmp_path / "release"),
+                holding_file=str(tmp_path / "holding"))
     env.reset(0)
     assert env.step("3").observation
+    assert not (tmp_path / "holding").exists()
 
 
 def test_module_factory_names_fail_in_one_line():
