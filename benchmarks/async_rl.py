@@ -60,15 +60,15 @@ rates to show what each run spent. The tool workload's latency (``--split-latenc
 that the synchronous rollout stage is as long as the rest of the iteration or somewhat longer
 (printed: rollout s and train s of the sync run; 0.23 s and 0.12-0.15 s here): overlap can then
 at best take the shorter side off the period (the ideal, 2x, is the balanced case). Smaller
-latencies balance the sides but shrink both below the meeting's fixed cost (about 0.05 s here:
-two dispatches, the handoff, the agreement); larger batches make the one rollout rank decode
-more while the trainers compete with it for the 2 cores. Single runs on this host spread by
-about 10% (sync and sync' differ by that much). A split record's seconds are the train pool's: its wait at the
-meeting for the rollout pool, the transfer, the handoff and the training, whose total is the
-period; eps/s counts the same iterations as sync. Connect Four's rollout is a sixth of its
-iteration: little to overlap there, and the rollout ranks' decoding competes with the trainers
-for the 2 cores. Printed: each run's ratio to sync, and auto's to the best fixed split, with
-auto's pools per iteration and its first plan's reason.
+latencies balance the sides but shrink both below the meeting's fixed cost (about 0.04 s here:
+the agreement, the one dispatch of the batch, the barrier and the handoff); larger batches make
+the one rollout rank decode more while the trainers compete with it for the 2 cores. Single runs
+on this host spread by 10-20% (sync and sync' differ by that much). A split record's seconds are
+the train pool's: its wait at the meeting for the rollout pool, the transfer, the handoff and
+the training, whose total is the period; eps/s counts the same iterations as sync. Connect Four's
+rollout is a sixth of its iteration: little to overlap there, and the rollout ranks' decoding
+competes with the trainers for the 2 cores. Printed: each run's ratio to sync, and auto's to
+the best fixed split, with auto's pools per iteration and its first plan's reason.
 
 Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
 (plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and

@@ -12,11 +12,11 @@ iteration, where every rank of the world calls the same collectives in the same 
       (version v_j-1 after the first meeting)        one optimizer step -> v_j), record it
     ============================ meeting j (the world) ==============================
       1 agree       one all_gather_object: stop? (a signal, the stop file, an abandoned
-                    stage), the stage's metrics and seconds
+                    stage), the stage's metrics and seconds, the packed batch's sizes
       2 checkpoint  when due (periodic, the last, a stop): iteration j-1, weights v_j, the
                     episode pool as it was before stage j (its leader sends it to rank 0)
-      3 episodes    B_j, rollout replicas -> train replicas, point to point
-                    (runtime/episode_transfer.py)
+      3 episodes    B_j, rollout replicas -> train replicas, point to point, one dispatch
+                    (runtime/episode_transfer.py; its metadata came with the agreement)
       4 weights     v_j, train pool -> rollout pool, point to point by the weight plan
                     (runtime/weight_transfer.py ``hand_off``)
     then stage j+1 plays under v_j while the train pool trains B_j.
@@ -80,7 +80,8 @@ from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
 from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
 from earl_megatron.runtime.checkpoint_files import find_checkpoint
-from earl_megatron.runtime.episode_transfer import transfer_episodes
+from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
+    transfer_episodes
 from earl_megatron.runtime.fault_points import fault_point
 from earl_megatron.runtime.transport import Traffic
 from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off
@@ -338,6 +339,14 @@ class SplitTrainer(Trainer):
         mine = {"stop": self.stop.local() or abandoned, "played": out is not None,
                 "metrics": out.metrics if out is not None else {},
                 "rollout_s": rollout_seconds}
+        # the batch packed before the agreement, which carries its sizes: the transfer after it
+        # needs no metadata exchange of its own (the meeting is on the rollout's critical path)
+        packed: dict = {}
+        try:
+            packed = pack_block(out.ids, out.episodes) if out is not None else {}
+        except ValueError as e:   # said at the agreement: every rank raises, none hangs
+            mine["error"] = f"rank {self.rank}: {e}"
+        mine["sizes"] = block_sizes(packed)
         if self.rank == 0 and self.auto and j > start:
             # auto's decision, made on rank 0 before the meeting (while it would wait) from the
             # step it just trained and the stage the meeting before measured; every rank
@@ -350,6 +359,10 @@ class SplitTrainer(Trainer):
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         wait = time.perf_counter() - arrived
+        errors = [e["error"] for e in everyone if "error" in e]
+        if errors:
+            raise RuntimeError(f"split placement, meeting {j}: the batch cannot be handed over: "
+                               + "; ".join(errors))
         stop = self.stop.agree(any(e["stop"] for e in everyone))
         played = everyone[n_t]["played"]
         self._last_rollout = everyone[n_t]
@@ -378,9 +391,8 @@ class SplitTrainer(Trainer):
                 return plan
             self.split_plan = plan
         with_timer = time.perf_counter()
-        ids, episodes = transfer_episodes(t, r, out.ids if out else [],
-                                          out.episodes if out else [],
-                                          group_size=cfg.algorithm.group_size)
+        ids, episodes = transfer_episodes(t, r, packed, group_size=cfg.algorithm.group_size,
+                                          sizes=[e["sizes"] for e in everyone])
         transfer_s = time.perf_counter() - with_timer
         self._audit_sent(j, out)
         handoff_s, handoff_bytes = self._hand_off(j) if j > start else (0.0, 0)

@@ -5,8 +5,10 @@ it is; every rank calls it.
 Pools: train = ranks 0-1, rollout = ranks 2-3, as DP2 <- TP2 (one rollout replica holds all 8
 episodes) and TP2 <- DP2 (each rollout replica holds half). Groups of 2 (GRPO). Checked: train
 replica d's ranks end with exactly block d (``train_blocks``), every episode equal to the one the
-rollout pool held, field by field (logprobs bit-exact); rollout ranks end with nothing; a train
-rank that passes episodes is refused; an episode without per-token versions is refused.
+rollout pool held, field by field (logprobs bit-exact), whether the sizes are exchanged in the
+call or given (as the meeting gathers them); rollout ranks end with nothing. Refused: a train
+rank that passes episodes, sizes for another world, a train layout with cp > 1, an episode
+without per-token versions. One episode packs and unpacks exactly; a truncated one is refused.
 """
 
 import pytest
@@ -38,7 +40,8 @@ def _run():
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime import groups
     from earl_megatron.runtime.cpu_backend import cpu_backend
-    from earl_megatron.runtime.episode_transfer import train_blocks, transfer_episodes
+    from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, train_blocks, \
+        transfer_episodes
 
     me = dist.get_rank()
     out = {"pairs": []}
@@ -50,21 +53,34 @@ def _run():
             if me >= 2:     # a DP2 rollout pool: replica r holds ids 4r .. 4r+3
                 ids = list(range(8)) if rollout.dp == 1 else list(range(4 * (me - 2),
                                                                         4 * (me - 2) + 4))
-            got_ids, got = transfer_episodes(train, rollout, ids, [_episode(s) for s in ids],
-                                             group_size=2)
+            packed = pack_block(ids, [_episode(s) for s in ids])
+            sizes = [None] * 4     # as the meeting gathers them with its agreement
+            dist.all_gather_object(sizes, block_sizes(packed))
             blocks = train_blocks(range(8), train.dp, 2)
             want = blocks[train.coords(me).dp] if me < 2 else []
-            out["pairs"].append((got_ids == want, got == [_episode(s) for s in want],
-                                 got_ids))
+            for given in (None, sizes):   # exchanged here, or given
+                got_ids, got = transfer_episodes(train, rollout, packed, group_size=2,
+                                                 sizes=given)
+                out["pairs"].append((got_ids == want, got == [_episode(s) for s in want],
+                                     got_ids))
         try:
-            transfer_episodes(train, rollout, [99] if me == 0 else [],
-                              [_episode(99)] if me == 0 else [])
+            transfer_episodes(train, rollout, pack_block([99], [_episode(99)]) if me == 0 else {})
             out["train_sender"] = None
         except ValueError as e:
             out["train_sender"] = str(e)
+        try:
+            transfer_episodes(train, rollout, {}, sizes=[[]] * 3)
+            out["short_sizes"] = None
+        except ValueError as e:
+            out["short_sizes"] = str(e)
+        try:
+            transfer_episodes(ParallelLayout.parse("cp2", 2), rollout, {})
+            out["train_cp"] = None
+        except ValueError as e:
+            out["train_cp"] = str(e)
         bad = dataclasses.replace(_episode(1), versions=())
         try:
-            transfer_episodes(train, rollout, [1], [bad])
+            pack_block([1], [bad])
             out["no_versions"] = None
         except ValueError as e:
             out["no_versions"] = str(e)
@@ -78,10 +94,10 @@ def results():
 
 
 def test_each_train_replica_gets_its_block_once_and_equal(results):
-    for k, pair in enumerate(PAIRS):
+    for k in range(2 * len(PAIRS)):    # each pair with its sizes exchanged, then given
         for rank, res in enumerate(results):
             ids_ok, eps_ok, ids = res["pairs"][k]
-            assert ids_ok and eps_ok, (pair, rank, ids)
+            assert ids_ok and eps_ok, (PAIRS[k // 2], rank, ids)
             if rank >= 2:
                 assert ids == []
 
@@ -89,4 +105,23 @@ def test_each_train_replica_gets_its_block_once_and_equal(results):
 def test_wrong_inputs_are_refused(results):
     for res in results:
         assert "train-pool ranks hold no episodes" in res["train_sender"]
+        assert "episode 1:" in res["no_versions"]
         assert "per-token versions" in res["no_versions"]
+        assert "sizes for 3 ranks in a world of 4" in res["short_sizes"]
+        assert "cp=1 (a packed episode arrives whole)" in res["train_cp"]
+
+
+def test_an_episode_packs_and_unpacks_exactly():
+    import struct
+
+    from earl_megatron.runtime.episode_transfer import pack_episode, unpack_episode
+
+    for s in range(4):
+        e = _episode(s)
+        b = pack_episode(e)
+        n, h = struct.unpack_from("<qq", b)     # the prefix: tokens, header bytes
+        assert n == len(e.token_ids) and len(b) == 16 + 25 * n + h
+        assert unpack_episode(b) == e
+        assert unpack_episode(bytearray(b)).logprobs == e.logprobs   # bit-exact doubles
+        with pytest.raises(ValueError, match="does not hold"):
+            unpack_episode(b[:-1])
