@@ -18,11 +18,11 @@ Connect Four).
 import json
 import threading
 import time
-from collections import Counter
 
 import pytest
+from split_audit import check_exactly_once, check_handoffs, read_audit, sent_and_trained, \
+    split_config, train_audited
 
-from earl_megatron.config.train import TrainConfig
 from earl_megatron.runtime import fault_points
 from earl_megatron.testing.multiproc import run_distributed
 
@@ -31,44 +31,8 @@ WORLD_TIMEOUT_S = 120
 
 
 def _cfg(out):
-    return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
-                "eval_opponents": []},
-        "rollout": {"episodes_per_iteration": 4, "max_turns": 4, "placement": "split",
-                    "pool_ranks": 2},
-        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
-                      "old_logprobs": "recompute", "off_policy": "decoupled",
-                      "max_staleness": 1},
-        "cluster": {"weight_sync_timeout_s": LIMIT_S},
-        "run": {"iterations": 4, "output_dir": out, "eval_episodes": 2, "live_view": False,
-                "checkpoint_every": 2},
-    })
-
-
-def _train(cfg, audit):
-    import os
-    os.environ["EARL_SPLIT_AUDIT"] = audit
-    from earl_megatron.train import run
-    return run(cfg)
-
-
-def _audit(d):
-    rows = []
-    for f in sorted(d.glob("rank*.jsonl")):
-        rows += [json.loads(x) for x in f.read_text().splitlines()]
-    return rows
-
-
-def _sent_and_trained(rows):
-    sent, trained = {}, {}
-    for r in rows:
-        if r["side"] == "sent":
-            sent.setdefault(r["it"], Counter()).update(r["digests"])
-        elif r["side"] == "train" and "digests" in r:
-            trained.setdefault(r["it"], Counter()).update(r["digests"])
-    return sent, trained
+    return split_config(out, 4, 1, cluster={"weight_sync_timeout_s": LIMIT_S},
+                        checkpoint_every=2)
 
 
 def test_a_stalled_handoff_fails_within_its_timeout_naming_the_checkpoint_to_resume(
@@ -90,7 +54,7 @@ def test_a_stalled_handoff_fails_within_its_timeout_naming_the_checkpoint_to_res
     watcher.start()
     try:
         with pytest.raises(RuntimeError) as failed:
-            run_distributed(_train, 4, _cfg(str(out)), str(audit), timeout=300,
+            run_distributed(train_audited, 4, _cfg(str(out)), str(audit), timeout=300,
                             collective_timeout_s=WORLD_TIMEOUT_S)
         failed_at = time.monotonic()
     finally:
@@ -114,8 +78,8 @@ def test_a_stalled_handoff_fails_within_its_timeout_naming_the_checkpoint_to_res
     assert not (out / "checkpoints" / "iter_000002").exists()
 
     # what the failed run kept: iterations 0 and 1, each sent episode trained once
-    rows = _audit(audit)
-    sent, trained = _sent_and_trained(rows)
+    rows = read_audit(audit)
+    sent, trained = sent_and_trained(rows)
     assert sorted(trained) == [0, 1, 2] and sorted(sent) == [0, 1, 2, 3], (sent, trained)
     for it in (0, 1):
         assert trained[it] == sent[it] and sum(sent[it].values()) == 4, it
@@ -123,26 +87,16 @@ def test_a_stalled_handoff_fails_within_its_timeout_naming_the_checkpoint_to_res
     # the rerun, fault disarmed (each arm fires once; nothing is armed now)
     monkeypatch.delenv(fault_points.ENV)
     audit2 = tmp_path / "audit2"
-    hist = run_distributed(_train, 4, _cfg(str(out)), str(audit2), timeout=300,
+    hist = run_distributed(train_audited, 4, _cfg(str(out)), str(audit2), timeout=300,
                            collective_timeout_s=WORLD_TIMEOUT_S)[0]
     assert [h["iteration"] for h in hist] == [0, 1, 2, 3]
-    rows2 = _audit(audit2)
-    sent2, trained2 = _sent_and_trained(rows2)
-    assert sorted(sent2) == [2, 3] and sorted(trained2) == [2, 3], (sent2, trained2)
-    for it in (2, 3):
-        assert trained2[it] == sent2[it] and sum(sent2[it].values()) == 4, it
-    assert all(r["dropped"] == 0 for r in rows2 if r["side"] == "sent")
-    keys = Counter(tuple(k) for r in rows2 if r["side"] == "sent" for k in r["keys"])
-    assert max(keys.values()) == 1
+    rows2 = read_audit(audit2)
+    check_exactly_once(rows2, 4, first=2)
+    trained2 = sent_and_trained(rows2)[1]
     # the lineage: nothing the kept iterations trained is trained again
     kept = {d for it in (0, 1) for d in trained[it]}
     assert not kept & {d for c in trained2.values() for d in c}
-    weights = {}
-    for r in rows2:
-        if r["side"] == "weights":
-            weights.setdefault(r["it"], {})[r["pool"]] = r["sha256"]
-    assert sorted(weights) == [2, 3]
-    assert all(w["train"] == w["rollout"] for w in weights.values()), weights
+    assert sorted(check_handoffs(rows2)) == [2, 3]
 
 
 def test_the_handoff_failure_names_what_a_rerun_does_again():

@@ -12,81 +12,21 @@
 import json
 from collections import Counter
 
+from split_audit import check_exactly_once, check_handoffs, read_audit, split_config, \
+    train_audited
+
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _cfg(out, iterations, k, **run):
-    return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
-                "eval_opponents": []},
-        "rollout": {"episodes_per_iteration": 4, "max_turns": 4, "placement": "split",
-                    "pool_ranks": 2},
-        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
-                      "old_logprobs": "recompute", "off_policy": "decoupled",
-                      "max_staleness": k},
-        "run": {"iterations": iterations, "output_dir": out, "eval_episodes": 2,
-                "live_view": False, **run},
-    })
-
-
-def _train(cfg, audit):
-    import os
-    os.environ["EARL_SPLIT_AUDIT"] = audit
-    from earl_megatron.train import run
-    return run(cfg)
-
-
-def _audit(d):
-    rows = []
-    for f in sorted(d.glob("rank*.jsonl")):
-        rank = int(f.stem[4:])
-        rows += [dict(json.loads(x), rank=rank) for x in f.read_text().splitlines()]
-    return rows
-
-
-def _check_exactly_once(rows, iterations, first=0):
-    sent = {r["it"]: Counter() for r in rows if r["side"] == "sent"}
-    for r in rows:
-        if r["side"] == "sent":
-            sent[r["it"]].update(r["digests"])
-    trained = {}
-    for r in rows:
-        if r["side"] == "train" and "digests" in r:
-            trained.setdefault(r["it"], Counter()).update(r["digests"])
-    assert sorted(sent) == list(range(first, iterations)), sorted(sent)
-    assert sorted(trained) == list(range(first, iterations)), sorted(trained)
-    for it in sent:
-        # each train replica's leader trains its block: every sent episode once, nothing else
-        assert trained[it] == sent[it], it
-        assert sum(sent[it].values()) == 4
-    keys = Counter(tuple(k) for r in rows if r["side"] == "sent" for k in r["keys"])
-    assert max(keys.values()) == 1, [k for k, n in keys.items() if n > 1]
-    assert all(r["dropped"] == 0 for r in rows if r["side"] == "sent")
-
-
-def _check_handoffs(rows):
-    by_it = {}
-    for r in rows:
-        if r["side"] == "weights":
-            by_it.setdefault(r["it"], {})[r["pool"]] = r["sha256"]
-    assert by_it
-    for it, pools in by_it.items():
-        assert set(pools) == {"train", "rollout"}, (it, pools)
-        assert pools["train"] == pools["rollout"], it
-    return by_it
-
-
 def test_split_k1_trains_every_episode_once_one_version_behind(tmp_path):
     audit = tmp_path / "audit"
-    hist = run_distributed(_train, 4, _cfg(str(tmp_path / "run"), 4, 1), str(audit),
-                           timeout=500)[0]
+    hist = run_distributed(train_audited, 4, split_config(str(tmp_path / "run"), 4, 1),
+                           str(audit), timeout=500)[0]
     assert [h["iteration"] for h in hist] == [0, 1, 2, 3]
-    rows = _audit(audit)
-    _check_exactly_once(rows, 4)
-    weights = _check_handoffs(rows)
+    rows = read_audit(audit)
+    check_exactly_once(rows, 4)
+    weights = check_handoffs(rows)
     assert sorted(weights) == [0, 1, 2, 3], sorted(weights)   # the start's, then each step's
     for j in range(1, 4):   # a step with a gradient changed the weights it handed over
         if hist[j - 1]["grad_norm"] > 0:
@@ -112,22 +52,22 @@ def test_split_k1_trains_every_episode_once_one_version_behind(tmp_path):
 
 def test_split_k2_checkpoints_and_resumes_without_losing_an_episode(tmp_path):
     audit, out = tmp_path / "audit", tmp_path / "run"
-    first = run_distributed(_train, 4, _cfg(str(out), 2, 2, checkpoint_every=1), str(audit),
-                            timeout=500)[0]
+    first = run_distributed(train_audited, 4, split_config(str(out), 2, 2, checkpoint_every=1),
+                            str(audit), timeout=500)[0]
     assert [h["iteration"] for h in first] == [0, 1]
     loop = json.loads((out / "checkpoints" / "iter_000001" / "loop.json").read_text())
     assert loop["placement"] == {"train": "DP2", "rollout": "DP2"}
     assert loop["pool"] is not None
-    rows = _audit(audit)
-    _check_exactly_once(rows, 2)
-    _check_handoffs(rows)
+    rows = read_audit(audit)
+    check_exactly_once(rows, 2)
+    check_handoffs(rows)
     audit2 = tmp_path / "audit2"
-    hist = run_distributed(_train, 4, _cfg(str(out), 4, 2, checkpoint_every=1), str(audit2),
-                           timeout=500)[0]
+    hist = run_distributed(train_audited, 4, split_config(str(out), 4, 2, checkpoint_every=1),
+                           str(audit2), timeout=500)[0]
     assert [h["iteration"] for h in hist] == [0, 1, 2, 3]
-    rows2 = _audit(audit2)
-    _check_exactly_once(rows2, 4, first=2)
-    _check_handoffs(rows2)
+    rows2 = read_audit(audit2)
+    check_exactly_once(rows2, 4, first=2)
+    check_handoffs(rows2)
     # no episode trained before the checkpoint is trained again after it
     before = Counter(d for r in rows if r["side"] == "train" and "digests" in r
                      for d in r["digests"])
@@ -149,7 +89,7 @@ def test_split_stop_during_a_rollout_checkpoints_both_pools_then_resumes(tmp_pat
 
     audit, out = tmp_path / "audit", tmp_path / "run"
     metrics, release = out / "metrics.jsonl", tmp_path / "release"
-    cfg = _cfg(str(out), 5, 2, checkpoint_every=0).to_dict()
+    cfg = split_config(str(out), 5, 2, checkpoint_every=0).to_dict()
     cfg["env"] = {"name": "earl_megatron.testing.envs:held_connect_four", "eval_opponents": [],
                   "kwargs": {**cfg["env"]["kwargs"], "hold_when": str(metrics),
                              "hold_lines": 2, "release_when": str(release)}}
@@ -165,7 +105,7 @@ def test_split_stop_during_a_rollout_checkpoints_both_pools_then_resumes(tmp_pat
     stopper = threading.Thread(target=request_stop)
     stopper.start()
     try:
-        first = run_distributed(_train, 4, TrainConfig.from_dict(cfg), str(audit),
+        first = run_distributed(train_audited, 4, TrainConfig.from_dict(cfg), str(audit),
                                 timeout=500)[0]
     finally:
         done.set()
@@ -179,17 +119,18 @@ def test_split_stop_during_a_rollout_checkpoints_both_pools_then_resumes(tmp_pat
     assert loop["iteration"] == last and loop["pool"] is not None
     # nothing the abandoned stage started is in the checkpoint's pool
     assert all(e["key"][0] <= last for e in loop["pool"]["entries"]), loop["pool"]["entries"]
-    rows = _audit(audit)
-    _check_exactly_once(rows, last + 1)
-    _check_handoffs(rows)
+    rows = read_audit(audit)
+    check_exactly_once(rows, last + 1)
+    check_handoffs(rows)
 
     release.write_text("")
     (out / "stop").unlink()
     audit2 = tmp_path / "audit2"
-    hist = run_distributed(_train, 4, TrainConfig.from_dict(cfg), str(audit2), timeout=500)[0]
+    hist = run_distributed(train_audited, 4, TrainConfig.from_dict(cfg), str(audit2),
+                           timeout=500)[0]
     assert [h["iteration"] for h in hist] == list(range(5))
-    rows2 = _audit(audit2)
-    _check_exactly_once(rows2, 5, first=last + 1)
+    rows2 = read_audit(audit2)
+    check_exactly_once(rows2, 5, first=last + 1)
     before = {d for r in rows if r["side"] == "train" and "digests" in r for d in r["digests"]}
     after = {d for r in rows2 if r["side"] == "train" and "digests" in r for d in r["digests"]}
     assert not before & after
@@ -216,12 +157,9 @@ def _train_moving(cfg, audit, move_at):
     """The trainer with auto's decision at meeting ``move_at`` forced to the other split of
     the selector's (the plan itself is tests/unit/test_split_plan.py's): the move's mechanism
     on any machine, whatever the rates it measures."""
-    import os
-
     from earl_megatron.plan.split import plan_split
     from earl_megatron.trainer.split_loop import SplitTrainer
 
-    os.environ["EARL_SPLIT_AUDIT"] = audit
     decide = SplitTrainer._replan
     calls = []
 
@@ -235,8 +173,7 @@ def _train_moving(cfg, audit, move_at):
         return plan
 
     SplitTrainer._replan = replan
-    from earl_megatron.train import run
-    return run(cfg)
+    return train_audited(cfg, audit)
 
 
 def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_path):
@@ -252,22 +189,9 @@ def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_
     assert all(h["layouts"]["train"] and h["layouts"]["rollout"] for h in hist)
     loop = json.loads((out / "checkpoints" / "iter_000000" / "loop.json").read_text())
     assert loop["iteration"] == 0   # the move's checkpoint (checkpoint_every=0)
-    rows = _audit(audit)
+    rows = read_audit(audit)
     # exactly once across the move: the batch of the abandoned stage 1 was never sent
-    sent = {}
-    for r in rows:
-        if r["side"] == "sent":
-            sent.setdefault(r["it"], []).extend(r["digests"])
-    trained = {}
-    for r in rows:
-        if r["side"] == "train" and "digests" in r:
-            trained.setdefault(r["it"], []).extend(r["digests"])
-    assert sorted(sent) == sorted(trained) == list(range(5))
-    for it in sent:
-        assert Counter(sent[it]) == Counter(trained[it]), it
-        assert len(sent[it]) == 8
-    keys = Counter(tuple(k) for r in rows if r["side"] == "sent" for k in r["keys"])
-    assert max(keys.values()) == 1
-    _check_handoffs(rows)
+    check_exactly_once(rows, 5, per_batch=8)
+    check_handoffs(rows)
     for h in hist:
         assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0
