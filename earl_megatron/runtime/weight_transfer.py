@@ -10,9 +10,13 @@
 Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
 then the bucket's transfers as one round of batched isend/irecv (runtime/transport.py, as the
 switcher runs its rounds) on the world group, or on ``group=`` where the caller passes one
-(split placement's handoff runs on a group of its own, whose timeout bounds it). A rank that
-neither sends nor receives in a bucket posts nothing for it: only the plan's senders and
-destinations touch weights.
+(split placement's handoff runs on a group of its own, whose timeout bounds it). Within a
+bucket, the transfers between two ranks of one dtype travel as one message (``_per_peer``: the
+plan's order on both sides, packed by the sender, unpacked by the receiver): a plan of many
+small tensors costs a message per peer, not one per tensor (the tiny model's handoff from a dp2
+train pool to a dp1 rollout rank: 2 messages instead of 27). A rank that neither
+sends nor receives in a bucket posts nothing for it: only the plan's senders and destinations
+touch weights.
 Tensors stay on the model's device: on GPUs they travel over NCCL and a pusher's buckets are
 already on the device its server's NCCL weight group broadcasts from; on CPU the same code runs
 over gloo.
@@ -27,8 +31,9 @@ and the ranks it was receiving from and sending to) and torch's own error. Never
 memory transport (runtime/shm.py, whose fences are world barriers): isend/irecv only.
 
 Memory per rank: a pusher holds one bucket of full tensors (at most ``bucket_bytes``, or one
-tensor larger than that) while its caller converts and pushes it; a sender stages at most one
-bucket of packed non-contiguous shards.
+tensor larger than that) while its caller converts and pushes it; a sender stages the packed
+messages of one bucket at a time (the rows it sends in it, once per receiving peer), a receiver
+their landing buffers.
 """
 
 from __future__ import annotations
@@ -154,14 +159,13 @@ def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
         for t in bucket.local_copies:
             if t.dst == me:
                 into(t).copy_(src[t.src_local].narrow(t.dim, t.src_offset, t.rows))
-        mine = [Message(t.src, t.dst, t.elements * dtypes[t.name].itemsize, t)
-                for t in bucket.transfers if me in (t.src, t.dst)]
+        mine = _per_peer([t for t in bucket.transfers if me in (t.src, t.dst)], dtypes)
         if mine:
             try:
                 run_rounds([mine], me,
-                           lambda m: [src[m.key.src_local].narrow(m.key.dim, m.key.src_offset,
-                                                                  m.key.rows)],
-                           lambda m: [into(m.key)], None, traffic, group=group)
+                           lambda m: [src[t.src_local].narrow(t.dim, t.src_offset, t.rows)
+                                      for t in m.key],
+                           lambda m: [into(t) for t in m.key], None, traffic, group=group)
             except RuntimeError as e:
                 peers_in = sorted({m.src for m in mine if m.dst == me})
                 peers_out = sorted({m.dst for m in mine if m.src == me})
@@ -169,6 +173,16 @@ def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
                                       f"{peers_in}, sending to ranks {peers_out})", e) from e
         yield i, n, (full if full_here else None)
         del full
+
+
+def _per_peer(transfers: list, dtypes: dict[str, torch.dtype]) -> list[Message]:
+    """One message per (sender, receiver, dtype) of a bucket's ``transfers``, its key the
+    transfers in the plan's order (the same on both sides: both read the same plan)."""
+    groups: dict[tuple, list] = {}
+    for t in transfers:
+        groups.setdefault((t.src, t.dst, dtypes[t.name]), []).append(t)
+    return [Message(src, dst, sum(t.elements for t in ts) * dtype.itemsize, tuple(ts))
+            for (src, dst, dtype), ts in groups.items()]
 
 
 def _dtypes(plan: WeightPlan, me: int, src: dict[str, torch.Tensor],

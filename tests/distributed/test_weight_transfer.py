@@ -116,3 +116,24 @@ def test_a_model_in_another_layout_receives_its_shards_bit_exact(results):
     # something crossed ranks in every handoff (each layout pair regroups the shards)
     for k, case in enumerate(HANDOFFS):
         assert sum(res["handoff"][k][3] for res in results) > 0, case
+
+
+def test_a_bucket_moves_one_message_per_peer_and_dtype():
+    """``_per_peer`` without a world: a bucket's transfers between two ranks of one dtype are
+    one message, in the plan's order (both sides read the same plan), of their summed bytes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from earl_megatron.runtime.weight_transfer import _per_peer
+
+    def t(name, src, dst, elements):
+        return SimpleNamespace(name=name, src=src, dst=dst, elements=elements)
+
+    plan = [t("a", 0, 2, 10), t("norm", 0, 2, 4), t("b", 1, 2, 6), t("c", 0, 2, 3),
+            t("d", 0, 3, 5)]
+    dtypes = {"a": torch.bfloat16, "b": torch.bfloat16, "c": torch.bfloat16,
+              "d": torch.bfloat16, "norm": torch.float32}
+    got = {(m.src, m.dst, m.nbytes): [x.name for x in m.key] for m in _per_peer(plan, dtypes)}
+    assert got == {(0, 2, 26): ["a", "c"], (0, 2, 16): ["norm"], (1, 2, 12): ["b"],
+                   (0, 3, 10): ["d"]}
