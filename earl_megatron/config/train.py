@@ -470,9 +470,10 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
     if a.max_staleness < 1:
         return ("the rollout pool plays the next batch while the train pool trains this one, "
                 "one version behind: set algorithm.max_staleness >= 1")
-    if r.engine != "embedded":
-        return (f"rollout.engine={r.engine!r}: the rollout pool runs the embedded engine "
-                "(SGLang servers on it are not built yet)")
+    if r.engine == "sglang" and r.placement == "auto":
+        return ("rollout.engine=sglang: auto placement does not move SGLang servers between "
+                "pools yet (a move would restart them on other ranks); use rollout.placement="
+                "split with rollout.pool_ranks")
     if r.placement == "split" and lay.mode != "static":
         return ("layout.mode=auto: a fixed split's pools take static layouts; set layout.mode="
                 "static with layout.train (the train pool's) and layout.rollout (the rollout "

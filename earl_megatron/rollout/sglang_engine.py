@@ -191,6 +191,18 @@ class SGLangEngine(WeightUpdateGroup):
             if not result.get("success", False):
                 raise SGLangRequestError(f"update_weights_from_disk failed: {result}")
 
+    def weights_by_name(self, name: str, rows: int) -> list:
+        """The first ``rows`` rows of HF tensor ``name`` as server 0 holds it (float32 values,
+        SGLang's /get_weights_by_name: slow, for audits and tests), to compare with what was
+        pushed."""
+        self._check_open()
+        got = self._post_all("/get_weights_by_name",
+                             [(self._servers[0], {"name": name, "truncate_size": rows})])[0]
+        if got is None or (isinstance(got, dict) and "parameter" not in got and
+                           got.get("object") == "error"):
+            raise SGLangRequestError(f"/get_weights_by_name {name!r} failed: {got}")
+        return got["parameter"] if isinstance(got, dict) and "parameter" in got else got
+
     def flush_cache(self) -> None:
         """Empty every server's radix cache (benchmarks: a repeated prompt is otherwise served
         from the cache)."""

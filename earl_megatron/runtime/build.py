@@ -41,6 +41,28 @@ class ModelOnLayout:
 
 
 @dataclass(frozen=True)
+class PoolSeat:
+    """A rank's place in a pool that holds no model (split placement's rollout pool on SGLang
+    servers, which hold the weights): the pool's layout and this rank's coordinates in it,
+    what the episode pool and the rollout need of a ``ModelOnLayout`` there."""
+
+    cfg: ModelConfig
+    layout: ParallelLayout
+    coords: Coords
+
+
+def seat_on_layout(cfg: ModelConfig, layout: ParallelLayout, *, seed: int = 1234,
+                   pools: Optional[tuple[ParallelLayout, ...]] = None) -> PoolSeat:
+    """Make this rank's pool's groups current (``build_on_layout``'s regrouping, every rank
+    passing the same ``pools``) and return its seat in ``layout``, building no model."""
+    pool = groups.build_pool_groups(pools or (layout,), cfg, seed=seed)
+    if pool.layout != layout:
+        raise ValueError(f"rank {dist.get_rank()} is in pool {pool.index} ({pool.layout}), "
+                         f"not in a {layout} pool; pass its pool's layout")
+    return PoolSeat(cfg, layout, layout.coords(groups.pool_rank()))
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     lr: float = 1e-4
     weight_decay: float = 0.0

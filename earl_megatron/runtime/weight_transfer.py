@@ -6,6 +6,8 @@
         same ranks, another layout) receive their shards of ``policy``'s weights
     hand_off(model, train, rollout)                  every rank: split placement's train pool
         sends the rollout pool (other ranks, another layout) its shards
+    hand_off_full(cfg, train, pushers, params)       every rank: split placement's train pool
+        assembles full buckets at the rollout pool's pushers (SGLang replica leaders)
 
 Per bucket, on every rank, in the same order: local copies (rows a destination holds itself),
 then the bucket's transfers as one round of batched isend/irecv (runtime/transport.py, as the
@@ -114,17 +116,37 @@ def hand_off(model: ModelOnLayout, train: ParallelLayout, rollout: ParallelLayou
         pass
 
 
+def hand_off_full(cfg, train: ParallelLayout, pushers, params: Optional[dict] = None, *,
+                  bucket_bytes: int = 512 << 20, traffic: Optional[Traffic] = None,
+                  group=None, device: Optional[torch.device] = None,
+                  devices_per_node: Optional[int] = None
+                  ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
+    """Split placement with SGLang servers on the rollout pool: the train pool (ranks 0 ..
+    n_t - 1, ``train``) assembles each bucket of the full weights of model ``cfg`` at every
+    rank of ``pushers`` (the servers' replica leaders, rollout-pool ranks), which hold no
+    model: (index, count, bucket) as ``full_weights_at``. Collective over the world (or
+    ``group``, which holds every rank): the train pool passes its ``params`` (``plan_params``
+    of its model), the rollout pool None; ``device``: where a pusher's buckets land (its
+    server's device; default the CPU)."""
+    plan = cached_plan(cfg, train, tuple(FullAt(r) for r in pushers), bucket_bytes,
+                       dist.get_world_size(), devices_per_node)
+    yield from run_weight_plan(plan, params or {}, traffic=traffic, group=group, device=device)
+
+
 @torch.no_grad()
 def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
                     dst: Optional[dict[str, torch.Tensor]] = None,
-                    traffic: Optional[Traffic] = None, group=None
+                    traffic: Optional[Traffic] = None, group=None,
+                    device: Optional[torch.device] = None
                     ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
     """Run ``plan`` from this rank's source parameters ``src`` ({plan local name: tensor}) into
     ``dst`` (this rank's parameters under a ``ShardsIn`` destination, by plan local name), and
     yield (index, count, full tensors of the bucket at a ``FullAt`` rank, else None) per
     bucket. Collective over the world, or over ``group`` (every collective and point-to-point
     op; the plan's ranks stay global ranks, torch maps them into the group), which must hold
-    every rank that calls (module docstring). A failed op raises ``WeightPlanError``."""
+    every rank that calls (module docstring). ``device``: where tensors land on a rank with no
+    source parameters (default: the sources' device, else the CPU). A failed op raises
+    ``WeightPlanError``."""
     me = dist.get_rank()
     traffic = traffic if traffic is not None else Traffic()
     full_here = me in plan.full_ranks
@@ -132,7 +154,8 @@ def run_weight_plan(plan: WeightPlan, src: dict[str, torch.Tensor], *,
                            for d in plan.destinations):
         raise ValueError(f"rank {me} is a ShardsIn destination of the plan; pass its "
                          "parameters as dst=")
-    device = next(iter(src.values())).device if src else torch.device("cpu")
+    if device is None:
+        device = next(iter(src.values())).device if src else torch.device("cpu")
     try:
         dtypes = _dtypes(plan, me, src, device, group)
     except RuntimeError as e:

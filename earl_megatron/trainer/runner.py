@@ -104,23 +104,8 @@ class Trainer:
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
                                        use_distributed_optimizer=a.use_distributed_optimizer)
-        in_flight = (a.max_staleness + 1) * r.episodes_per_iteration
-        # one memory fraction: the servers start with it and the selector plans with it
-        frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
-            if r.engine == "sglang" else None
         self.planner = self.make_planner(self.planned_world())
-        context = r.max_context_tokens or cfg.model.max_position_embeddings
-        self.rollout = make_rollout(r.engine, EpisodeSpec(
-            env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
-            max_context_tokens=context,
-            max_action_tokens=r.max_action_tokens, top_p=r.top_p,
-            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens,
-            agent=agent_spec(cfg), env_concurrency=r.env_concurrency), tokenizer,
-            model=cfg.model,
-            python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
-            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster,
-            kv_tokens=sglang_kv_tokens(r.sglang_device, max(in_flight, cfg.run.eval_episodes),
-                                       context))
+        self.rollout = self.make_rollout(r.engine)
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
@@ -151,11 +136,34 @@ class Trainer:
         """Ranks the stage planner lays out: the world (split placement: the train pool)."""
         return self.world
 
-    def make_planner(self, world: int) -> StagePlanner:
-        """The stage planner of ``world`` ranks for this run's model, layouts and batch."""
+    def make_rollout(self, engine: str, **pool):
+        """The rollout of ``engine`` for this run (trainer/rollout_engines.py); ``pool``: split
+        placement's rollout pool (``ranks``, ``ranks_group``: SGLang servers on those ranks)."""
+        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        in_flight = (a.max_staleness + 1) * r.episodes_per_iteration
+        # one memory fraction: the servers start with it and the selector plans with it
+        frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
+            if engine == "sglang" else None
+        context = r.max_context_tokens or cfg.model.max_position_embeddings
+        return make_rollout(engine, EpisodeSpec(
+            env=cfg.env.name, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
+            max_context_tokens=context,
+            max_action_tokens=r.max_action_tokens, top_p=r.top_p,
+            routing_replay=a.routing_replay, prefill_tokens=r.prefill_tokens,
+            agent=agent_spec(cfg), env_concurrency=r.env_concurrency), self.tok,
+            model=cfg.model,
+            python=r.sglang_python, device=r.sglang_device, out_dir=self.out,
+            mem_fraction=frac, bucket_mb=r.sglang_bucket_mb, cluster=cfg.cluster,
+            kv_tokens=sglang_kv_tokens(r.sglang_device, max(in_flight, cfg.run.eval_episodes),
+                                       context), **pool)
+
+    def make_planner(self, world: int, servers_here: bool = True) -> StagePlanner:
+        """The stage planner of ``world`` ranks for this run's model, layouts and batch;
+        ``servers_here``: SGLang's servers share these ranks' devices (False: split placement's
+        train pool, whose devices hold no server)."""
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
-            if r.engine == "sglang" else None
+            if r.engine == "sglang" and servers_here else None
         return StagePlanner(cfg.model, cfg.layout, cfg.cluster, world,
                             distributed_optimizer=a.use_distributed_optimizer,
                             episodes=r.episodes_per_iteration, batch=self.batch,

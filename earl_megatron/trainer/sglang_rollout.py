@@ -41,6 +41,12 @@ with ``--enable-memory-saver``; memory is resumed before a push or a rollout and
 the rollout, before LOGPROB/TRAIN. Not run in this project's CI (no GPU there).
 CPU (``sglang_device=cpu``): servers are separate processes with the kit's flags; weights travel
 over gloo.
+Split placement (trainer/split_loop.py, ``ranks=`` the rollout pool, ``ranks_group=`` its
+group): the servers run on the rollout pool's ranks only, every collective above on the pool's
+group; the pool holds no Megatron model, so weights never come by ``sync`` but by the train
+pool's handoff: ``receive`` keeps the buckets the weight plan assembled at each leader (HF
+names, host memory), ``push_received`` pushes them after the meeting under the next version.
+The servers own their devices there (no memory saver, no release between stages).
 MoE (Qwen3-MoE): the same push (per-expert HF names, gathered over the ep ranks of the train
 layout); each server splits its experts with ``--ep-size server_ep(...)`` (docs/sglang.md).
 """
@@ -85,13 +91,21 @@ def server_ep(model: ModelConfig, layout: ParallelLayout, device: str) -> int:
     return math.gcd(layout.ep, layout.tp)
 
 
+def replica_leaders(layout: ParallelLayout, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The global rank of each rollout replica's first rank, replica order: ``ranks`` are the
+    servers' ranks, rank ``ranks[i]`` being the layout's rank i."""
+    return tuple(ranks[min(i for i in range(layout.world_size) if layout.coords(i).dp == d)]
+                 for d in range(layout.dp))
+
+
 class SGLangRollout:
     """``Rollout`` over SGLang servers in the rollout layout (see the module docstring)."""
 
     def __init__(self, spec: EpisodeSpec, tokenizer, model: ModelConfig, *, python: str,
                  device: str, out_dir: Path, cluster: Optional[ClusterConfig] = None,
                  mem_fraction: Optional[float] = None, kv_tokens: Optional[int] = None,
-                 bucket_bytes: int = 512 << 20):
+                 bucket_bytes: int = 512 << 20, ranks: Optional[Sequence[int]] = None,
+                 ranks_group=None):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.sglang_device={device!r}: use cpu or cuda")
         self.mem_fraction = sglang_mem_fraction(mem_fraction, device)
@@ -101,7 +115,22 @@ class SGLangRollout:
         self.dir = Path(out_dir) / "sglang"
         self.cluster = cluster or ClusterConfig()  # the server_* / weight_sync timeouts
         self.bucket_bytes = bucket_bytes
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.pooled = ranks is not None
+        """Split placement: the servers run on a rollout pool, ``ranks`` (global ranks, in the
+        layout's order), whose collectives go on ``ranks_group``; their weights come from the
+        train pool's handoff (``receive``), never from ``sync``. Else every rank of the world
+        is a rollout rank, colocated with training."""
+        self.ranks = tuple(ranks) if self.pooled else tuple(range(dist.get_world_size()))
+        self.world = len(self.ranks)
+        self.ranks_group = ranks_group if self.pooled else None
+        if self.rank not in self.ranks:
+            raise ValueError(f"rank {self.rank} is not one of the servers' ranks {self.ranks}")
+        self.local = self.ranks.index(self.rank)
+        """This rank's place in the rollout layout."""
+        # colocated on a GPU: the servers give their memory back while the trainer trains; a
+        # rollout pool's GPUs are the servers' own
+        self.shares_device = device == "cuda" and not self.pooled
         self.layout: Optional[ParallelLayout] = None  # the servers' (tp, dp); None: none running
         self.engine = None          # this rank's server (replica leaders only)
         self.group = None           # weight-update group with that server (leaders only)
@@ -115,6 +144,10 @@ class SGLangRollout:
                             "push_buckets": 0, "push_bucket_max_bytes": 0}
         self.starts: list[tuple[int, float]] = []  # (tp, seconds) not yet taken by the planner
         self._fresh = True          # servers hold no pushed weights yet
+        self._incoming: list = []   # pooled: the last handoff's HF buckets (leaders), to push
+        self._incoming_count = 0
+        self._received_traffic = None
+        self._pushed = (0, 0, 0)    # the last push: bytes, largest bucket, buckets
         self._released = False
 
     # ------------------------------------------------------------------ Rollout
@@ -127,7 +160,7 @@ class SGLangRollout:
         # honoured at the next stage boundary instead of the next turn
         del should_stop
         self._serve(policy, evaluation)
-        me = self.layout.coords(self.rank)
+        me = self.layout.coords(self.local)
         block = list(split_evenly(len(seeds), self.layout.dp)[me.dp])
         episodes: list = [None]
         if self.engine is not None:
@@ -147,7 +180,7 @@ class SGLangRollout:
                     self.spec, self.engine, [seeds[i] for i in block], self.tok,
                     temperature=temperature, sample_seed=sample_seed, opponent=opponent,
                     version=version))
-            if self.device == "cuda":
+            if self.shares_device:
                 self.engine.release_memory()  # LOGPROB/TRAIN get the GPU back
                 self._released = True
         if self.replica_group is not None:
@@ -155,12 +188,18 @@ class SGLangRollout:
         ids, played = episodes[0]
         return list(ids), played
 
-    def play_pool(self, policy: ModelOnLayout, pool, iteration: int, *, sample_seed: int,
-                  should_stop: Optional[Callable[[], bool]] = None):
+    def play_pool(self, policy, pool, iteration: int, *, sample_seed: int,
+                  should_stop: Optional[Callable[[], bool]] = None,
+                  version: Optional[int] = None, time_decode: bool = False):
         """Asynchronous RL's stage (trainer/episode_pool.py): each replica's leader continues
         and starts its episodes through its server and broadcasts the outcome to the replica;
         the pool lives on the leaders. A stop request is honoured at the stage's end (as in
-        ``play``)."""
+        ``play``). ``policy``: the policy (colocated), or the rollout pool's ``PoolSeat``
+        (split placement: the servers hold the weights, version ``version``);
+        ``time_decode``: as ``EmbeddedRollout.play_pool`` (the seconds in the servers'
+        requests)."""
+        from earl_megatron.trainer.rollout import _TimedEngine
+
         del should_stop
         self._serve(policy, evaluation=False)
         out: list = [None]
@@ -168,22 +207,36 @@ class SGLangRollout:
             if self._released:
                 self.engine.resume_memory()
                 self._released = False
-            out[0] = pool.stage(policy, self.engine, iteration, sample_seed=sample_seed,
-                                leader=True)
-            if self.device == "cuda":
+            timed = _TimedEngine(self.engine)
+            out[0] = pool.stage(policy, timed if time_decode else self.engine, iteration,
+                                sample_seed=sample_seed, leader=True, version=version)
+            if time_decode:
+                out[0].metrics["rollout_decode_s"] = timed.seconds
+            if self.shares_device:
                 self.engine.release_memory()
                 self._released = True
         else:
             pool.follow(policy.layout)
+        if self.pooled:   # the record after this stage counts a server that died in it
+            self.stats["died"] = self._deaths()
         if self.replica_group is not None:
             dist.broadcast_object_list(out, group=self.replica_group, group_src=0)
         return out[0]
 
-    def _serve(self, policy: ModelOnLayout, evaluation: bool) -> None:
+    def _serve(self, policy, evaluation: bool) -> None:
         """Servers in the policy's rollout layout, holding its weights. Training rollouts put
         the servers in the planned layout; evaluations play on the servers as they stand, so
-        they never restart them."""
+        they never restart them. A rollout pool's servers (split placement) hold what the last
+        handoff brought (``receive``), which comes before any stage."""
         lay = policy.layout
+        if self.pooled:
+            if self.layout is None or self._fresh:
+                raise RuntimeError("SGLang servers of the rollout pool hold no weights yet: "
+                                   "the train pool's handoff (receive) comes first")
+            if (lay.tp, lay.dp) != (self.layout.tp, self.layout.dp):
+                raise RuntimeError(f"the rollout pool plays in {lay} on servers in "
+                                   f"{self.layout}: start them in it (ensure_servers) first")
+            return
         if self.layout is None or (not evaluation and (lay.tp, lay.dp) !=
                                    (self.layout.tp, self.layout.dp)):
             problem = rollout_layout_problem(lay, "sglang")
@@ -198,65 +251,130 @@ class SGLangRollout:
         """Push the policy's weights (any layout) into every server: the weight plan
         (runtime/weight_transfer.py) assembles each bucket of full tensors (at most
         ``bucket_bytes``) at the replica leaders only, which convert it to HF names and push it;
-        the other ranks send their shards and receive nothing. All ranks call it."""
+        the other ranks send their shards and receive nothing. All ranks call it (colocated;
+        a rollout pool's servers get their weights by ``receive``)."""
         from earl_megatron.runtime.transport import Traffic
         from earl_megatron.runtime.weight_transfer import full_weights_at
-        from earl_megatron.weights.hf_mapping import to_hf
 
+        if self.pooled:
+            raise RuntimeError("a rollout pool's servers get their weights by the handoff "
+                               "(receive, push_received), not sync")
         if self.layout is None:
             return  # no servers yet: the first play pushes before its first request
         t0 = time.perf_counter()
+        traffic = Traffic()
+        # ranks numbered node by node (torchrun): a leader's rows come from its node first
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        # never two copies of the model in the leader's host memory: each bucket is pushed as
+        # it lands; a restart meanwhile replays the buckets pushed so far, untagged (``_repush``)
+        self._push_all((i, n, None if bucket is None else self._to_hf(bucket))
+                       for i, n, bucket in full_weights_at(policy, self.leaders(),
+                                                           self.bucket_bytes, traffic,
+                                                           devices_per_node=per_node))
+        self._record_push(traffic, t0)
+
+    def receive(self, buckets, traffic) -> None:
+        """Split placement's handoff, on the rollout pool (every rank of the world iterates the
+        plan, runtime/weight_transfer.py ``hand_off_full``): each leader converts the buckets
+        of full weights it receives to HF names and keeps them in host memory; nothing reaches
+        the servers yet, so the handoff's time bound never counts a server (its restarts belong
+        to ``push_received``, after the meeting)."""
+        self._received_t0 = time.perf_counter()
+        self._incoming, self._received_traffic = [], traffic
+        for i, n, bucket in buckets:
+            if bucket is not None:
+                self._incoming.append(self._to_hf(bucket))
+            self._incoming_count = n
+
+    def push_received(self) -> None:
+        """The buckets the last handoff brought, into this rank's server (its leader), under the
+        next version; collective over the rollout pool. A server that dies or stalls meanwhile
+        is restarted and the push replayed, within the restart budget."""
+        if not self.pooled or self.layout is None:
+            raise RuntimeError("push_received: servers of a rollout pool that received a "
+                               "handoff (ensure_servers, receive) first")
+        t0 = time.perf_counter()
+        incoming, n = self._incoming, self._incoming_count
+        self._incoming = []
+        self._push_all((i, n, incoming[i] if self.engine is not None else None)
+                       for i in range(n))
+        self._record_push(self._received_traffic, t0)
+
+    def ensure_servers(self, layout: ParallelLayout) -> None:
+        """A rollout pool's servers in ``layout`` (started, or restarted in another (tp, dp));
+        collective over the pool."""
+        if not self.pooled:
+            raise RuntimeError("ensure_servers is for a rollout pool's servers")
+        if self.layout is None or (layout.tp, layout.dp) != (self.layout.tp, self.layout.dp):
+            problem = rollout_layout_problem(layout, "sglang")
+            if problem:
+                raise ValueError(f"SGLang rollout: {problem}")
+            self._start(ParallelLayout(tp=layout.tp, dp=layout.dp),
+                        server_ep(self.model_cfg, layout, self.device))
+
+    def _to_hf(self, bucket: dict) -> list:
+        """A bucket of full Megatron tensors as sorted (HF name, host tensor) pairs: kept in host
+        memory for a replay after a server restart (on cuda the bucket was assembled on the
+        device: it must not stay there)."""
+        from earl_megatron.weights.hf_mapping import to_hf
+
+        return [(name, t.cpu()) for name, t in
+                sorted(to_hf(self.model_cfg, bucket, partial=True).items())]
+
+    def _push_all(self, buckets) -> None:
+        """(index, count, HF bucket or None) in order: the leaders push each bucket, the last
+        one tagged with the next version; ``last_push`` holds what was pushed."""
         self.version += 1
         if self.engine is not None and self._released:
             self.engine.resume_memory()
             self._released = False
-        # never two copies of the model in the leader's host memory; a restart meanwhile
-        # replays the buckets pushed so far, untagged (``_repush``)
         self.last_push, self._push_complete = [], False
-        total, largest, count = 0, 0, 0
-        traffic = Traffic()
-        # ranks numbered node by node (torchrun): a leader's rows come from its node first
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        for i, n, bucket in full_weights_at(policy, self.leaders(), self.bucket_bytes, traffic,
-                                            devices_per_node=per_node):
-            count = n
-            if bucket is None:
+        self._pushed = (0, 0, 0)   # bytes, largest bucket, buckets
+        for i, n, hf in buckets:
+            self._pushed = (self._pushed[0], self._pushed[1], n)
+            if hf is None:
                 continue   # not a leader: this rank only sent its shards
-            hf = sorted(to_hf(self.model_cfg, bucket, partial=True).items())
-            del bucket
             size = sum(t.numel() * t.element_size() for _, t in hf)
-            total, largest = total + size, max(largest, size)
-            # kept in host memory for a replay after a server restart (on cuda the bucket was
-            # assembled on the device: it must not stay there)
-            self.last_push.append([(name, t.cpu()) for name, t in hf])
+            self._pushed = (self._pushed[0] + size, max(self._pushed[1], size), n)
+            self.last_push.append(hf)
             self._push_complete = i == n - 1
             self._guarded(lambda: self._push(hf, last=i == n - 1),
                           f"weight push (bucket {i + 1} of {n})")
             del hf
         self._push_complete = True
         self._fresh = False
+
+    def _record_push(self, traffic, t0: float) -> None:
+        """The push's metrics, the same on every rank of the servers' ranks."""
         leader = self.engine is not None
+        total, largest, count = self._pushed
+        g = self.ranks_group
         # [bytes in at a rank that does not push, at a leader, seconds]: the largest over ranks,
         # and the servers restarted after dying, summed over leaders: the same on every rank
         worst = torch.tensor([0.0 if leader else traffic.bytes_received,
                               traffic.bytes_received if leader else 0.0,
                               time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        died = torch.tensor([sum(self.engine.restarts) if leader else 0])
-        dist.all_reduce(died)  # servers restarted after dying, on every leader, this layout
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=g)
+        died = self._deaths()
         all_bytes = torch.tensor([total, largest], dtype=torch.int64)
-        dist.all_reduce(all_bytes, op=dist.ReduceOp.MAX)  # the leaders' view, on every rank
+        dist.all_reduce(all_bytes, op=dist.ReduceOp.MAX, group=g)  # the leaders' view
         self.stats.update(push_bytes=int(all_bytes[0]), push_buckets=count,
                           push_bucket_max_bytes=int(all_bytes[1]),
-                          push_s=time.perf_counter() - t0, died=int(died),
+                          push_s=time.perf_counter() - t0, died=died,
                           bytes_in_max=int(worst[0]), bytes_in_leader=int(worst[1]),
                           sync_s=float(worst[2]))
 
-    def leaders(self) -> tuple[int, ...]:
-        """The ranks that push (the first rank of every replica of the servers' layout)."""
-        lay = self.layout
-        return tuple(min(r for r in range(self.world) if lay.coords(r).dp == d)
-                     for d in range(lay.dp))
+    def _deaths(self) -> int:
+        """Servers restarted after dying, summed over the leaders of the servers' layout: the
+        same on every rank of the servers' ranks (a collective over them)."""
+        died = torch.tensor([sum(self.engine.restarts) if self.engine is not None else 0])
+        dist.all_reduce(died, group=self.ranks_group)
+        return int(died)
+
+    def leaders(self, layout: Optional[ParallelLayout] = None) -> tuple[int, ...]:
+        """The global ranks that push (the first rank of every replica of the servers' layout,
+        or of ``layout``)."""
+        return replica_leaders(layout or self.layout, self.ranks)
 
     def metrics(self) -> dict:
         """What the iteration's metrics line records about the servers (same on every rank)."""
@@ -286,30 +404,34 @@ class SGLangRollout:
     # ------------------------------------------------------------------ servers
     def _start(self, layout: ParallelLayout, ep_size: int = 1) -> None:
         """(Re)start the servers in ``layout`` (each with ``--ep-size ep_size`` when > 1);
-        collective over the world."""
+        collective over the servers' ranks (the world, or the rollout pool)."""
         from earl_megatron.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
         t0 = time.perf_counter()
         restart = self.layout is not None
         self._stop()
-        replicas = [[r for r in range(self.world) if layout.coords(r).dp == d]
+        replicas = [[self.ranks[i] for i in range(self.world) if layout.coords(i).dp == d]
                     for d in range(layout.dp)]
         self.replica_group = None
         if len(replicas[0]) > 1:
             # the replica's other ranks wait here for the leader's whole rollout, restarts
             # included: the world's timeout, which the config orders after those
             timeout = timedelta(seconds=self.cluster.collective_timeout_s)
-            for ranks in replicas:  # every rank creates every group, in the same order
-                g = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            for ranks in replicas:
+                if self.pooled and self.rank not in ranks:
+                    continue   # a pool's replica groups are made by their members only
+                # colocated, every rank creates every group, in the same order
+                g = dist.new_group(ranks, backend="gloo", timeout=timeout,
+                                   use_local_synchronization=self.pooled)
                 if self.rank in ranks:
                     self.replica_group = g
         self.layout = layout
-        me = layout.coords(self.rank)
+        me = layout.coords(self.local)
         endpoint = None
         if self.rank == replicas[me.dp][0]:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             # replicas whose servers share this node (CPU: its cores; SGLangConfig.host_servers)
-            node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            node_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.world)
             c = self.cluster
             cfg = SGLangConfig(python=self.python, model_path=str(self._model_config_dir()),
                                tp_size=layout.tp, ep_size=ep_size, device=self.device,
@@ -317,7 +439,7 @@ class SGLangRollout:
                                host_servers=max(1, layout.dp * node_ranks // self.world),
                                mem_fraction_static=self.mem_fraction,
                                max_total_tokens=self.kv_tokens,
-                               enable_memory_saver=self.device == "cuda",
+                               enable_memory_saver=self.shares_device,
                                load_format="dummy", startup_timeout_s=c.server_start_timeout_s,
                                request_timeout_s=c.server_request_timeout_s,
                                max_restarts=c.server_max_restarts,
@@ -326,7 +448,7 @@ class SGLangRollout:
             self._guarded(self._join_group, "weight-update group setup")
             endpoint = f"{cfg.host}:{self.engine._servers[0].port} tp{layout.tp} (rank {self.rank})"
         found: list = [None] * self.world
-        dist.all_gather_object(found, endpoint)
+        dist.all_gather_object(found, endpoint, group=self.ranks_group)
         self.endpoints = [e for e in found if e is not None]
         self._fresh = True
         if restart:
@@ -334,7 +456,7 @@ class SGLangRollout:
         # the slowest rank's seconds: every rank records the same value, so every rank's
         # selector prices the next restart alike (plans must agree across ranks)
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=self.ranks_group)
         self.stats["restart_s"] = float(took)
         self.starts.append((layout.tp, float(took)))
 

@@ -52,7 +52,14 @@ rewinds the stage just played, checkpoints iteration j-1 and has every rank rebu
 the new pools from that checkpoint (dist_checkpointing reshards the train state); the loop goes
 on from stage j. tests/distributed/test_split_trainer.py forces one and checks exactly once.
 
-Not here yet (docs/async.md): SGLang servers on the rollout pool, the KL reference, the train
+``rollout.engine=sglang``: the rollout pool holds no model (``PoolSeat``); each of its replicas
+leads one SGLang server (trainer/sglang_rollout.py with ``ranks=`` the pool). Step 4 then
+assembles full buckets at the leaders from the train pool's shards (``hand_off_full``), which
+push them into their servers after the meeting, outside the handoff's bound: a server's death
+or restart is the rollout pool's time, within the engine's restart budget.
+tests/sglang/test_split_sglang.py.
+
+Not here yet (docs/async.md): auto placement with SGLang servers, the KL reference, the train
 pool's own LOGPROB / TRAIN layouts, moves in memory rather than through a checkpoint.
 """
 
@@ -77,19 +84,21 @@ from earl_megatron.plan.split import (MeasuredRates, SplitDoesNotFitError, Split
                                       plan_split)
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
-from earl_megatron.runtime.build import ModelOnLayout, build_on_layout
+from earl_megatron.runtime.build import ModelOnLayout, build_on_layout, seat_on_layout
 from earl_megatron.runtime.checkpoint import base_hf_config, load_checkpoint, save_checkpoint
 from earl_megatron.runtime.checkpoint_files import find_checkpoint
 from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
     transfer_episodes
 from earl_megatron.runtime.fault_points import fault_point
 from earl_megatron.runtime.transport import Traffic
-from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off
+from earl_megatron.runtime.switcher import plan_params
+from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off, hand_off_full
 from earl_megatron.seeds import rollout_sample_seed
 from earl_megatron.trainer import segments
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer
 from earl_megatron.trainer.runner import Trainer
+from earl_megatron.trainer.sglang_rollout import replica_leaders
 
 AUDIT_ENV = "EARL_SPLIT_AUDIT"
 """A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there
@@ -119,7 +128,7 @@ def split_pools(cfg: TrainConfig, world: int) -> tuple[ParallelLayout, ParallelL
 
     train = parse("train", cfg.layout.train, n_t)
     rollout = parse("rollout", cfg.layout.rollout, n_r)
-    problem = rollout_layout_problem(rollout, "embedded")
+    problem = rollout_layout_problem(rollout, cfg.rollout.engine)
     if problem:
         raise ConfigError(f"layout.rollout={rollout}: {problem}")
     if train.cp > 1:
@@ -139,6 +148,9 @@ class SplitTrainer(Trainer):
 
     def __init__(self, cfg: TrainConfig, tokenizer):
         self.auto = cfg.rollout.placement == "auto"
+        self.sglang = cfg.rollout.engine == "sglang"
+        """The rollout pool runs SGLang servers (each replica's first rank leads one) and
+        holds no model; the train pool evaluates with the embedded engine."""
         self.pools: Optional[tuple[ParallelLayout, ParallelLayout]] = \
             None if self.auto else split_pools(cfg, dist.get_world_size())
         super().__init__(cfg, tokenizer)
@@ -169,6 +181,11 @@ class SplitTrainer(Trainer):
     def planned_world(self) -> int:
         return self.world if self.pools is None else self.pools[0].world_size
 
+    def make_planner(self, world: int, servers_here: bool = False):
+        """The train pool's planner (auto: the world's): no SGLang server shares its devices."""
+        del servers_here
+        return super().make_planner(world, servers_here=False)
+
     # ------------------------------------------------------------------ the pools
     def _use(self, plan: SplitPlan) -> None:
         """Take ``plan``'s pools (auto): this rank's side and its pool's stage planner."""
@@ -177,7 +194,7 @@ class SplitTrainer(Trainer):
             raise ConfigError(f"the split's train layout {train} has cp > 1, which the train "
                               "pool does not run yet (it holds each replica's episodes whole); "
                               "set layout.max_cp=1")
-        problem = rollout_layout_problem(rollout, "embedded")
+        problem = rollout_layout_problem(rollout, self.cfg.rollout.engine)
         if problem:
             raise ConfigError(f"the split's rollout layout {rollout}: {problem}")
         self.split_plan, self.pools = plan, (train, rollout)
@@ -257,6 +274,11 @@ class SplitTrainer(Trainer):
             from earl_megatron.weights.convert import load_policy
             model = load_policy(cfg.run.init, lay, ddp=True, optimizer=spec,
                                 seed=cfg.run.seed, pools=self.pools)
+        elif self.sglang and not self.train_side:   # the servers hold the weights
+            model = seat_on_layout(cfg.model, lay, seed=cfg.run.seed, pools=self.pools)
+            if cfg.run.init and found is None:
+                from earl_megatron.weights.convert import join_policy_load
+                join_policy_load(cfg.run.init)
         else:   # the rollout pool's weights come from the train pool at the first handoff
             model = build_on_layout(cfg.model, lay, ddp=self.train_side, optimizer=spec,
                                     seed=cfg.run.seed, pools=self.pools,
@@ -266,6 +288,8 @@ class SplitTrainer(Trainer):
                 join_policy_load(cfg.run.init)
         self.model = model
         self.models = ModelPair(model, None) if self.train_side else None
+        if self.sglang:
+            self._sglang_side()
         if found is None:
             return 0, None, []
         state = found.state
@@ -279,6 +303,19 @@ class SplitTrainer(Trainer):
         notes = [m for m in (found.message(),) if m is not None]
         return state["iteration"] + 1, state.get("pool"), notes + [
             f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
+
+    def _sglang_side(self) -> None:
+        """engine=sglang: this rank's rollout, for its side of the current pools. The rollout
+        pool's ranks drive the servers (started at the first handoff, on the pool's group); the
+        train pool evaluates with the embedded engine, its devices holding no server."""
+        if self.rollout is not None:
+            self.rollout.close()   # a rank's servers of earlier pools stop
+        if self.train_side:
+            self.rollout = self.make_rollout("embedded")
+        else:
+            self.rollout = self.make_rollout("sglang",
+                                             ranks=range(self.pools[0].world_size, self.world),
+                                             ranks_group=groups.pool_group())
 
     def _run_split(self, start: int) -> None:
         j: Optional[int] = start
@@ -317,6 +354,8 @@ class SplitTrainer(Trainer):
                 except RolloutAbandoned:
                     abandoned = True
                 seconds = time.perf_counter() - t0
+                if self.sglang and out is not None:
+                    out.metrics.update(self.rollout.metrics())  # the servers, their pushes
                 self._audit_stage("rollout", j, t0, out)
             met = self._meet(j, start, out, abandoned, seconds)
             if met is None:
@@ -434,11 +473,29 @@ class SplitTrainer(Trainer):
         ``HandoffFailed`` when it times out or fails here (module docstring)."""
         t, r = self.pools
         traffic = Traffic()
+        if self.sglang and not self.train_side:
+            self.rollout.ensure_servers(r)   # started (the first handoff) before the barrier
         dist.barrier()   # the handoff's timeout counts the handoff, not a peer's way to it
         t0 = time.perf_counter()
         try:
             fault_point("split.handoff", it=j, rank=self.rank)
-            hand_off(self.model, t, r, traffic=traffic, group=self.handoff_group)
+            if self.sglang:
+                # full buckets at the servers' leaders, kept there: the servers get them after
+                # the meeting (``push_received``), so the handoff's bound never counts a
+                # server, and a server's restart is the rollout pool's alone
+                buckets = hand_off_full(
+                    self.cfg.model, t, replica_leaders(r, range(t.world_size, self.world)),
+                    plan_params(self.model)[1] if self.train_side else None,
+                    bucket_bytes=int(self.cfg.rollout.sglang_bucket_mb * 2**20),
+                    traffic=traffic, group=self.handoff_group,
+                    device=None if self.train_side else groups.device())
+                if self.train_side:
+                    for _ in buckets:
+                        pass
+                else:
+                    self.rollout.receive(buckets, traffic)
+            else:
+                hand_off(self.model, t, r, traffic=traffic, group=self.handoff_group)
             got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
             try:
                 dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.handoff_group)
@@ -447,6 +504,8 @@ class SplitTrainer(Trainer):
         except WeightPlanError as e:
             raise HandoffFailed(self._handoff_failure(j, e, time.perf_counter() - t0)) from e
         seconds = time.perf_counter() - t0
+        if self.sglang and not self.train_side:
+            self.rollout.push_received()     # into the servers: the rollout pool's own time
         if self.audit is not None:
             self._audit_weights(j)
         return seconds, int(got.item())
@@ -564,19 +623,36 @@ class SplitTrainer(Trainer):
                            "dropped": out.metrics.get("pool_dropped", 0)})
 
     def _audit_weights(self, j: int) -> None:
-        """Each pool's full weights, gathered inside the pool, hashed by its first rank."""
+        """Each pool's full weights, gathered inside the pool, hashed by its first rank. With
+        SGLang the train pool hashes them under HF names and each server's leader hashes what
+        its server holds, read back by name (/get_weights_by_name), as float32."""
         from earl_megatron.weights.gather import gather_full
+        from earl_megatron.weights.hf_mapping import to_hf
 
+        if self.sglang and not self.train_side:
+            engine = self.rollout.engine
+            if engine is not None:
+                held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
+                                           dtype=torch.float32)
+                        for bucket in self.rollout.last_push for name, t in bucket}
+                self._audit_write({"side": "weights", "it": j, "pool": "rollout",
+                                   "sha256": _weights_digest(held), "names": len(held)})
+            return
         full = gather_full(self.model.model, self.model.cfg, self.model.layout)
         if groups.pool_rank() == 0:
-            h = hashlib.sha256()
-            for name in sorted(full):
-                h.update(name.encode())
-                h.update(full[name].detach().cpu().contiguous().view(torch.uint8).numpy()
-                         .tobytes())
+            if self.sglang:
+                full = {name: t.float() for name, t in to_hf(self.cfg.model, full).items()}
             self._audit_write({"side": "weights", "it": j,
                                "pool": "train" if self.train_side else "rollout",
-                               "sha256": h.hexdigest()})
+                               "sha256": _weights_digest(full), "names": len(full)})
+
+
+def _weights_digest(named: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(named):
+        h.update(name.encode())
+        h.update(named[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _ranks(first: int, end: int) -> str:

@@ -29,13 +29,10 @@ Checked:
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import threading
-from pathlib import Path
 
 import pytest
+from strikes import kill, stall, striking
 
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.runtime import fault_points
@@ -47,42 +44,6 @@ pytestmark = pytest.mark.timeout(2400)  # server starts take minutes on 2 busy c
 def _train(cfg):
     from earl_megatron.train import run
     return run(cfg)
-
-
-def _kill(pid: int) -> None:
-    os.killpg(pid, signal.SIGKILL)  # the process group this run started
-
-
-def _stall(pid: int) -> None:
-    """Freeze every process of the server's group but its leader (the HTTP front end): the
-    port still accepts requests, nothing answers them."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != pid:
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[2]) == pid:  # field 5: the pgid
-                os.kill(int(entry), signal.SIGSTOP)
-
-
-def _strike(points: Path, plan: list, done: threading.Event, struck: list, errors: list):
-    """Arm each point of ``plan`` in turn; strike when it is reached. The next point is armed
-    before the paused process is released, so the order never depends on timing."""
-    try:
-        name, match, _ = plan[0]
-        ident = fault_points.arm(points, name, **match)
-        for k, (name, match, action) in enumerate(plan):
-            hit = fault_points.wait_hit(points, name, ident, timeout_s=2000,
-                                        alive=lambda: not done.is_set())
-            action(int(hit["pid"]))
-            struck.append((name, action.__name__, int(hit["pid"])))
-            this = ident
-            if k + 1 < len(plan):
-                ident = fault_points.arm(points, plan[k + 1][0], **plan[k + 1][1])
-            fault_points.release(points, name, this)
-    except BaseException as e:  # noqa: BLE001 - reported by the test
-        errors.append(e)
 
 
 def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang_python,
@@ -97,11 +58,11 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     points.mkdir()
     monkeypatch.setenv(fault_points.ENV, str(points))  # the ranks inherit it
     log_dir = str(out / "sglang" / "logs-DP2-dp0")
-    plan = [("sglang.start", {"log_dir": log_dir}, _kill),
-            ("sglang.group", {"log_dir": log_dir}, _kill),
-            ("sglang.push", {"log_dir": log_dir}, _kill),
-            ("sglang.generate", {"log_dir": log_dir, "version": "it2"}, _kill),
-            ("sglang.generate", {"log_dir": log_dir, "version": "it3"}, _stall)]
+    plan = [("sglang.start", {"log_dir": log_dir}, kill),
+            ("sglang.group", {"log_dir": log_dir}, kill),
+            ("sglang.push", {"log_dir": log_dir}, kill),
+            ("sglang.generate", {"log_dir": log_dir, "version": "it2"}, kill),
+            ("sglang.generate", {"log_dir": log_dir, "version": "it3"}, stall)]
     cfg = TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
@@ -120,18 +81,9 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
     })
-    done, struck, errors = threading.Event(), [], []
-    striker = threading.Thread(target=_strike, args=(points, plan, done, struck, errors),
-                               daemon=True)
-    striker.start()
-    try:
+    with striking(points, plan) as struck:
         histories = run_distributed(_train, 2, cfg, timeout=2100,
                                     collective_timeout_s=cfg.cluster.collective_timeout_s)
-    finally:
-        done.set()
-        striker.join(timeout=30)
-    assert not errors, errors
-    assert [s[:2] for s in struck] == [(p, a.__name__) for p, _, a in plan], struck
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
              if x.strip()]
     lines = [x for x in lines if "iteration" in x]

@@ -30,7 +30,8 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
 
 @pytest.mark.parametrize("over, says", [
     ({"algorithm__max_staleness": 0}, "algorithm.max_staleness >= 1"),
-    ({"rollout__engine": "sglang"}, "rollout.engine='sglang'"),
+    ({"rollout__engine": "sglang", "rollout__placement": "auto", "layout__mode": "auto"},
+     "rollout.placement=split with rollout.pool_ranks"),
     ({"layout__mode": "auto"}, "layout.mode=static"),
     ({"algorithm__kl_mode": "loss", "algorithm__kl_coef": 0.1}, "algorithm.kl_mode=loss"),
     ({"sft__steps": 4}, "run.init"),
@@ -60,6 +61,19 @@ def test_pools_that_cannot_run_on_the_world_are_refused(over, world, says):
     with pytest.raises(ConfigError) as e:
         split_pools(_cfg(**over), world)
     assert says in str(e.value)
+
+
+def test_split_runs_sglang_servers_on_the_rollout_pool():
+    """engine=sglang under split: the rollout pool's layout follows SGLang's rules (tp and dp
+    only), checked against the pool's ranks."""
+    cfg = _cfg(rollout__engine="sglang", rollout__sglang_device="cpu",
+               layout__rollout="tp2", rollout__pool_ranks=2)
+    t, r = split_pools(cfg, 4)
+    assert (t.dp, r.tp) == (2, 2)
+    cfg = _cfg(rollout__engine="sglang", rollout__sglang_device="cpu",
+               layout__rollout="pp2", rollout__pool_ranks=2)
+    with pytest.raises(ConfigError, match="layout.rollout=PP2"):
+        split_pools(cfg, 4)
 
 
 def test_auto_placement_takes_auto_layouts():
