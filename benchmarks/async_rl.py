@@ -65,10 +65,14 @@ the agreement, the one dispatch of the batch, the barrier and the handoff); larg
 the one rollout rank decode more while the trainers compete with it for the 2 cores. Single runs
 on this host spread by 10-20% (sync and sync' differ by that much). A split record's seconds are
 the train pool's: its wait at the meeting for the rollout pool, the transfer, the handoff and
-the training, whose total is the period; eps/s counts the same iterations as sync. Connect Four's
-rollout is a sixth of its iteration: little to overlap there, and the rollout ranks' decoding
-competes with the trainers for the 2 cores. Printed: each run's ratio to sync, and auto's to
-the best fixed split, with auto's pools per iteration and its first plan's reason.
+the training, whose total is the period; eps/s counts the same iterations as sync. Every row
+runs once per seed of ``--split-seeds`` (default 0 1 2) and pools them: all the episodes its
+runs trained over all their seconds (printed per seed too). A seed's games are one draw of
+lengths, and a batch's step grows with its longest game (Connect Four: 0.3 s at 144 tokens,
+2.4 s at 669), so on one seed the splits are ranked by their draws as much as by the split.
+Connect Four's rollout is a sixth of its iteration: little to overlap there, and the rollout
+ranks' decoding competes with the trainers for the 2 cores. Printed: each row's ratio to sync,
+and auto's to the best fixed split, with auto's pools per iteration and its first plan's reason.
 
 Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
 (plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and
@@ -371,6 +375,46 @@ def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
     return cfg
 
 
+def _split_runs(w: str, placement, args, init, ranks: int):
+    """One row of section 4: ``placement``'s run once per seed of ``--split-seeds`` (the same
+    seeds for every row). Episodes/s pools the seeds (all trained episodes over all their
+    seconds): one seed's games are one draw of lengths, and a batch's step grows with its
+    longest game, so a single seed ranks the splits by the draw as much as by the split. The
+    other columns average the seeds. (summary, train s, wait s, [(seed, auto's pools, first
+    plan)])."""
+    from earl_megatron.testing.multiproc import run_distributed
+
+    runs, plans = [], []
+    for seed in args.split_seeds:
+        with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
+            cfg = _split_config(w, placement, args, tmp, init)
+            cfg["run"]["seed"] = seed
+            res = run_distributed(_train, ranks, cfg, timeout=args.timeout)
+        s = _summary(res, 1, args.episodes)
+        hist = res[0]["history"]
+        meas = hist[1:]
+        s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
+        s["wait"] = 0.0
+        if placement is not None:
+            s["rollout_s"] = sum(h["split"]["rollout_s"] for h in meas) / len(meas)
+            s["wait"] = sum(h["split"]["train_wait_s"] for h in meas) / len(meas)
+        s["train"] = sum(h["seconds"].get(st, 0.0) for h in meas
+                         for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
+        runs.append(s)
+        if placement == "auto":
+            plans.append((seed, [(h["split"]["rollout_ranks"], h["layouts"]) for h in hist],
+                          hist[0]["split"]["plan"]))
+    n = len(runs)
+    pooled = {"eps": sum(r["eps"] * r["wall"] for r in runs) / sum(r["wall"] for r in runs),
+              "per_seed": [r["eps"] for r in runs],
+              "st_max": max(r["st_max"] for r in runs),
+              "dropped": sum(r["dropped"] for r in runs)}
+    for key in ("rollout_s", "st_mean", "reward", "cpu"):
+        pooled[key] = sum(r[key] for r in runs) / n
+    return (pooled, sum(r["train"] for r in runs) / n, sum(r["wait"] for r in runs) / n,
+            plans)
+
+
 def section_split(args) -> dict:
     from earl_megatron.runtime.checkpoint_files import find_checkpoint
     from earl_megatron.testing.multiproc import run_distributed
@@ -394,26 +438,14 @@ def section_split(args) -> dict:
             init = str(find_checkpoint(os.path.join(warm, "checkpoints", "sft")).path)
         print(f"  {'run':8s} {'ranks':>5s} {'eps/s':>7s} {'rollout s':>9s} {'train s':>7s} "
               f"{'wait s':>6s} {'st mean':>7s} {'st max':>6s} {'dropped':>7s} {'reward':>7s} "
-              f"{'cpu s/it':>8s}", flush=True)
+              f"{'cpu s/it':>8s}   eps/s per seed {' / '.join(map(str, args.split_seeds))}",
+              flush=True)
         rows, plans = {}, []
         order = [None, 1, "auto", 2] + ([None] if args.bracket else [])
         for n, placement in enumerate(order):
             again = n == len(order) - 1 and placement is None and n > 0
             ranks = 2 if placement is None else 3
-            with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
-                res = run_distributed(_train, ranks,
-                                      _split_config(w, placement, args, tmp, init),
-                                      timeout=args.timeout)
-            s = _summary(res, 1, args.episodes)
-            hist = res[0]["history"]
-            meas = hist[1:]
-            s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
-            wait = 0.0
-            if placement is not None:
-                s["rollout_s"] = sum(h["split"]["rollout_s"] for h in meas) / len(meas)
-                wait = sum(h["split"]["train_wait_s"] for h in meas) / len(meas)
-            train = sum(h["seconds"].get(st, 0.0) for h in meas
-                        for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
+            s, train, wait, plans_here = _split_runs(w, placement, args, init, ranks)
             if again:
                 rows[None] = dict(rows[None], eps=2 / (1 / rows[None]["eps"] + 1 / s["eps"]))
             else:
@@ -422,18 +454,24 @@ def section_split(args) -> dict:
                                           "auto": "auto"}[placement]
             print(f"  {name:8s} {ranks:5d} {s['eps']:7.2f} {s['rollout_s']:9.2f} {train:7.2f} "
                   f"{wait:6.2f} {s['st_mean']:7.3f} {s['st_max']:6d} {s['dropped']:7d} "
-                  f"{s['reward']:7.2f} {s['cpu']:8.2f}", flush=True)
+                  f"{s['reward']:7.2f} {s['cpu']:8.2f}   " +
+                  " / ".join(f"{e:.1f}" for e in s["per_seed"]), flush=True)
             if placement == "auto":
-                plans = [(h["split"]["rollout_ranks"], h["layouts"]) for h in hist]
+                plans = plans_here
                 same = [p for p in (1, 2) if all(
                     n_r == p and _same(lay["rollout"], SPLITS[p]["rollout"], p) and
-                    _same(lay["train"], SPLITS[p]["train"], 3 - p) for n_r, lay in plans)]
+                    _same(lay["train"], SPLITS[p]["train"], 3 - p)
+                    for seed_plans in plans for n_r, lay in seed_plans[1])]
                 if same:
                     print(f"           auto ran split {same[0]}'s pools and layouts at every "
-                          "iteration: their ratio is this host's run-to-run spread", flush=True)
-                print("           auto's pools by iteration (rollout ranks, layouts): " +
-                      ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}" for n_r, lay in plans)
-                      + f"; its first plan: {hist[0]['split']['plan']}", flush=True)
+                          "iteration of every seed: their ratio is this host's run-to-run "
+                          "spread", flush=True)
+                for seed, seed_plans, first in plans:
+                    print(f"           seed {seed}: auto's pools by iteration (rollout ranks, "
+                          "layouts): " + ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}"
+                                                   for n_r, lay in seed_plans)
+                          + (f"; its first plan: {first}" if seed == args.split_seeds[0]
+                             else ""), flush=True)
         if warm is not None:
             shutil.rmtree(warm, ignore_errors=True)
         base = rows[None]["eps"]
@@ -487,6 +525,8 @@ def main() -> None:
     ap.add_argument("--split-latency", type=float, default=0.15)
     ap.add_argument("--split-episodes", type=int, default=16)
     ap.add_argument("--split-iterations", type=int, default=8)
+    ap.add_argument("--split-seeds", nargs="+", type=int, default=[0, 1, 2],
+                    help="section 4: run.seed of each run; every row pools these seeds")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--workloads", nargs="*", default=["tool", "connect_four"])
     ap.add_argument("--ks", nargs="*", type=int, default=[0, 1, 2])
