@@ -98,11 +98,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
 
     if weights is not None and load is not None:
         raise ValueError("pass either weights= (full tensors) or load= (a loader), not both")
-    pool = groups.build_pool_groups(pools or (layout,), cfg, seed=seed)
-    if pool.layout != layout:
-        raise ValueError(f"rank {dist.get_rank()} is in pool {pool.index} ({pool.layout}), "
-                         f"not in a {layout} pool; pass its pool's layout")
-    coords = layout.coords(groups.pool_rank())
+    coords = seat_on_layout(cfg, layout, seed=seed, pools=pools).coords
     init = (weights is None and load is None if init is None else init) or te_available()
     # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
     # partition_dim, partition_stride: set only inside its init functions) and grad clipping

@@ -239,11 +239,7 @@ class SGLangRollout:
             return
         if self.layout is None or (not evaluation and (lay.tp, lay.dp) !=
                                    (self.layout.tp, self.layout.dp)):
-            problem = rollout_layout_problem(lay, "sglang")
-            if problem:   # the selector offers only such layouts for this engine
-                raise ValueError(f"SGLang rollout: {problem}")
-            self._start(ParallelLayout(tp=lay.tp, dp=lay.dp), server_ep(self.model_cfg, lay,
-                                                                          self.device))
+            self._start_in(lay)
         if self._fresh:
             self.sync(policy)
 
@@ -279,7 +275,6 @@ class SGLangRollout:
         of full weights it receives to HF names and keeps them in host memory; nothing reaches
         the servers yet, so the handoff's time bound never counts a server (its restarts belong
         to ``push_received``, after the meeting)."""
-        self._received_t0 = time.perf_counter()
         self._incoming, self._received_traffic = [], traffic
         for i, n, bucket in buckets:
             if bucket is not None:
@@ -306,11 +301,16 @@ class SGLangRollout:
         if not self.pooled:
             raise RuntimeError("ensure_servers is for a rollout pool's servers")
         if self.layout is None or (layout.tp, layout.dp) != (self.layout.tp, self.layout.dp):
-            problem = rollout_layout_problem(layout, "sglang")
-            if problem:
-                raise ValueError(f"SGLang rollout: {problem}")
-            self._start(ParallelLayout(tp=layout.tp, dp=layout.dp),
-                        server_ep(self.model_cfg, layout, self.device))
+            self._start_in(layout)
+
+    def _start_in(self, layout: ParallelLayout) -> None:
+        """(Re)start the servers in rollout layout ``layout``'s (tp, dp), refused with the
+        problem when SGLang cannot run it (the selector offers only such layouts)."""
+        problem = rollout_layout_problem(layout, "sglang")
+        if problem:
+            raise ValueError(f"SGLang rollout: {problem}")
+        self._start(ParallelLayout(tp=layout.tp, dp=layout.dp),
+                    server_ep(self.model_cfg, layout, self.device))
 
     def _to_hf(self, bucket: dict) -> list:
         """A bucket of full Megatron tensors as sorted (HF name, host tensor) pairs: kept in host
@@ -371,10 +371,9 @@ class SGLangRollout:
         dist.all_reduce(died, group=self.ranks_group)
         return int(died)
 
-    def leaders(self, layout: Optional[ParallelLayout] = None) -> tuple[int, ...]:
-        """The global ranks that push (the first rank of every replica of the servers' layout,
-        or of ``layout``)."""
-        return replica_leaders(layout or self.layout, self.ranks)
+    def leaders(self) -> tuple[int, ...]:
+        """The global ranks that push (the first rank of every replica of the servers' layout)."""
+        return replica_leaders(self.layout, self.ranks)
 
     def metrics(self) -> dict:
         """What the iteration's metrics line records about the servers (same on every rank)."""
