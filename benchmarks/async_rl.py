@@ -45,7 +45,7 @@ zero-latency tool; printed: what the 0.1 s latency adds to the zero-latency roll
 case (bound with concurrency: each rank steps its episodes' tools of a turn together, so it adds
 one latency per turn: 4 x 0.1 s = 0.4 s per rank, at most 2 x 4 x 0.1 = 0.8 s).
 
-Section 4 (``--section split``). Split placement (trainer/split_loop.py) against the
+Section 4 (``--section split``). Split placement (trainer/split.py) against the
 synchronous loop, both workloads, the same configuration but the placement: sync is the
 colocated loop on 2 ranks (every stage dp2; k = 0); "split 1" and "split 2" run on 3 ranks with
 1 or 2 of them as the rollout pool (``rollout.placement=split``, each pool in the layout the

@@ -125,7 +125,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
                           "does)")
     if cfg.rollout.placement == "split":   # each pool's layout on the pool's ranks
-        from earl_megatron.trainer.split_loop import split_pools
+        from earl_megatron.trainer.split import split_pools
         split_pools(cfg, world)
         return
     if cfg.rollout.placement == "auto":    # the split's plan checks the pools at the start
@@ -293,15 +293,12 @@ def run(cfg: TrainConfig) -> list[dict]:
     if not torch.cuda.is_available():
         from earl_megatron.runtime.cpu_backend import cpu_backend
         backend = cpu_backend()
-    if cfg.rollout.placement != "colocated":   # split, auto
-        from earl_megatron.trainer.split_loop import HandoffFailed, SplitTrainer
-        with backend:
-            try:
-                return SplitTrainer(cfg, tokenizer).train()
-            except HandoffFailed as e:   # one line naming the limit and the checkpoint
-                _fail("handoff error", e)
+    from earl_megatron.trainer.handoff import HandoffFailed
     with backend:
-        return Trainer(cfg, tokenizer).train()
+        try:
+            return Trainer(cfg, tokenizer).train()
+        except HandoffFailed as e:   # split: one line naming the limit and the checkpoint
+            _fail("handoff error", e)
 
 
 def _fail(kind: str, e: Exception, fix: str = "") -> None:

@@ -57,7 +57,7 @@ class ClusterConfig:
     """rollout.engine=sglang: seconds the weight-update group (trainer rank + server ranks) may
     take to form, and one broadcast may wait, before the server counts as dead.
     rollout.placement=split: also the timeout of the weight handoff's own process group (train
-    pool -> rollout pool, trainer/split_loop.py): once every rank has reached the handoff, one
+    pool -> rollout pool, trainer/split.py): once every rank has reached the handoff, one
     of its ops may wait this long before the run fails naming the checkpoint it resumes from."""
 
     def __post_init__(self):

@@ -418,12 +418,6 @@ class TrainConfig:
 
     def __post_init__(self):
         require_finite(self, "")  # every float of every section, nan and inf included
-        if self.sft.steps and self.algorithm.kl_mode != "off":
-            raise ConfigError(
-                f"sft.steps={self.sft.steps} with algorithm.kl_mode={self.algorithm.kl_mode}: "
-                "the reference policy would be the initial one, not the warmed one. Set "
-                "algorithm.kl_mode=off, or warm start in one run and pass its checkpoint as "
-                "run.init to an RL run with the KL")
         if self.algorithm.routing_replay and not self.model.is_moe:
             raise ConfigError(
                 f"algorithm.routing_replay=true needs a mixture-of-experts model (model.family="
@@ -486,9 +480,4 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
     if r.placement == "split" and lay.logprob != lay.train:
         return (f"layout.logprob={lay.logprob}: the train pool re-scores its batch in "
                 f"layout.train={lay.train}; set layout.logprob to the same")
-    if a.kl_mode != "off":
-        return f"algorithm.kl_mode={a.kl_mode}: the KL reference is not built on the train pool yet"
-    if cfg.sft.steps:
-        return (f"sft.steps={cfg.sft.steps}: warm start in a colocated run and pass its "
-                "checkpoint as run.init")
     return None

@@ -32,9 +32,13 @@ from earl_megatron.runtime.switcher import switch_layout
 
 
 class ModelPair:
-    def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout]):
+    def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout], *,
+                 fixed: bool = False):
         self.policy = policy
         self.reference = reference
+        self.fixed = fixed
+        """Both models stay in the layout they were built in, under the same groups, which stay
+        current (split placement's train pool): nothing is ever switched or re-activated."""
         self._live = "policy"
         """Whose process groups are current: "policy" or "reference"."""
 
@@ -54,6 +58,11 @@ class ModelPair:
         return self.reference
 
     def _live_in(self, model: ModelOnLayout, layout: ParallelLayout, who: str) -> ModelOnLayout:
+        if self.fixed:
+            if layout != model.layout:
+                raise ValueError(f"the {who} stays in {model.layout} (split placement's train "
+                                 f"pool), not {layout}")
+            return model
         if not (layout == model.layout and (self._live == who or groups.activate(layout))):
             model = switch_layout(model, layout)
         self._live = who

@@ -92,7 +92,8 @@ def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
         from earl_megatron.trainer.warm_start import warm_start_state
         warm = warm_start_state(out)
         if warm is not None:  # killed during (or right after) the warm start
-            models = models_in(parse(warm["layout"]), None)
+            lay = parse(warm["layout"])
+            models = models_in(lay, lay if kl_on else None)
             load_checkpoint(models.policy, warm["path"])
             step = warm["sft_step"] + 1
             return Start(0, models, warm["notes"] + [

@@ -1,19 +1,20 @@
-"""The trainer: agentic RL with a layout per stage, SPMD (every rank runs the same loop).
+"""The trainer: what every placement shares, and ``score_and_train``, the iteration after its
+rollout.
 
-    for it in iterations:
-        plan ROLLOUT's layout; switch the policy there        (weights + Adam state, in memory)
-        play the iteration's episodes                        (per rollout dp replica)
+    score_and_train(j, batch):
+        [re-score]  old logprobs on the policy (recompute; always with SGLang)
         plan LOGPROB and TRAIN on the episodes just played
         [kl on] the reference scores them in its layout      (dispatched there and back)
         advantages                                           (global stats by all-reduce)
         switch the policy to TRAIN's layout; train           (dispatched point to point)
-        record; checkpoint (periodic, last, when stopping); evaluate (periodic)
+        [colocated] the trained weights to the rollout engine; record
 
-``iteration`` is that loop body, in one screen; the machinery sits in named objects beside
-it: ``StagePlanner`` (trainer/planner.py), ``ModelPair`` (trainer/model_pair.py), the rollout
-engine (trainer/rollout.py), the stages (trainer/stages.py, trainer/scoring.py) and the ``Recorder``
-(trainer/record.py). Only this module and train.py read ``TrainConfig``; everything below takes
-the values it uses.
+The loop around it is trainer/loop.py's, one for every placement (trainer/colocated.py,
+trainer/split.py); the machinery sits in named objects beside it: ``StagePlanner``
+(trainer/planner.py), ``ModelPair`` (trainer/model_pair.py), the rollout engine
+(trainer/rollout.py), the stages (trainer/stages.py, trainer/scoring.py) and the ``Recorder``
+(trainer/record.py). Only the trainer's modules and train.py read ``TrainConfig``; everything
+below takes the values it uses.
 
 Old logprobs (``algorithm.old_logprobs``): "rollout" uses the engine's logprobs (equal to the
 trainer's within 1e-4 in fp32, tested with both engines); "recompute" re-scores the episodes on
@@ -23,18 +24,14 @@ weights the advantages by pi_old / pi_rollout (capped, or past the cap dropped) 
 advantage check.
 
 Asynchronous RL (``algorithm.max_staleness`` = k >= 1, trainer/episode_pool.py, docs/async.md):
-"play the iteration's episodes" becomes "continue the episodes in flight and start new ones, up
-to (k + 1) batches, until one batch of groups has finished"; the rest carry over to the next
-iteration's rollout, in whatever layout it plans (with their contexts counted), and the pool is
-part of every checkpoint. k = 0 is the synchronous loop above, unchanged (a parity test against
-records of the loop before the pool existed).
-
-Split placement (``rollout.placement=split``, trainer/split_loop.py): a rollout pool plays the
-next batch while a train pool runs ``score_and_train`` (the loop body after the rollout) on this
-one; the pools meet once per iteration.
+the rollout stage continues the episodes in flight and starts new ones, up to (k + 1) batches,
+until one batch of groups has finished; the rest carry over to the next stage, and the pool is
+part of every checkpoint. k = 0 is the synchronous loop (a parity test against records of the
+loop before the pool existed).
 
 Where a run starts (the newest complete checkpoint, the warm start's, or fresh) is
-trainer/resume.py's; the evaluations (start, every run.eval_every, end) trainer/evaluation.py's.
+trainer/resume.py's (split: trainer/split.py's); the evaluations (start, every run.eval_every,
+end) trainer/evaluation.py's.
 
 Stopping (trainer/stop.py: SIGTERM, or the run's stop file, <run>/stop): a rollout or an
 evaluation is abandoned at its next turn, a train stage that began is finished; the last
@@ -49,17 +46,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from earl_megatron.config.train import TrainConfig, sglang_kv_tokens, sglang_mem_fraction
+from earl_megatron.config.train import (LayoutConfig, TrainConfig, sglang_kv_tokens,
+                                        sglang_mem_fraction)
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rl.advantages import tis_weighted
 from earl_megatron.rl.losses import PolicyLossConfig
-from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
 from earl_megatron.runtime.checkpoint import base_hf_config, save_checkpoint
-from earl_megatron.seeds import episode_seeds, rollout_sample_seed
-from earl_megatron.trainer import resume
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.episode_pool import staleness_metrics
 from earl_megatron.trainer.evaluation import evaluate
@@ -75,6 +69,8 @@ from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, adv
                                            kl_to_reference, owns_samples)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
+from earl_megatron.trainer.colocated import Colocated
+from earl_megatron.trainer.split import Split
 from earl_megatron.trainer.stop import StopControl
 
 
@@ -104,8 +100,21 @@ class Trainer:
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
                                        use_distributed_optimizer=a.use_distributed_optimizer)
-        self.planner = self.make_planner(self.planned_world())
-        self.rollout = self.make_rollout(r.engine)
+        groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
+        groups.set_group_timeout(cfg.cluster.group_timeout_s)
+        self.history: list[dict] = []
+        self.stop = StopControl.for_run(self.out)
+        self.saved = -1
+        """The iteration of the newest checkpoint this segment wrote or resumed from."""
+        self.sft_start, self.sft_history = 0, []
+        """The warm start's next step and its records (restored from its checkpoint)."""
+        colocated = r.placement == "colocated"
+        self.placement = Colocated(self) if colocated else Split(self)
+        """Who plays, who trains, where they meet (trainer/loop.py)."""
+        self.planner = self.make_planner(self.placement.planned_world(),
+                                         servers_here=colocated)
+        # split placement: each side's engine is the placement's (SGLang on the rollout pool)
+        self.rollout = self.make_rollout(r.engine if colocated else "embedded")
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
         # SGLang (the logprob diff proves the servers hold the trainer's weights)
         self.rescore = a.old_logprobs == "recompute" or r.engine == "sglang"
@@ -120,21 +129,6 @@ class Trainer:
                                     batch=r.episodes_per_iteration, group_size=a.group_size,
                                     max_staleness=a.max_staleness, run_seed=cfg.run.seed,
                                     env_concurrency=r.env_concurrency)
-        self.history: list[dict] = []
-        self.stop = StopControl.for_run(self.out)
-        self._completed: dict = {}
-        """The last completed iteration, its policy layout and selector state: what a
-        checkpoint holds when the next iteration is abandoned (``_mark_completed``)."""
-        self._saved = -1
-        """The iteration of the newest checkpoint this segment wrote or resumed from."""
-        self._sft_start, self._sft_history = 0, []
-        """The warm start's next step and its records (restored from its checkpoint)."""
-        groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
-        groups.set_group_timeout(cfg.cluster.group_timeout_s)
-
-    def planned_world(self) -> int:
-        """Ranks the stage planner lays out: the world (split placement: the train pool)."""
-        return self.world
 
     def make_rollout(self, engine: str, **pool):
         """The rollout of ``engine`` for this run (trainer/rollout_engines.py); ``pool``: split
@@ -157,14 +151,15 @@ class Trainer:
             kv_tokens=sglang_kv_tokens(r.sglang_device, max(in_flight, cfg.run.eval_episodes),
                                        context), **pool)
 
-    def make_planner(self, world: int, servers_here: bool = True) -> StagePlanner:
-        """The stage planner of ``world`` ranks for this run's model, layouts and batch;
-        ``servers_here``: SGLang's servers share these ranks' devices (False: split placement's
-        train pool, whose devices hold no server)."""
+    def make_planner(self, world: int, servers_here: bool = True,
+                     layout: Optional[LayoutConfig] = None) -> StagePlanner:
+        """The stage planner of ``world`` ranks for this run's model, layouts (``layout``: other
+        than the config's) and batch; ``servers_here``: SGLang's servers share these ranks'
+        devices (False: split placement's train pool, whose devices hold no server)."""
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         frac = sglang_mem_fraction(r.sglang_mem_fraction, r.sglang_device) \
             if r.engine == "sglang" and servers_here else None
-        return StagePlanner(cfg.model, cfg.layout, cfg.cluster, world,
+        return StagePlanner(cfg.model, layout or cfg.layout, cfg.cluster, world,
                             distributed_optimizer=a.use_distributed_optimizer,
                             episodes=r.episodes_per_iteration, batch=self.batch,
                             sglang_mem_fraction=frac, sglang_restart_s=r.sglang_restart_s,
@@ -172,41 +167,6 @@ class Trainer:
                             in_flight=(a.max_staleness + 1) * r.episodes_per_iteration)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, it: int, models: ModelPair) -> Optional[dict]:
-        """One iteration's record; None when told to stop during its rollout (abandoned before
-        anything trained)."""
-        cfg, plan, t = self.cfg, self.planner, StageTimer()
-        ref = models.reference
-        with t("plan+switch"):
-            carried = self.pool.begin() if self.pool is not None else ()
-            layouts = {"rollout": plan.plan("rollout", plan.rollout_lengths(carried),
-                                            models.policy.layout,
-                                            plan.weight_bytes(ref and ref.layout))}
-            policy = models.policy_in(layouts["rollout"])
-        n, pool_metrics = cfg.rollout.episodes_per_iteration, {}
-        with t("rollout"):
-            try:
-                if self.pool is not None:   # asynchronous: episodes carry over
-                    out = self.rollout.play_pool(
-                        policy, self.pool, it, sample_seed=rollout_sample_seed(cfg.run.seed, it),
-                        should_stop=self.stop.replica_should_stop)
-                    ids, episodes, pool_metrics = out.ids, out.episodes, out.metrics
-                else:
-                    seeds = episode_seeds(cfg.run.seed, it, n, cfg.algorithm.group_size)
-                    ids, episodes = self.rollout.play(
-                        policy, seeds, temperature=cfg.rollout.temperature,
-                        sample_seed=rollout_sample_seed(cfg.run.seed, it),
-                        should_stop=self.stop.replica_should_stop, version=it)
-            except RolloutAbandoned:
-                ids, episodes = [], []
-        self._record_server_starts()
-        if self.stop.world_should_stop():  # every rank, abandoned or not: stop untrained
-            if self.pool is not None:
-                self.pool.rewind()
-            return None
-        return self.score_and_train(it, models, policy, layouts, ids, episodes, pool_metrics,
-                                    t, sync=True)
-
     def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,
                         episodes: list, pool_metrics: dict, t: StageTimer, *,
                         sync: bool, train_layout: Optional[ParallelLayout] = None) -> dict:
@@ -214,7 +174,7 @@ class Trainer:
         [``sync``: weights to the rollout engine], record. ``policy`` holds the batch (each
         replica its block whole: the rollout layout's rule); split placement's train pool calls
         it with the episodes it received and its pool's layout as ``train_layout`` (checked
-        against the budget, not planned: trainer/split_loop.py)."""
+        against the budget, not planned: trainer/split.py)."""
         cfg, plan, ref = self.cfg, self.planner, models.reference
         n = cfg.rollout.episodes_per_iteration
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
@@ -237,7 +197,7 @@ class Trainer:
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
-                                           plan.train_bytes(policy.layout))
+                                           plan.train_bytes(policy.layout), fixed=train_layout)
         layouts["train"] = plan.plan("train", lengths, policy.layout,
                                      plan.weight_bytes(layouts.get("logprob")),
                                      fixed=train_layout)
@@ -283,19 +243,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def train(self) -> list[dict]:
-        cfg = self.cfg
-        begin = resume.start(cfg, self.planner, self.out, self.world, self.optimizer, self.kl_on)
-        start, models, messages = begin.iteration, begin.models, begin.messages
-        self.history.extend(begin.history)
-        self._saved, self._sft_start, self._sft_history = (begin.saved, begin.sft_step,
-                                                           begin.sft_history)
-        if begin.pool and self.pool is not None:
-            self.pool.restore(begin.pool)
-        elif begin.pool and begin.pool["entries"]:
-            messages.append(f"the checkpoint held {len(begin.pool['entries'])} episodes in "
-                            "flight; algorithm.max_staleness=0 drops them")
-        self._mark_completed(models, start - 1)
-        return self.drive(start, messages, lambda: self._run(start, models))
+        """The run under this config's placement (trainer/loop.py); the history."""
+        from earl_megatron.trainer.loop import run_loop
+
+        start, messages = self.placement.start()
+        return self.drive(start, messages, lambda: run_loop(self, self.placement, start))
 
     def drive(self, start: int, messages: list[str], loop) -> list[dict]:
         """Run ``loop()`` from iteration ``start`` inside the live view, with the recorder,
@@ -324,66 +276,19 @@ class Trainer:
             self.rollout.close()
         return self.history
 
-    def _run(self, start: int, models: ModelPair) -> None:
-        cfg = self.cfg
-        if start == 0 and cfg.sft.steps and not self._warm_start(models):
-            # told to stop during the warm start: it checkpointed itself; resume continues it
-            self.stop.mark_stopped(-1)
-            return
-        if start == 0:
-            self._evaluate_into("start", models)
-        for it in range(start, cfg.run.iterations):
-            if self.stop.world_should_stop():
-                break
-            try:
-                rec = self.iteration(it, models)
-            except (NoLayoutFitsError, LayoutOverBudgetError):
-                # contexts outgrew the budget: keep what was trained (the error says what
-                # would fit; rerun with it to resume here)
-                if it > start:
-                    self._checkpoint(models, it - 1)
-                raise
-            if rec is None:
-                break  # abandoned: the last completed iteration is saved below
-            self._mark_completed(models, it)
-            stop = self.stop.world_should_stop()
-            last = it == cfg.run.iterations - 1
-            every = cfg.run.checkpoint_every
-            if stop or last or (every and (it + 1) % every == 0):
-                self._checkpoint(models, it)
-            if stop:
-                break
-            if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and not last:
-                self._evaluate_into(f"iter{it + 1}", models)
-        if self.stop.stopping:
-            done = self._completed["iteration"]
-            if done >= 0 and self._saved != done:
-                self._checkpoint(models, done)
-            self.recorder.view.message(
-                f"stopped at a safe point after iteration {done}: checkpoint saved, evaluation "
-                "skipped; rerun (or the requeued job) resumes there")
-        elif cfg.run.iterations:    # run.iterations=0: the start evaluation is the run
-            self._evaluate_into("end", models)
-        self.recorder.finish()
-        if self.stop.stopping:
-            self.stop.mark_stopped(self._completed["iteration"])
-
-    def _evaluate_into(self, when: str, models: ModelPair) -> None:
-        res = evaluate(self.cfg, self.rollout, self.stop, models, self._record_server_starts)
+    def evaluate_into(self, when: str, models: ModelPair) -> None:
+        res = evaluate(self.cfg, self.rollout, self.stop, models, self.record_server_starts)
         if res is not None:  # None: told to stop meanwhile, nothing recorded
             self.recorder.evaluation(when, res)
 
-    def _record_server_starts(self) -> None:
+    def record_server_starts(self) -> None:
         """Measured server (re)starts since the last call into the planner's profile table."""
         for tp, seconds in self.rollout.take_starts():
             self.planner.record_start(tp, seconds)
 
-    def _mark_completed(self, models: ModelPair, it: int) -> None:
-        self._completed = {"iteration": it, "layout": models.policy.layout,
-                           "selector": self.planner.state}
-
-    def _warm_start(self, models: ModelPair) -> bool:
-        """The supervised phase before RL (trainer/warm_start.py); False: told to stop."""
+    def warm_start(self, models: ModelPair, planner: Optional[StagePlanner] = None) -> bool:
+        """The supervised phase before RL (trainer/warm_start.py) on ``models`` (the world's
+        policy), laid out by ``planner`` (default: the trainer's); False: told to stop."""
         from earl_megatron.trainer.warm_start import TraceSource, WarmStart
 
         cfg = self.cfg
@@ -391,27 +296,37 @@ class Trainer:
                          self.tok, batch=self.batch, rl_lr=cfg.algorithm.lr,
                          max_tokens=cfg.model.max_position_embeddings, out=self.out,
                          checkpoint_every=cfg.run.checkpoint_every, rank=self.rank,
-                         log=self.recorder.view.message, start_step=self._sft_start,
-                         history=self._sft_history, keep_last=cfg.run.keep_last)
-        return warm.run(models, self.planner, self.stop.world_should_stop)
+                         log=self.recorder.view.message, start_step=self.sft_start,
+                         history=self.sft_history, keep_last=cfg.run.keep_last)
+        return warm.run(models, planner or self.planner, self.stop.world_should_stop)
 
-    def _checkpoint(self, models: ModelPair, it: int) -> None:
-        """Checkpoint iteration ``it``, the last completed one. The loop state records the
-        layout and selector state that iteration ended with (``_mark_completed``), even when the
-        policy has moved on into an abandoned iteration (its weights have not: nothing trained);
-        the weights save from whatever layout they are in (checkpoints load under any)."""
-        done = self._completed
-        assert done["iteration"] == it, (done["iteration"], it)
-        policy = models.policy_in(models.policy.layout)
-        ref = models.reference
-        state = {"iteration": it, "layout": str(done["layout"]), "world_size": self.world,
-                 "history": self.history, "last_lengths": self.planner.last_lengths,
-                 "ref_layout": str(ref.layout) if ref is not None else None,
-                 "selector": self.planner.state_json(done["selector"]),
-                 "profile": self.planner.profile_json(),
-                 "pool": self.pool.state() if self.pool is not None else None}
-        save_checkpoint(policy, self.out / "checkpoints", it, state,
+    def warmed_reference(self, reference) -> None:
+        """KL after a warm start: the reference becomes the warmed policy (the newest warm-start
+        checkpoint, written at its last step), as a peer's reference is its SFT model. Collective
+        over the world: ``reference`` None on a rank that holds none (split's rollout pool)."""
+        from earl_megatron.runtime.checkpoint import load_checkpoint
+        from earl_megatron.trainer.warm_start import warm_start_state
+
+        warm = warm_start_state(self.out)
+        if warm is None or warm["sft_step"] != self.cfg.sft.steps - 1:
+            raise RuntimeError(f"the warm start's last checkpoint (step {self.cfg.sft.steps - 1})"
+                               f" is missing under {self.out / 'checkpoints' / 'sft'}: the KL "
+                               "reference is the warmed policy; rerun the warm start "
+                               "(a new run.output_dir)")
+        load_checkpoint(reference, warm["path"])
+
+    def checkpoint_due(self, done: int, stop: bool) -> bool:
+        """Whether iteration ``done`` is checkpointed at its safe point: a stop, the last
+        iteration, or every ``run.checkpoint_every``; never twice."""
+        every = self.cfg.run.checkpoint_every
+        due = stop or done == self.cfg.run.iterations - 1 or bool(every and
+                                                                 (done + 1) % every == 0)
+        return due and self.saved != done
+
+    def write_checkpoint(self, model, state) -> None:
+        """The one checkpoint writer: ``model`` (None on a rank that holds no trained weights)
+        and the loop state (trainer/loop.py ``LoopState``), atomically, with retention."""
+        save_checkpoint(model, self.out / "checkpoints", state.iteration, state.to_json(),
                         keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
                         hf_config=base_hf_config(self.cfg.run.init))
-        self._saved = it
-
+        self.saved = state.iteration

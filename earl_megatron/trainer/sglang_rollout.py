@@ -41,7 +41,7 @@ with ``--enable-memory-saver``; memory is resumed before a push or a rollout and
 the rollout, before LOGPROB/TRAIN. Not run in this project's CI (no GPU there).
 CPU (``sglang_device=cpu``): servers are separate processes with the kit's flags; weights travel
 over gloo.
-Split placement (trainer/split_loop.py, ``ranks=`` the rollout pool, ``ranks_group=`` its
+Split placement (trainer/split.py, ``ranks=`` the rollout pool, ``ranks_group=`` its
 group): the servers run on the rollout pool's ranks only, every collective above on the pool's
 group; the pool holds no Megatron model, so weights never come by ``sync`` but by the train
 pool's handoff: ``receive`` keeps the buckets the weight plan assembled at each leader (HF

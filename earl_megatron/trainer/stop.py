@@ -116,7 +116,7 @@ class StopControl:
     def pool_should_stop(self) -> bool:
         """Collective over this rank's pool (runtime/groups.py ``pool_group``): the world
         under colocated placement, the train or the rollout pool under split placement, whose
-        pools agree with each other only where they meet (trainer/split_loop.py)."""
+        pools agree with each other only where they meet (trainer/split.py)."""
         from earl_megatron.runtime import groups
 
         flag = torch.tensor([int(self.local())])

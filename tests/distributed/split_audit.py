@@ -1,6 +1,6 @@
 """Split placement's test helpers (tests/distributed/test_split_*.py): the 4-rank configuration
 (train pool dp2 = ranks 0-1, rollout pool dp2 = ranks 2-3, Connect Four, 4 episodes a batch) and
-the trainer's audit (``EARL_SPLIT_AUDIT``, trainer/split_loop.py) read back and checked.
+the trainer's audit (``EARL_SPLIT_AUDIT``, trainer/split.py) read back and checked.
 
 An audit row is one of: ``sent`` (a rollout replica leader's batch at a meeting: pool keys,
 episode digests, dropped), ``train`` (a train stage; its replica leader's rows carry the digests

@@ -1,5 +1,5 @@
 """Split placement's faults on 4 gloo ranks (train pool dp2 on ranks 0-1, rollout pool dp2 on
-ranks 2-3; trainer/split_loop.py), each struck with a fault point (runtime/fault_points.py), so
+ranks 2-3; trainer/split.py), each struck with a fault point (runtime/fault_points.py), so
 the test hits the same moment on any machine speed:
 
 - a stalled weight handoff: rollout rank 3 pauses at ``split.handoff`` of meeting 3 and never
@@ -106,15 +106,13 @@ def test_the_handoff_failure_names_what_a_rerun_does_again():
     from types import SimpleNamespace
 
     from earl_megatron.runtime.weight_transfer import WeightPlanError
-    from earl_megatron.trainer.split_loop import SplitTrainer
+    from earl_megatron.trainer.handoff import handoff_failure
 
     def text(saved, j, seconds=5.0, cause="Timed out waiting 5000ms for recv"):
-        me = SimpleNamespace(pools=(SimpleNamespace(world_size=2),), world=4, _saved=saved,
-                             cfg=SimpleNamespace(cluster=SimpleNamespace(
-                                 weight_sync_timeout_s=5.0)), out=Path("/r"))
         e = WeightPlanError(2, "bucket 1 of 3 (receiving from ranks [0], sending to ranks [])",
                             RuntimeError(cause))
-        return SplitTrainer._handoff_failure(me, j, e, seconds)
+        return handoff_failure(j, e, seconds, n_t=2, world=4, saved=saved, limit=5.0,
+                               out=Path("/r"))
 
     t = text(2, 3)
     assert t.startswith("split placement: the weight handoff at meeting 3 (the weights after "

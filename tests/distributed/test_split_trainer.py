@@ -1,5 +1,5 @@
 """Split placement's trainer on 4 gloo ranks: train pool dp2 (ranks 0-1), rollout pool dp2
-(ranks 2-3), trainer/split_loop.py.
+(ranks 2-3), trainer/split.py.
 
 - every episode the rollout pool hands over is trained exactly once, in the next step, and
   nothing is dropped; no trained token is older than k (and at k=1 every one is exactly one
@@ -158,9 +158,9 @@ def _train_moving(cfg, audit, move_at):
     the selector's (the plan itself is tests/unit/test_split_plan.py's): the move's mechanism
     on any machine, whatever the rates it measures."""
     from earl_megatron.plan.split import plan_split
-    from earl_megatron.trainer.split_loop import SplitTrainer
+    from earl_megatron.trainer.split import Split
 
-    decide = SplitTrainer._replan
+    decide = Split._replan
     calls = []
 
     def replan(self, rollout0):
@@ -172,7 +172,7 @@ def _train_moving(cfg, audit, move_at):
             plan = plan_split(wp.selector, wp.split_workload(), rollout_ranks=other)
         return plan
 
-    SplitTrainer._replan = replan
+    Split._replan = replan
     return train_audited(cfg, audit)
 
 

@@ -4,7 +4,7 @@ refused at construction (or by ``split_pools`` against the world) with one line 
 import pytest
 
 from earl_megatron.config.train import ConfigError, TrainConfig
-from earl_megatron.trainer.split_loop import split_pools
+from earl_megatron.trainer.split import split_pools
 
 SPLIT = {"layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
          "rollout": {"placement": "split", "episodes_per_iteration": 4},

@@ -1,0 +1,207 @@
+"""Split placement's weight handoff (meeting step 4) and its audit.
+
+The handoff runs on a process group of its own (the world's ranks, made once at setup) whose
+timeout is ``cluster.weight_sync_timeout_s``: once every rank has arrived (a world barrier, so
+the train pool's start evaluation or a checkpoint write is not counted), a rank that stalls or
+dies in the handoff fails it on every other rank within that bound, with ``HandoffFailed``
+naming the step, the limit and the checkpoint a rerun resumes from (the newest; the training
+since it is done again: the handoff cannot checkpoint, its world is broken). Fault point
+``split.handoff`` (info ``it``, ``rank``), tests/distributed/test_split_faults.py.
+
+With SGLang the rollout pool holds no model: full buckets are assembled at the servers'
+leaders from the train pool's shards (``hand_off_full``) and kept there; the leaders push them
+into their servers after the meeting, outside the handoff's bound.
+
+The audit (``EARL_SPLIT_AUDIT``, tests only): every rank appends what it sent, trained and held
+to ``rank<r>.jsonl``, read back by tests/distributed/split_audit.py (exactly once, bit-exact
+weights after every handoff; costs a weight gather per handoff).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from earl_megatron.runtime import groups
+from earl_megatron.runtime.fault_points import fault_point
+from earl_megatron.runtime.switcher import plan_params
+from earl_megatron.runtime.transport import Traffic
+from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off, hand_off_full
+from earl_megatron.trainer.sglang_rollout import replica_leaders
+
+AUDIT_ENV = "EARL_SPLIT_AUDIT"
+"""A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there."""
+
+
+class HandoffFailed(RuntimeError):
+    """Split placement's weight handoff timed out or failed on this rank (module docstring)."""
+
+
+class Handoff:
+    """The handoff's own group (every rank, in order: group rank = global rank), so that
+    ``cluster.weight_sync_timeout_s`` bounds it, not the world's collective timeout."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        dist.barrier()   # every rank arrives together: the group's setup has that timeout too
+        self.group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
+
+    def run(self, split, j: int) -> tuple[float, int]:
+        """Weights v_j from ``split``'s train pool to its rollout pool (world); (seconds, bytes
+        the busiest rank received). Every rank arrives first (a world barrier), then the
+        handoff runs on its own group: ``HandoffFailed`` when it times out or fails here."""
+        t, r = split.pools
+        rollout, train_side = split.tr.rollout, split.train_side
+        traffic = Traffic()
+        if split.sglang and not train_side:
+            rollout.ensure_servers(r)   # started (the first handoff) before the barrier
+        dist.barrier()   # the handoff's timeout counts the handoff, not a peer's way to it
+        t0 = time.perf_counter()
+        try:
+            fault_point("split.handoff", it=j, rank=self.rank)
+            if split.sglang:
+                # full buckets at the servers' leaders, kept there: the servers get them after
+                # the meeting (``push_received``), so the handoff's bound never counts a
+                # server, and a server's restart is the rollout pool's alone
+                buckets = hand_off_full(
+                    split.tr.cfg.model, t, replica_leaders(r, range(t.world_size, self.world)),
+                    plan_params(split.model)[1] if train_side else None,
+                    bucket_bytes=int(split.tr.cfg.rollout.sglang_bucket_mb * 2**20),
+                    traffic=traffic, group=self.group,
+                    device=None if train_side else groups.device())
+                if train_side:
+                    for _ in buckets:
+                        pass
+                else:
+                    rollout.receive(buckets, traffic)
+            else:
+                hand_off(split.model, t, r, traffic=traffic, group=self.group)
+            got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
+            try:
+                dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
+            except RuntimeError as e:
+                raise WeightPlanError(self.rank, "agreeing the bytes received", e) from e
+        except WeightPlanError as e:
+            raise HandoffFailed(handoff_failure(
+                j, e, time.perf_counter() - t0, n_t=t.world_size, world=self.world,
+                saved=split.tr.saved, limit=self.timeout_s, out=split.tr.out)) from e
+        seconds = time.perf_counter() - t0
+        if split.sglang and not train_side:
+            rollout.push_received()     # into the servers: the rollout pool's own time
+        split.audit.weights(split, j)
+        return seconds, int(got.item())
+
+
+def handoff_failure(j: int, e: Exception, seconds: float, *, n_t: int, world: int, saved: int,
+                    limit: float, out: Path) -> str:
+    """What ``HandoffFailed`` says: the handoff, the step and the limit, the checkpoint a rerun
+    resumes from and what it does again, and the fix."""
+    timed_out = seconds >= 0.9 * limit or "timed out" in str(e).lower()
+    what = (f"did not complete within cluster.weight_sync_timeout_s={limit:g} s"
+            if timed_out else
+            f"failed after {seconds:.1f} s (cluster.weight_sync_timeout_s={limit:g} s)")
+    weights = "the start's weights" if j == 0 else f"the weights after iteration {j - 1}"
+
+    def its(first: int, last: int) -> str:
+        return f"iteration {first}" if first == last else f"iterations {first}-{last}"
+
+    if saved >= 0:
+        again = (f"; it trains {its(saved + 1, j - 1)} again" if saved < j - 1
+                 else "; nothing trained is lost")
+        resume = (f"the last checkpoint is iteration {saved} "
+                  f"({out / 'checkpoints' / f'iter_{saved:06d}'}): a rerun "
+                  f"(run.resume=true) resumes there{again}")
+    else:
+        resume = ("no checkpoint was written yet: a rerun starts from iteration 0"
+                  + (f" and trains {its(0, j - 1)} again" if j > 0 else ""))
+    return (f"split placement: the weight handoff at meeting {j} ({weights}, train pool "
+            f"{ranks_text(0, n_t)} -> rollout pool {ranks_text(n_t, world)}) {what}: "
+            f"{e}. {resume[0].upper()}{resume[1:]}. Look for a stalled or dead rank (its "
+            "log, the other ranks' errors), or raise cluster.weight_sync_timeout_s if the "
+            "handoff is only slow (its usual seconds: split.handoff_s in metrics.jsonl)")
+
+
+def ranks_text(first: int, end: int) -> str:
+    return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
+
+
+class SplitAudit:
+    """What each rank sent, trained and held, appended to ``<dir>/rank<r>.jsonl`` (tests)."""
+
+    def __init__(self, rank: int, directory: Optional[Path]):
+        self.rank, self.dir = rank, directory
+
+    @classmethod
+    def from_env(cls, rank: int) -> "SplitAudit":
+        return cls(rank, Path(os.environ[AUDIT_ENV]) if os.environ.get(AUDIT_ENV) else None)
+
+    def _write(self, row: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / f"rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def stage(self, split, side: str, it: int, t0: float, *, ids=(), episodes=()) -> None:
+        if self.dir is None:
+            return
+        row = {"side": side, "it": it, "start": t0 + time.time() - time.perf_counter(),
+               "end": time.time()}
+        if side == "train" and split.model.coords.tp == 0 and split.model.coords.pp == 0:
+            row["digests"] = sorted(_digest(e) for e in episodes)
+            row["ids"] = list(ids)
+        self._write(row)
+
+    def sent(self, split, j: int, out) -> None:
+        if self.dir is None or out is None or not split.tr.pool.leader:
+            return
+        self._write({"side": "sent", "it": j, "keys": [list(k) for k in out.keys],
+                     "digests": sorted(_digest(e) for e in out.episodes),
+                     "dropped": out.metrics.get("pool_dropped", 0)})
+
+    def weights(self, split, j: int) -> None:
+        """Each pool's full weights, gathered inside the pool, hashed by its first rank. With
+        SGLang the train pool hashes them under HF names and each server's leader hashes what
+        its server holds, read back by name (/get_weights_by_name), as float32."""
+        if self.dir is None:
+            return
+        from earl_megatron.weights.gather import gather_full
+        from earl_megatron.weights.hf_mapping import to_hf
+
+        if split.sglang and not split.train_side:
+            engine = split.tr.rollout.engine
+            if engine is not None:
+                held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
+                                           dtype=torch.float32)
+                        for bucket in split.tr.rollout.last_push for name, t in bucket}
+                self._write({"side": "weights", "it": j, "pool": "rollout",
+                             "sha256": _weights_digest(held), "names": len(held)})
+            return
+        model = split.model
+        full = gather_full(model.model, model.cfg, model.layout)
+        if groups.pool_rank() == 0:
+            if split.sglang:
+                full = {name: t.float() for name, t in to_hf(split.tr.cfg.model, full).items()}
+            self._write({"side": "weights", "it": j,
+                         "pool": "train" if split.train_side else "rollout",
+                         "sha256": _weights_digest(full), "names": len(full)})
+
+
+def _weights_digest(named: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(named):
+        h.update(name.encode())
+        h.update(named[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _digest(e) -> str:
+    """An episode's identity for the audit: its tokens, mask, logprobs and versions."""
+    return hashlib.sha256(repr((e.token_ids, e.loss_mask, e.logprobs, e.versions))
+                          .encode()).hexdigest()[:20]

@@ -1,0 +1,54 @@
+"""Capabilities that compose with split placement (issue #43): a warm start before the pools
+split, then the KL reference on the train pool, which is the warmed policy.
+
+One 4-rank run (train pool ranks 0-1 in dp2, rollout pool ranks 2-3 in dp2, the calculator, k =
+1, 3 iterations): the warm start runs on the whole world (sft.jsonl, a 4-rank layout), the train
+pool's policy and reference load its last checkpoint, and the run trains every episode the
+rollout pool sent exactly once (the split audit, tests/distributed/split_audit.py). The KL is
+the check that the reference is the warmed policy: iteration 0 trains the first batch on the
+warmed weights, where policy and reference are the same weights in the same layout, so its KL
+is exactly 0 (the initial policy as reference would give a KL far from 0); later iterations,
+after optimizer steps, have a positive one."""
+
+import json
+from pathlib import Path
+
+from earl_megatron.config.train import TrainConfig
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.testing.multiproc import run_distributed
+from split_audit import check_exactly_once, read_audit, train_audited
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "calculator_traces.jsonl"
+
+
+def _cfg(out, iterations=3):
+    return TrainConfig.from_dict({
+        "model": {"vocab_size": 64, "num_attention_heads": 4, "num_query_groups": 2},
+        "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
+        "env": {"name": "calculator", "kwargs": {"system_prompt": "", "num_operands": 2},
+                "eval_opponents": []},
+        "rollout": {"tokenizer": "tool", "episodes_per_iteration": 4, "max_turns": 3,
+                    "max_action_tokens": 16, "placement": "split", "pool_ranks": 2},
+        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
+                      "max_staleness": 1, "off_policy": "decoupled",
+                      "old_logprobs": "recompute", "kl_mode": "loss", "kl_coef": 0.1},
+        "sft": {"steps": 2, "batch_size": 8, "data": str(TRACES), "lr": 1e-2, "log_every": 1},
+        "run": {"iterations": iterations, "output_dir": str(out), "checkpoint_every": 0,
+                "eval_episodes": 2, "live_view": False},
+    })
+
+
+def test_warm_start_then_split_with_the_warmed_policy_as_kl_reference(tmp_path):
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    hist = run_distributed(train_audited, 4, _cfg(out), str(audit), timeout=600)[0]
+    sft = [json.loads(x) for x in (out / "sft.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft] == [0, 1]
+    # the warm start ran before the pools split: on all 4 ranks
+    assert {ParallelLayout.parse(r["layout"]).world_size for r in sft} == {4}, sft
+    assert [h["iteration"] for h in hist] == [0, 1, 2]
+    assert hist[0]["kl"] == 0.0 and hist[0]["ref_log_ratio_max"] == 0.0, hist[0]
+    assert hist[2]["kl"] > 0.0, hist[2]
+    assert all(h["staleness_max"] <= 1 for h in hist)
+    check_exactly_once(read_audit(audit), 3)
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "iter_000002" in ckpts and "sft" in ckpts, ckpts
