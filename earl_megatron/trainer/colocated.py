@@ -19,12 +19,14 @@ abandoned iteration exactly.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
+from earl_megatron.trainer.audit import RunAudit
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer
@@ -36,8 +38,16 @@ class Colocated:
     lag = 0
     trains = True
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, auto=None):
         self.tr = trainer
+        self.auto = auto
+        """rollout.placement=auto (trainer/auto.py): re-planned before every stage; None: fixed."""
+        self.seg_start = 0
+        """The iteration this placement started at (auto re-plans from the one after)."""
+        self.audit = RunAudit.from_env(trainer.rank)
+        """Tests: what each replica played and trained (trainer/audit.py)."""
+        self._last: Optional[tuple] = None
+        """(record, lengths) of the last iteration trained here (auto's measured rates)."""
         self.models: Optional[ModelPair] = None
         self._completed: dict = {}
         """The last completed iteration, its policy layout and selector state."""
@@ -50,7 +60,8 @@ class Colocated:
 
     def start(self) -> tuple[int, list[str]]:
         tr = self.tr
-        begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on)
+        begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on,
+                             any_placement=self.auto is not None)
         self.models = begin.models
         tr.history.extend(begin.history)
         tr.saved, tr.sft_start, tr.sft_history = begin.saved, begin.sft_step, begin.sft_history
@@ -63,6 +74,8 @@ class Colocated:
         self._mark_completed(begin.iteration - 1)
         if begin.iteration > 0 and tr.cfg.sft.steps:   # an RL checkpoint: warmed before it
             self._warm_reference()
+        if self.auto is not None:
+            messages.append(self.describe())
         return begin.iteration, messages
 
     def warm_start(self) -> bool:
@@ -78,7 +91,36 @@ class Colocated:
             ref = self.models.reference_in(self.models.reference.layout)
             self.tr.warmed_reference(ref)
 
+    def moved_in(self) -> None:
+        """auto moved the run here: the policy (and reference) built in the plan's rollout
+        layout from the checkpoint just written, the episode pool restored on every rank."""
+        from earl_megatron.runtime.checkpoint import load_checkpoint
+        from earl_megatron.runtime.checkpoint_files import find_checkpoint
+        from earl_megatron.trainer.model_pair import build_model_pair
+
+        tr, cfg = self.tr, self.tr.cfg
+        found = find_checkpoint(tr.out / "checkpoints")
+        state = found.state
+        lay = self.auto.plan.rollout.layout
+        self.models = build_model_pair(cfg.model, lay, lay if tr.kl_on else None,
+                                       optimizer=tr.optimizer, seed=cfg.run.seed,
+                                       init=cfg.run.init)
+        load_checkpoint(self.models.policy, found.path)
+        if cfg.sft.steps:
+            self._warm_reference()
+        tr.planner.restore([], state["last_lengths"], state.get("profile"))
+        tr.history[:] = state["history"]
+        tr.saved = state["iteration"]
+        if state.get("pool") is not None:
+            tr.pool.restore(state["pool"])
+        self._mark_completed(state["iteration"])
+
+    def describe(self) -> str:
+        line = f"colocated placement on {self.tr.world} ranks"
+        return line + (f" ({self.auto.plan.reason})" if self.auto is not None else "")
+
     def begin(self, j: int, evaluate: bool) -> None:
+        self.seg_start = j
         if evaluate:
             self.tr.evaluate_into("start", self.models)
 
@@ -86,8 +128,27 @@ class Colocated:
         """Stage j on every rank; None when told to stop before it."""
         if self.tr.stop.world_should_stop():
             return None
+        if self.auto is not None and j > self.seg_start:
+            plan = self._replan()
+            if not plan.colocated:
+                return _Move(plan)
         with self._keeping_trained():
             return self._play(j)
+
+    def _replan(self):
+        """auto, before stage j: rank 0 re-plans from iteration j - 1's measured seconds (the
+        stage's decoding apart from its environments' time); every rank takes its plan."""
+        auto, proposal = self.auto, None
+        if self.tr.rank == 0:
+            rec, lengths = self._last if self._last is not None else ({}, [])
+            rates = auto.colocated_rates(rec, lengths)
+            stage = rec.get("seconds", {}).get("rollout", 0.0)
+            env = max(0.0, stage - rec.get("rollout_decode_s", stage))
+            proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
+        plan = auto.agree(proposal)
+        if plan.colocated:
+            auto.plan = plan
+        return plan
 
     def _play(self, j: int):
         tr, cfg = self.tr, self.tr.cfg
@@ -105,8 +166,10 @@ class Colocated:
                 if tr.pool is not None:   # asynchronous: episodes carry over
                     out = tr.rollout.play_pool(
                         policy, tr.pool, j, sample_seed=rollout_sample_seed(cfg.run.seed, j),
-                        should_stop=tr.stop.replica_should_stop)
+                        should_stop=tr.stop.replica_should_stop,
+                        **({"time_decode": True} if self.auto is not None else {}))
                     ids, episodes, pool_metrics = out.ids, out.episodes, out.metrics
+                    self.audit.sent(tr.pool, j, out)
                 else:
                     seeds = episode_seeds(cfg.run.seed, j, n, cfg.algorithm.group_size)
                     ids, episodes = tr.rollout.play(
@@ -123,6 +186,9 @@ class Colocated:
         tr = self.tr
         if played is None:
             return Meeting(stop=True)
+        if isinstance(played, _Move):   # auto: iteration j - 1 saved, stage j plays there
+            self.save_completed()
+            return Meeting(move=played.plan)
         if tr.stop.world_should_stop():   # every rank, abandoned or not: stop untrained
             if tr.pool is not None:
                 tr.pool.rewind()
@@ -133,10 +199,14 @@ class Colocated:
         tr = self.tr
         t, layouts, policy = self._stage
         ids, episodes, pool_metrics = batch
+        t0 = time.perf_counter()
         with self._keeping_trained():
             rec = tr.score_and_train(j, self.models, policy, layouts, ids, episodes,
                                      pool_metrics, t, sync=True)
+        # the batch a replica played is the batch it trained: its leader says so for its block
+        self.audit.stage(policy, "train", j, t0, ids=ids, episodes=episodes)
         self._mark_completed(j)
+        self._last = (rec, list(tr.planner.last_lengths or []))
         return rec
 
     @contextlib.contextmanager
@@ -156,8 +226,14 @@ class Colocated:
             self._checkpoint(j)
         return stop
 
-    def move(self, plan) -> None:
-        raise AssertionError("colocated placement never moves")
+    def move(self, plan):
+        """auto: the placement of ``plan``, built from the checkpoint just written."""
+        old = self.describe()
+        self.models = None
+        new = self.auto.placement_for(plan)
+        new.moved_in()
+        self.tr.recorder.view.message(f"moved from {old.split(' (')[0]} to {new.describe()}")
+        return new
 
     def save_completed(self) -> None:
         done = self._completed["iteration"]
@@ -183,3 +259,10 @@ class Colocated:
             selector=tr.planner.state_json(done["selector"]),
             profile=tr.planner.profile_json(),
             pool=tr.pool.state() if tr.pool is not None else None))
+
+
+class _Move:
+    """auto's decision before a stage: leave for ``plan``."""
+
+    def __init__(self, plan):
+        self.plan = plan

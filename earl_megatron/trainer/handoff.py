@@ -1,4 +1,4 @@
-"""Split placement's weight handoff (meeting step 4) and its audit.
+"""Split placement's weight handoff (meeting step 4).
 
 The handoff runs on a process group of its own (the world's ranks, made once at setup) whose
 timeout is ``cluster.weight_sync_timeout_s``: once every rank has arrived (a world barrier, so
@@ -11,21 +11,13 @@ since it is done again: the handoff cannot checkpoint, its world is broken). Fau
 With SGLang the rollout pool holds no model: full buckets are assembled at the servers'
 leaders from the train pool's shards (``hand_off_full``) and kept there; the leaders push them
 into their servers after the meeting, outside the handoff's bound.
-
-The audit (``EARL_SPLIT_AUDIT``, tests only): every rank appends what it sent, trained and held
-to ``rank<r>.jsonl``, read back by tests/distributed/split_audit.py (exactly once, bit-exact
-weights after every handoff; costs a weight gather per handoff).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -36,10 +28,6 @@ from earl_megatron.runtime.switcher import plan_params
 from earl_megatron.runtime.transport import Traffic
 from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off, hand_off_full
 from earl_megatron.trainer.sglang_rollout import replica_leaders
-
-AUDIT_ENV = "EARL_SPLIT_AUDIT"
-"""A directory: every rank appends what it sent, trained and held to ``rank<r>.jsonl`` there."""
-
 
 class HandoffFailed(RuntimeError):
     """Split placement's weight handoff timed out or failed on this rank (module docstring)."""
@@ -131,77 +119,3 @@ def handoff_failure(j: int, e: Exception, seconds: float, *, n_t: int, world: in
 
 def ranks_text(first: int, end: int) -> str:
     return f"rank {first}" if end - first == 1 else f"ranks {first}-{end - 1}"
-
-
-class SplitAudit:
-    """What each rank sent, trained and held, appended to ``<dir>/rank<r>.jsonl`` (tests)."""
-
-    def __init__(self, rank: int, directory: Optional[Path]):
-        self.rank, self.dir = rank, directory
-
-    @classmethod
-    def from_env(cls, rank: int) -> "SplitAudit":
-        return cls(rank, Path(os.environ[AUDIT_ENV]) if os.environ.get(AUDIT_ENV) else None)
-
-    def _write(self, row: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / f"rank{self.rank}.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def stage(self, split, side: str, it: int, t0: float, *, ids=(), episodes=()) -> None:
-        if self.dir is None:
-            return
-        row = {"side": side, "it": it, "start": t0 + time.time() - time.perf_counter(),
-               "end": time.time()}
-        if side == "train" and split.model.coords.tp == 0 and split.model.coords.pp == 0:
-            row["digests"] = sorted(_digest(e) for e in episodes)
-            row["ids"] = list(ids)
-        self._write(row)
-
-    def sent(self, split, j: int, out) -> None:
-        if self.dir is None or out is None or not split.tr.pool.leader:
-            return
-        self._write({"side": "sent", "it": j, "keys": [list(k) for k in out.keys],
-                     "digests": sorted(_digest(e) for e in out.episodes),
-                     "dropped": out.metrics.get("pool_dropped", 0)})
-
-    def weights(self, split, j: int) -> None:
-        """Each pool's full weights, gathered inside the pool, hashed by its first rank. With
-        SGLang the train pool hashes them under HF names and each server's leader hashes what
-        its server holds, read back by name (/get_weights_by_name), as float32."""
-        if self.dir is None:
-            return
-        from earl_megatron.weights.gather import gather_full
-        from earl_megatron.weights.hf_mapping import to_hf
-
-        if split.sglang and not split.train_side:
-            engine = split.tr.rollout.engine
-            if engine is not None:
-                held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
-                                           dtype=torch.float32)
-                        for bucket in split.tr.rollout.last_push for name, t in bucket}
-                self._write({"side": "weights", "it": j, "pool": "rollout",
-                             "sha256": _weights_digest(held), "names": len(held)})
-            return
-        model = split.model
-        full = gather_full(model.model, model.cfg, model.layout)
-        if groups.pool_rank() == 0:
-            if split.sglang:
-                full = {name: t.float() for name, t in to_hf(split.tr.cfg.model, full).items()}
-            self._write({"side": "weights", "it": j,
-                         "pool": "train" if split.train_side else "rollout",
-                         "sha256": _weights_digest(full), "names": len(full)})
-
-
-def _weights_digest(named: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(named):
-        h.update(name.encode())
-        h.update(named[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _digest(e) -> str:
-    """An episode's identity for the audit: its tokens, mask, logprobs and versions."""
-    return hashlib.sha256(repr((e.token_ids, e.loss_mask, e.logprobs, e.versions))
-                          .encode()).hexdigest()[:20]

@@ -51,8 +51,10 @@ class Start:
 
 
 def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
-          optimizer: OptimizerSpec, kl_on: bool) -> Start:
-    """The run's start (module docstring); restores ``planner``'s state from a checkpoint."""
+          optimizer: OptimizerSpec, kl_on: bool, *, any_placement: bool = False) -> Start:
+    """The run's start (module docstring); restores ``planner``'s state from a checkpoint.
+    ``any_placement``: rollout.placement=auto, which resumes a split's checkpoint too (its
+    layout is the train pool's: planned anew here)."""
     def parse(text: str) -> ParallelLayout:
         return ParallelLayout.parse(text, world_size=world, model=cfg.model)
 
@@ -67,6 +69,15 @@ def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
     found = find_checkpoint(out / "checkpoints") if cfg.run.resume else None
     if found is not None:
         ckpt, state = found.path, found.state
+        if state.get("placement") and any_placement:
+            planner.restore([], state["last_lengths"], state.get("profile"))
+            lay = planner.plan("rollout", planner.rollout_lengths(), None)
+            models = models_in(lay, lay if kl_on else None)
+            load_checkpoint(models.policy, ckpt)
+            return Start(state["iteration"] + 1, models, [
+                f"resumed from {ckpt} (written by split placement) at iteration "
+                f"{state['iteration'] + 1}"], history=list(state["history"]),
+                saved=state["iteration"], pool=state.get("pool"))
         if state.get("placement"):
             raise ConfigError(
                 f"{ckpt} was written under rollout.placement=split (pools "

@@ -69,6 +69,7 @@ from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, adv
                                            kl_to_reference, owns_samples)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
+from earl_megatron.trainer.auto import Auto
 from earl_megatron.trainer.colocated import Colocated
 from earl_megatron.trainer.split import Split
 from earl_megatron.trainer.stop import StopControl
@@ -109,10 +110,13 @@ class Trainer:
         self.sft_start, self.sft_history = 0, []
         """The warm start's next step and its records (restored from its checkpoint)."""
         colocated = r.placement == "colocated"
-        self.placement = Colocated(self) if colocated else Split(self)
-        """Who plays, who trains, where they meet (trainer/loop.py)."""
-        self.planner = self.make_planner(self.placement.planned_world(),
-                                         servers_here=colocated)
+        self.placement = Colocated(self) if colocated else \
+            Split(self) if r.placement == "split" else None
+        """Who plays, who trains, where they meet (trainer/loop.py); auto: its first plan's,
+        made at the start (trainer/auto.py)."""
+        self.planner = self.make_planner(self.placement.planned_world() if self.placement
+                                         else self.world, servers_here=colocated)
+        self.auto = Auto(self) if r.placement == "auto" else None
         # split placement: each side's engine is the placement's (SGLang on the rollout pool)
         self.rollout = self.make_rollout(r.engine if colocated else "embedded")
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
@@ -246,6 +250,8 @@ class Trainer:
         """The run under this config's placement (trainer/loop.py); the history."""
         from earl_megatron.trainer.loop import run_loop
 
+        if self.auto is not None:
+            self.placement = self.auto.first()
         start, messages = self.placement.start()
         return self.drive(start, messages, lambda: run_loop(self, self.placement, start))
 

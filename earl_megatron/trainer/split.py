@@ -70,8 +70,7 @@ import torch.distributed as dist
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
-from earl_megatron.plan.split import (MeasuredRates, SplitDoesNotFitError, SplitPlan,
-                                      plan_split)
+from earl_megatron.plan.split import MeasuredRates, SplitPlan
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, build_on_layout, seat_on_layout
@@ -81,7 +80,8 @@ from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
     transfer_episodes
 from earl_megatron.seeds import rollout_sample_seed
 from earl_megatron.trainer import segments
-from earl_megatron.trainer.handoff import Handoff, HandoffFailed, SplitAudit, ranks_text
+from earl_megatron.trainer.audit import RunAudit
+from earl_megatron.trainer.handoff import Handoff, HandoffFailed, ranks_text
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer
@@ -129,21 +129,19 @@ class Split:
 
     lag = 1
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, auto=None):
         self.tr = tr = trainer
         cfg = tr.cfg
-        self.auto = cfg.rollout.placement == "auto"
+        self.auto = auto
+        """rollout.placement=auto (trainer/auto.py): its plan is this split's; None: fixed."""
         self.sglang = cfg.rollout.engine == "sglang"
         """The rollout pool runs SGLang servers (each replica's first rank leads one) and
         holds no model; the train pool evaluates with the embedded engine."""
         self.pools: Optional[tuple[ParallelLayout, ParallelLayout]] = \
             None if self.auto else split_pools(cfg, tr.world)
-        self.world_planner = None
-        """auto: the planner of the whole world, whose selector plans the split (cp = 1: the
-        train pool holds each replica's episodes whole, and decoding never uses cp)."""
-        self.split_plan: Optional[SplitPlan] = None
-        """auto: the split in force and why (plan/split.py)."""
         self.train_side = self.pools is not None and tr.rank < self.pools[0].world_size
+        if self.auto is not None:
+            self._use(self.auto.plan)
         self.model: Optional[ModelOnLayout] = None
         """This rank's model: the policy with its optimizer (train pool), or the rollout copy."""
         self.models: Optional[ModelPair] = None
@@ -155,12 +153,20 @@ class Split:
         """The iteration the current pools started from (their first handoff)."""
         self.held = 0
         """The version the rollout pool's weights are (train steps in them)."""
-        self.handoff = Handoff(tr.rank, tr.world, cfg.cluster.weight_sync_timeout_s)
-        self.audit = SplitAudit.from_env(tr.rank)
+        if auto is not None and auto.handoff is None:
+            auto.handoff = Handoff(tr.rank, tr.world, cfg.cluster.weight_sync_timeout_s)
+        self.handoff = auto.handoff if auto is not None else \
+            Handoff(tr.rank, tr.world, cfg.cluster.weight_sync_timeout_s)
+        self.audit = RunAudit.from_env(tr.rank)
 
     @property
     def trains(self) -> bool:
         return self.train_side
+
+    @property
+    def split_plan(self) -> Optional[SplitPlan]:
+        """auto: the split in force and why (plan/split.py); None: a fixed split."""
+        return self.auto.plan if self.auto is not None else None
 
     def planned_world(self) -> int:
         """Ranks the stage planner lays out: the train pool's (auto: the world's)."""
@@ -177,34 +183,19 @@ class Split:
         problem = rollout_layout_problem(rollout, self.tr.cfg.rollout.engine)
         if problem:
             raise ConfigError(f"the split's rollout layout {rollout}: {problem}")
-        self.split_plan, self.pools = plan, (train, rollout)
+        self.pools = (train, rollout)
         self.train_side = self.tr.rank < train.world_size
         self.tr.planner = self.tr.make_planner(train.world_size, servers_here=False)
 
-    def _plan_split(self, lengths: list[int], rates: Optional[MeasuredRates],
-                    env_seconds: float = 0.0) -> SplitPlan:
-        """auto: the split for batches of ``lengths`` tokens under the measured ``rates`` (the
-        rollout's ``env_seconds``, which more ranks do not shorten, apart), kept where it is
-        unless another is faster by the hysteresis, moving included. Rank 0 plans (at the start
-        and before every meeting); the others take its plan."""
-        wp = self.world_planner
-        wp.last_lengths = list(lengths)
-        return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
-                          current=self.split_plan, colocated=False)
-
     # ------------------------------------------------------------------ the run
     def start(self) -> tuple[int, list[str]]:
-        """Each pool's model, from the newest checkpoint if any (``_start``); auto's world
-        planner (cp = 1) set up first."""
-        if self.auto and self.world_planner is None:
-            self.world_planner = wp = self.tr.planner
-            wp.selector = replace(wp.selector, config=replace(wp.selector.config, max_cp=1))
+        """Each pool's model, from the newest checkpoint if any (``_start``)."""
         start, pool_state, messages = self._start()
         if pool_state and not self.train_side:
             self.tr.pool.restore(pool_state)
-        return start, messages + [self._describe()]
+        return start, messages + [self.describe()]
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         t, r = self.pools
         line = (f"split placement: train pool {ranks_text(0, t.world_size)} in {t}, rollout pool "
                 f"{ranks_text(t.world_size, self.tr.world)} in {r}")
@@ -222,27 +213,12 @@ class Split:
                 raise ConfigError(refused)
         found = find_checkpoint(self.tr.out / "checkpoints") if cfg.run.resume or moved else None
         if found is not None and (found.state.get("world_size") != self.tr.world or
-                                  not found.state.get("placement")):
+                                  not (found.state.get("placement") or self.auto)):
             raise ConfigError(
                 f"{found.path} was written under placement "
                 f"{found.state.get('placement') or 'colocated'} on "
                 f"{found.state.get('world_size')} ranks: resume split placement on the same "
                 "world size, or start a new run from it with run.init")
-        if self.auto and not moved:   # rank 0 plans, every rank takes its plan (or error)
-            got: list = [None]
-            if self.tr.rank == 0:
-                try:
-                    got[0] = self._plan_split(found.state["last_lengths"] if found else [],
-                                              None)
-                except SplitDoesNotFitError as e:
-                    got[0] = ConfigError(
-                        f"rollout.placement=auto on {self.tr.world} ranks: {e}. Fix: more ranks, "
-                        "a larger layout.memory_budget_gb, or shorter contexts "
-                        "(rollout.max_context_tokens)")
-            dist.broadcast_object_list(got, src=0)
-            if isinstance(got[0], Exception):
-                raise got[0]
-            self._use(got[0])
         t, r = self.pools
         placement = {"train": str(t), "rollout": str(r)}
         if found is not None and not self.auto and found.state["placement"] != placement:
@@ -385,7 +361,7 @@ class Split:
         seconds = time.perf_counter() - t0
         if self.sglang and out is not None:
             out.metrics.update(tr.rollout.metrics())  # the servers, their pushes
-        self.audit.stage(self, "rollout", j, t0)
+        self.audit.stage(self.model, "rollout", j, t0)
         return out, abandoned, seconds
 
     def after_train(self, j: int) -> bool:
@@ -419,11 +395,7 @@ class Split:
             # auto's decision, made on rank 0 before the meeting (while it would wait) from the
             # step it just trained and the stage the meeting before measured; every rank
             # follows it
-            try:
-                mine["plan"] = self._replan(self._last_rollout)
-            except SplitDoesNotFitError as e:   # keep the split that runs; say why
-                mine["plan"] = self.split_plan
-                self.tr.recorder.view.message(f"auto kept its split: no other fits ({e})")
+            mine["plan"] = self.auto.replan_or_keep(lambda: self._replan(self._last_rollout))
         everyone: list = [None] * self.tr.world
         dist.all_gather_object(everyone, mine)
         wait = time.perf_counter() - arrived
@@ -450,18 +422,18 @@ class Split:
             return Meeting(end=True)
         if self.auto and j > start:
             plan = everyone[0]["plan"]
-            if (plan.train.layout, plan.rollout.layout) != self.pools:
+            if plan.colocated or (plan.train.layout, plan.rollout.layout) != self.pools:
                 if not self.train_side:
                     self.tr.pool.rewind()        # stage j plays again on the new pools
                 if self.tr.saved != done:
                     self._checkpoint_split(done, played=False)
                 return Meeting(move=plan)
-            self.split_plan = plan
+            self.auto.plan = plan
         with_timer = time.perf_counter()
         ids, episodes = transfer_episodes(t, r, packed, group_size=cfg.algorithm.group_size,
                                           sizes=[e["sizes"] for e in everyone])
         transfer_s = time.perf_counter() - with_timer
-        self.audit.sent(self, j, out)
+        self.audit.sent(self.tr.pool, j, out)
         handoff_s, handoff_bytes = self.handoff.run(self, j) if j > start else (0.0, 0)
         self.held = j
         split = {"rollout_s": everyone[n_t]["rollout_s"], "train_wait_s": wait,
@@ -485,18 +457,25 @@ class Split:
                                   tokens)
             # what the stage did besides decoding: tools, games, the loop; more ranks keep it
             env = max(0.0, stage - rollout0["metrics"].get("rollout_decode_s", stage))
-        return self._plan_split(lengths, rates, env)
+        return self.auto.propose(lengths, rates, env)
 
-    def move(self, plan: SplitPlan) -> None:
-        """auto moves the pools to ``plan``: every rank regroups, builds its new side's model
-        and loads the checkpoint just written (dist_checkpointing reshards the train state onto
-        the new train pool); the new rollout pool restores the episode pool from it."""
-        old = self._describe()
-        self._use(plan)
+    def moved_in(self) -> None:
+        """auto moved the run here: every rank builds its side's model and loads the checkpoint
+        just written (dist_checkpointing reshards the train state onto the train pool); the
+        rollout pool restores the episode pool from it."""
         _, pool_state, _ = self._start(moved=True)
-        if not self.train_side:
+        if pool_state and not self.train_side:
             self.tr.pool.restore(pool_state)
-        self.tr.recorder.view.message(f"moved from {old.split(' (')[0]} to {self._describe()}")
+
+    def move(self, plan: SplitPlan):
+        """auto: the placement of ``plan`` (another split, or colocated), built from the
+        checkpoint just written."""
+        old = self.describe()
+        self.model = self.models = None
+        new = self.auto.placement_for(plan)
+        new.moved_in()
+        self.tr.recorder.view.message(f"moved from {old.split(' (')[0]} to {new.describe()}")
+        return new
 
     def _checkpoint_split(self, done: int, played: bool) -> None:
         """Checkpoint iteration ``done`` at a meeting (world): the train pool's model and
@@ -541,6 +520,6 @@ class Split:
                                    episodes, metrics, timer, sync=False, train_layout=t)
         self._train_s = sum(rec["seconds"].get(k, 0.0) for k in ("old_logprob", "switch",
                                                                   "train"))
-        self.audit.stage(self, "train", it, t0, ids=ids, episodes=episodes)
+        self.audit.stage(self.model, "train", it, t0, ids=ids, episodes=episodes)
         return rec
 

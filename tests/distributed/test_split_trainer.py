@@ -153,32 +153,31 @@ def _auto_cfg(out, iterations):
     })
 
 
-def _train_moving(cfg, audit, move_at):
-    """The trainer with auto's decision at meeting ``move_at`` forced to the other split of
-    the selector's (the plan itself is tests/unit/test_split_plan.py's): the move's mechanism
-    on any machine, whatever the rates it measures."""
+def _train_scheduled(cfg, audit, schedule):
+    """The trainer with auto's n-th decision (rank 0: the start, then each re-plan) forced to
+    ``schedule[n]`` rollout ranks (0: colocated; the last entry repeats) through the planner's
+    own fixed-split plan (the choice itself is tests/unit/test_split_plan.py's): the moves'
+    mechanism on any machine, whatever the rates it measures."""
     from earl_megatron.plan.split import plan_split
-    from earl_megatron.trainer.split import Split
+    from earl_megatron.trainer.auto import Auto
 
-    decide = Split._replan
     calls = []
 
-    def replan(self, rollout0):
-        plan = decide(self, rollout0)
-        calls.append(plan.rollout_ranks)
-        if len(calls) == move_at:
-            wp = self.world_planner
-            other = 2 if plan.rollout_ranks != 2 else 1
-            plan = plan_split(wp.selector, wp.split_workload(), rollout_ranks=other)
-        return plan
+    def propose(self, lengths, rates, env_seconds=0.0):
+        n = schedule[min(len(calls), len(schedule) - 1)]
+        calls.append(n)
+        wp = self.planner
+        wp.last_lengths = list(lengths)
+        return plan_split(wp.selector, wp.split_workload(env_seconds), rollout_ranks=n,
+                          current=self.plan)
 
-    Split._replan = replan
+    Auto.propose = propose
     return train_audited(cfg, audit)
 
 
 def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_path):
     audit, out = tmp_path / "audit", tmp_path / "run"
-    hist = run_distributed(_train_moving, 4, _auto_cfg(str(out), 5), str(audit), 1,
+    hist = run_distributed(_train_scheduled, 4, _auto_cfg(str(out), 5), str(audit), [2, 1],
                            timeout=500)[0]
     assert [h["iteration"] for h in hist] == list(range(5))
     ranks = [h["split"]["rollout_ranks"] for h in hist]
@@ -193,5 +192,24 @@ def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_
     # exactly once across the move: the batch of the abandoned stage 1 was never sent
     check_exactly_once(rows, 5, per_batch=8)
     check_handoffs(rows)
+    for h in hist:
+        assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0
+
+
+def test_auto_moves_between_split_and_colocated_without_losing_an_episode(tmp_path):
+    """auto weighs the colocated loop beside every split: start on a split of 2 rollout ranks,
+    move to colocated at meeting 2 (stage 2 played again there), back to a split of 1 rollout
+    rank before stage 4; every episode sent is trained exactly once across both moves."""
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    hist = run_distributed(_train_scheduled, 4, _auto_cfg(str(out), 5), str(audit),
+                           [2, 2, 0, 0, 1], timeout=600)[0]
+    assert [h["iteration"] for h in hist] == list(range(5))
+    where = [h["split"]["rollout_ranks"] if "split" in h else 0 for h in hist]
+    assert where == [2, 2, 0, 0, 1], where
+    for it in (1, 3):   # the moves' checkpoints (checkpoint_every=0)
+        loop = json.loads((out / "checkpoints" / f"iter_{it:06d}" / "loop.json").read_text())
+        assert loop["iteration"] == it
+    rows = read_audit(audit)
+    check_exactly_once(rows, 5, per_batch=8)
     for h in hist:
         assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0

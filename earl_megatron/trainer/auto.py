@@ -1,0 +1,112 @@
+"""``rollout.placement=auto``: the selector picks the placement, colocated or a split of the world,
+and re-picks it at every safe point from what the run measures.
+
+The candidates are plan/split.py's: colocated (every rank plays, then trains: ``rollout_ranks``
+0) and every split whose two pools have a fitting layout; the least predicted period wins,
+each side's prediction scaled by what the placement that ran measured (``MeasuredRates``), kept
+where it is unless another is faster by the selector's hysteresis with the move counted.
+
+    start          rank 0 plans from the checkpoint's lengths (or the first prompt budget);
+                   every rank takes its plan, or its error (nothing fits)
+    colocated j    before stage j, rank 0 re-plans from iteration j - 1's rollout and train
+                   seconds; every rank takes the plan (trainer/colocated.py)
+    split j        before meeting j, rank 0 re-plans from step j - 1 and stage j - 1
+                   (trainer/split.py); the meeting carries the plan
+    a move         the untrained stage is rewound, iteration j - 1 checkpointed (the weights,
+                   the optimizer and the episode pool: one writer for every placement), and
+                   every rank builds its side of the new placement from that checkpoint
+                   (dist_checkpointing reshards the train state); stage j plays there
+
+The world's stage planner (cp = 1: split's train pool holds each replica's episodes whole, and
+decoding never uses cp) is the plan's, and the colocated placement's own planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch.distributed as dist
+
+from earl_megatron.config.train import ConfigError
+from earl_megatron.plan.split import MeasuredRates, SplitDoesNotFitError, SplitPlan, plan_split
+from earl_megatron.runtime.checkpoint_files import find_checkpoint
+
+
+class Auto:
+    """The auto placement's plan and planner, shared by the placements it moves between."""
+
+    def __init__(self, trainer):
+        self.tr = trainer
+        wp = trainer.planner
+        wp.selector = replace(wp.selector, config=replace(wp.selector.config, max_cp=1))
+        self.planner = wp
+        """The world's stage planner (the colocated placement's, the split plan's)."""
+        self.plan: Optional[SplitPlan] = None
+        """The placement in force and why."""
+        self.handoff = None
+        """Split's handoff group, made once (trainer/handoff.py)."""
+
+    def propose(self, lengths: list[int], rates: Optional[MeasuredRates],
+                env_seconds: float = 0.0) -> SplitPlan:
+        """Rank 0: the placement for batches of ``lengths`` tokens under the measured ``rates``
+        (the rollout's ``env_seconds``, which more ranks do not shorten, apart)."""
+        wp = self.planner
+        wp.last_lengths = list(lengths)
+        return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
+                          current=self.plan, colocated=True)
+
+    def first(self):
+        """The placement to start in: rank 0 plans from the newest checkpoint's lengths, every
+        rank takes its plan (or the error: nothing fits)."""
+        tr = self.tr
+        found = find_checkpoint(tr.out / "checkpoints") if tr.cfg.run.resume else None
+        got: list = [None]
+        if tr.rank == 0:
+            try:
+                got[0] = self.propose(found.state["last_lengths"] if found else [], None)
+            except SplitDoesNotFitError as e:
+                got[0] = ConfigError(
+                    f"rollout.placement=auto on {tr.world} ranks: {e}. Fix: more ranks, a "
+                    "larger layout.memory_budget_gb, or shorter contexts "
+                    "(rollout.max_context_tokens)")
+        dist.broadcast_object_list(got, src=0)
+        if isinstance(got[0], Exception):
+            raise got[0]
+        return self.placement_for(got[0])
+
+    def agree(self, proposal: Optional[SplitPlan]) -> SplitPlan:
+        """Every rank takes rank 0's ``proposal`` (a collective)."""
+        got = [proposal]
+        dist.broadcast_object_list(got, src=0)
+        return got[0]
+
+    def placement_for(self, plan: SplitPlan):
+        """The placement that runs ``plan`` (not started: ``start`` or ``moved_in`` next)."""
+        from earl_megatron.trainer.colocated import Colocated
+        from earl_megatron.trainer.split import Split
+
+        self.plan = plan
+        if plan.colocated:
+            self.tr.planner = self.planner
+            return Colocated(self.tr, auto=self)
+        return Split(self.tr, auto=self)
+
+    def replan_or_keep(self, propose) -> SplitPlan:
+        """Rank 0: ``propose()``, or the plan in force when nothing else fits (said in a
+        line)."""
+        try:
+            return propose()
+        except SplitDoesNotFitError as e:
+            self.tr.recorder.view.message(f"auto kept its placement: no other fits ({e})")
+            return self.plan
+
+    def colocated_rates(self, record: dict, lengths: list[int]) -> Optional[MeasuredRates]:
+        """What a colocated iteration measured: its rollout stage's seconds and its scoring
+        and training seconds, over the batch's tokens."""
+        sec = record.get("seconds", {})
+        rollout = sec.get("rollout", 0.0)
+        train = sum(sec.get(k, 0.0) for k in ("old_logprob", "logprob", "switch", "train"))
+        if not lengths or rollout <= 0 or train <= 0:
+            return None
+        return MeasuredRates(0, rollout, sum(lengths), train, sum(lengths))
