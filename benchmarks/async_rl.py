@@ -83,7 +83,7 @@ Its last lines: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (c
 <Y.YY>x (connect four)`` (section 4: split 1) and ``async: auto / best fixed split <A.AA> (tool
 latency), <B.BB> (connect four)``.
 
-Run:  PYTHONPATH=. python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
+Run:  python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
       [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
 """
 
@@ -97,6 +97,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_megatron.envs.base import Env, StepResult
 

@@ -33,6 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def _child(direction: str, src: str, dst: str, part_mb: float, shard_mb: float) -> None:
     """One conversion in this fresh process; ``part_mb`` 0 means unbounded."""

@@ -24,7 +24,14 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_megatron.plan.dispatch_sim import (ControllerSpec, compare_layouts, h100_cluster,
                                              simulate)

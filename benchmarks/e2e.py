@@ -37,6 +37,11 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(ROOT))
+
 # (rollout, train); logprob follows train (no reference model in the demo recipe)
 STATIC = [("dp4", "dp4"), ("dp4", "cp2-dp2"), ("tp2-dp2", "dp4"), ("tp2-dp2", "cp2-dp2"),
           ("tp2-dp2", "cp4"), ("tp2-dp2", "tp2-dp2"), ("tp2-dp2", "pp2-dp2"), ("tp4", "cp4")]

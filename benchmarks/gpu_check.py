@@ -42,6 +42,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(REPO))
+
 SKIP = 77   # a step's exit status for "not applicable on this host" (as automake's tests)
 DEMO = ["run.live_view=false", "run.resume=false", "run.checkpoint_every=0",
         "rollout.episodes_per_iteration=8", "run.eval_episodes=4", "env.eval_opponents=[random]",

@@ -12,7 +12,14 @@ Run:  python benchmarks/group_cache.py [--world 4] [--steps 1500]
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYOUTS = ("tp2-pp2", "pp2-dp2", "dp4", "tp2-dp2")
 

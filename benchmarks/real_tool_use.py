@@ -28,6 +28,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(ROOT))
+
 NO_TOOL_PROMPT = ("Answer the arithmetic question. Give your final answer as "
                   "<answer>391</answer>.")
 

@@ -32,6 +32,12 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PAIRS = {
     4: [("tp2-pp2", "tp4"), ("pp4", "tp2-dp2"), ("tp4", "pp2-dp2")],

@@ -42,9 +42,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_megatron.testing.multiproc import run_distributed
 
@@ -135,7 +141,7 @@ def _hf_dir(out: str, model: dict, seed: int) -> None:
 
 
 def engines_section(args) -> None:
-    from sglang_bench import layout_rates, weight_sync
+    from benchmarks.sglang_bench import layout_rates, weight_sync
 
     cases = [tuple(int(x) for x in c.split("x")) for c in args.engine_cases.split(",")]
     venv = Path(args.sglang_venv).expanduser() if args.sglang_venv else None

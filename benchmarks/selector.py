@@ -37,6 +37,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(ROOT))
+
 from earl_megatron.config.model import FAMILIES, ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.profile_table import ProfileTable
@@ -44,7 +50,6 @@ from earl_megatron.plan.selector import Selector, SelectorState
 from earl_megatron.plan.specs import Stage, StageWorkload, TrainOptions, cluster_spec
 from earl_megatron.plan.tensor_table import num_parameters
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 FIXED = ParallelLayout(dp=4)
 NEAR = 0.10

@@ -33,6 +33,12 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
+
+# `python benchmarks/NAME.py` puts benchmarks/, not the repository root, first on sys.path: put
+# the root first, so that this checkout's earl_megatron (not an installed copy) and
+# `benchmarks.*` (what worker processes import by name) are what the benchmark imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CASES = [("dense", "tp2xdp2"), ("dense", "pp2xdp2"), ("moe", "ep2xtp2")]
 PUSHERS = {"2 servers": (0, 2), "1 server": (0,)}
