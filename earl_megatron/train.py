@@ -175,15 +175,16 @@ def _check_agent(cfg: TrainConfig, world: int) -> None:
     if cfg.sft.steps and cfg.sft.data is None:
         raise ConfigError("sft.steps > 0 with env.name=agent needs sft.data=PATH (chat "
                           "trajectories): agent programs have no scripted expert")
-    if cfg.model.num_experts and cfg.rollout.engine == "embedded":
+    if cfg.model.num_experts and cfg.rollout.engine == "embedded" and \
+            cfg.layout.mode == "static":   # auto layouts plan ep = 1 rollouts themselves
         from earl_megatron.plan.layout import ParallelLayout
-        rollout = cfg.layout.static("rollout") if cfg.layout.mode == "static" else None
-        if rollout is None or ParallelLayout.parse(rollout, world_size=world,
-                                                   model=cfg.model).ep > 1:
+        rollout = cfg.layout.static("rollout")
+        if ParallelLayout.parse(rollout, world_size=world, model=cfg.model).ep > 1:
             raise ConfigError(
-                "env.name=agent with an MoE model on the embedded engine needs layout=static "
-                "and a layout.rollout with ep=1 (or rollout.engine=sglang): embedded replicas "
-                "with ep > 1 decode in lockstep, which agent programs' own timing cannot follow")
+                f"env.name=agent with an MoE model on the embedded engine: layout.rollout="
+                f"{rollout} has ep > 1; use a layout.rollout with ep=1, layout=auto (which "
+                "plans ep=1 rollouts), or rollout.engine=sglang: embedded replicas with ep > 1 "
+                "decode in lockstep, which agent programs' own timing cannot follow")
 
 
 def _check_inputs(cfg: TrainConfig) -> None:

@@ -67,6 +67,9 @@ class SelectorConfig:
     max_pp: Optional[int] = None
     rollout_max_pp: Optional[int] = None
     """Cap on pp for ROLLOUT (None: max_pp). Servers (SGLang) get pp = cp = 1 regardless."""
+    rollout_max_ep: Optional[int] = None
+    """Cap on ep for ROLLOUT (None: none). 1 for agent programs on the embedded engine: replicas
+    with ep > 1 decode in lockstep, which agent programs' own timing cannot follow."""
     rollout_cp: bool = False
     """Allow cp > 1 for ROLLOUT. Off: Megatron-Core's inference engines and SGLang do not split
     a KV cache by sequence position."""
@@ -190,6 +193,8 @@ class Selector:
                                     max_cp=max_cp, max_pp=max_pp, expert_tp="both")
         if servers:     # the trainer starts its servers with tp and dp only (no ep flag)
             layouts = [lay for lay in layouts if lay.ep == 1 and lay.etp is None]
+        if stage is Stage.ROLLOUT and c.rollout_max_ep is not None:
+            layouts = [lay for lay in layouts if lay.ep <= c.rollout_max_ep]
         return layouts
 
     def recompute_modes(self, stage: Stage) -> tuple[Recompute, ...]:

@@ -1,5 +1,7 @@
 """``rollout.placement=auto``: the selector picks the placement, colocated or a split of the world,
-and re-picks it at every safe point from what the run measures.
+and re-picks it at every safe point from what the run measures. ``rollout.placement=split`` with
+``layout.mode=auto`` is the same over splits only: the selector lays out both pools, and sizes
+them unless ``rollout.pool_ranks`` does.
 
 The candidates are plan/split.py's: colocated (every rank plays, then trains: ``rollout_ranks``
 0) and every split whose two pools have a fitting layout; the least predicted period wins,
@@ -36,8 +38,13 @@ from earl_megatron.runtime.checkpoint_files import find_checkpoint
 class Auto:
     """The auto placement's plan and planner, shared by the placements it moves between."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, *, rollout_ranks: Optional[int] = None, colocated: bool = True):
         self.tr = trainer
+        self.rollout_ranks = rollout_ranks
+        """A fixed rollout pool's size (split placement with auto layouts and
+        rollout.pool_ranks); None: the selector's count."""
+        self.colocated = colocated
+        """Colocated is a candidate (placement=auto); False: splits only (placement=split)."""
         wp = trainer.planner
         wp.selector = replace(wp.selector, config=replace(wp.selector.config, max_cp=1))
         self.planner = wp
@@ -54,7 +61,8 @@ class Auto:
         wp = self.planner
         wp.last_lengths = list(lengths)
         return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
-                          current=self.plan, colocated=True)
+                          current=self.plan, colocated=self.colocated,
+                          rollout_ranks=self.rollout_ranks)
 
     def first(self):
         """The placement to start in: rank 0 plans from the newest checkpoint's lengths, every

@@ -56,7 +56,8 @@ class StagePlanner:
     def __init__(self, model: ModelConfig, layout: LayoutConfig, cluster: ClusterConfig,
                  world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
                  sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0,
-                 prefill_tokens: int = PREFILL_TOKENS, in_flight: Optional[int] = None):
+                 prefill_tokens: int = PREFILL_TOKENS, in_flight: Optional[int] = None,
+                 rollout_max_ep: Optional[int] = None):
         self.model, self.layout_cfg, self.world = model, layout, world
         self.episodes, self.batch, self.prefill_tokens = episodes, batch, prefill_tokens
         self.in_flight = in_flight or episodes
@@ -81,7 +82,8 @@ class StagePlanner:
                                                 max_tp=layout.max_tp, max_cp=layout.max_cp,
                                                 max_pp=layout.max_pp,
                                                 server_restart_s=sglang_restart_s,
-                                                auto_recompute=auto_recompute))
+                                                auto_recompute=auto_recompute,
+                                                rollout_max_ep=rollout_max_ep))
         self.servers = sglang_mem_fraction is not None
         self.profile = ProfileTable()
         self.state = SelectorState()

@@ -85,6 +85,13 @@ def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
                                      port=r.agent_port)
 
 
+def agent_programs_on_moe(cfg: TrainConfig) -> bool:
+    """Agent programs on an MoE model decoded by the embedded engine: rollouts at ep = 1
+    (replicas with ep > 1 decode in lockstep, which the programs' own timing cannot follow)."""
+    return cfg.env.name == "agent" and bool(cfg.model.num_experts) and \
+        cfg.rollout.engine == "embedded"
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, tokenizer):
         self.cfg, self.tok = cfg, tokenizer
@@ -110,13 +117,21 @@ class Trainer:
         self.sft_start, self.sft_history = 0, []
         """The warm start's next step and its records (restored from its checkpoint)."""
         colocated = r.placement == "colocated"
-        self.placement = Colocated(self) if colocated else \
-            Split(self) if r.placement == "split" else None
-        """Who plays, who trains, where they meet (trainer/loop.py); auto: its first plan's,
-        made at the start (trainer/auto.py)."""
+        planned = r.placement == "auto" or (r.placement == "split" and
+                                             cfg.layout.mode == "auto")
+        self.placement = Colocated(self) if colocated else None if planned else Split(self)
+        """Who plays, who trains, where they meet (trainer/loop.py); planned by the selector
+        (auto, or split with auto layouts): its first plan's, made at the start."""
         self.planner = self.make_planner(self.placement.planned_world() if self.placement
                                          else self.world, servers_here=colocated)
-        self.auto = Auto(self) if r.placement == "auto" else None
+        self.auto = None
+        """The selector's placement plan (trainer/auto.py): auto weighs colocated and every
+        split; split with auto layouts lays out its pools (rollout.pool_ranks of them, or the
+        selector's count)."""
+        if r.placement == "auto":
+            self.auto = Auto(self)
+        elif planned:
+            self.auto = Auto(self, rollout_ranks=r.pool_ranks, colocated=False)
         # split placement: each side's engine is the placement's (SGLang on the rollout pool)
         self.rollout = self.make_rollout(r.engine if colocated else "embedded")
         # the trainer re-scores the episodes on the old policy: for recompute, and always for
@@ -168,7 +183,8 @@ class Trainer:
                             episodes=r.episodes_per_iteration, batch=self.batch,
                             sglang_mem_fraction=frac, sglang_restart_s=r.sglang_restart_s,
                             prefill_tokens=r.prefill_tokens,
-                            in_flight=(a.max_staleness + 1) * r.episodes_per_iteration)
+                            in_flight=(a.max_staleness + 1) * r.episodes_per_iteration,
+                            rollout_max_ep=1 if agent_programs_on_moe(cfg) else None)
 
     # ------------------------------------------------------------------ one iteration
     def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,
