@@ -14,6 +14,11 @@ the trainer's stop flag (a collective over the replica) before every batch, and 
 ``tick_s`` while the agents are busy elsewhere: a stop abandons the rollout within about a
 second. SGLang servers batch requests themselves and only the leader plays (no group).
 
+Each answer names the policy version that sampled it (``Answer.version``, the driver's
+``version`` when it decoded the batch): under asynchronous RL an agent's call waits in the
+broker while no rollout stage is serving (the weights are being trained) and is decoded by the
+next stage, at the next version (trainer/agent_pool.py).
+
 Invariants: every submitted request gets exactly one answer (its Generation, or the exception
 its batch raised); ``generate`` calls happen in the same order with the same arguments on every
 rank of the replica; the followers leave their loop exactly when the leader says so.
@@ -32,11 +37,17 @@ import torch.distributed as dist
 from earl_megatron.rollout.engine import SamplingParams
 
 
+class Answer(concurrent.futures.Future):
+    """A request's future; ``version`` is set (by the driver) before its result."""
+
+    version: int = -1
+
+
 @dataclass
 class _Request:
     prompt: tuple[int, ...]
     params: SamplingParams
-    future: concurrent.futures.Future
+    future: Answer
     arrived: float
 
 
@@ -50,9 +61,10 @@ class Broker:
         self.open_episodes = 0
         """Episodes whose agent may still call (the server keeps it): when every one of them
         has a request waiting, the batch goes at once."""
+        self._woken = False
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Answer:
+        fut = Answer()
         with self._cond:
             self._pending.append(_Request(tuple(prompt), params, fut, time.monotonic()))
             self._cond.notify_all()
@@ -63,9 +75,16 @@ class Broker:
         with self._cond:
             self._cond.notify_all()
 
+    def wake(self) -> None:
+        """Make the current (or next) ``take`` return at once, [] when no batch is ready: the
+        driver's ``done`` may have become true (an episode of the pool finished)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
     def take(self, timeout_s: float) -> list[_Request]:
         """The next batch (requests of one SamplingParams, oldest first), or [] after
-        ``timeout_s`` with nothing ready."""
+        ``timeout_s`` (or a ``wake``) with nothing ready."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -80,7 +99,8 @@ class Broker:
                     wait = min(first.arrived + self.window_s, deadline) - now
                 else:
                     wait = deadline - now
-                if wait <= 0:
+                if wait <= 0 or self._woken:
+                    self._woken = False
                     return []
                 self._cond.wait(wait)
 
@@ -98,13 +118,16 @@ class ReplicaDriver:
 
     ``group``: the replica's ranks (leader first), None when the leader decodes alone.
     ``should_stop``: the trainer's stop check, called by every rank of the replica the same
-    number of times (before every batch and every ``tick_s`` without one)."""
+    number of times (before every batch and every ``tick_s`` without one). ``version``: the
+    policy version of the engine's weights, set on every answer (``Answer.version``)."""
 
     def __init__(self, engine, group=None, *,
-                 should_stop: Optional[Callable[[], bool]] = None, tick_s: float = 1.0):
+                 should_stop: Optional[Callable[[], bool]] = None, tick_s: float = 1.0,
+                 version: int = -1):
         self.engine, self.group = engine, group
         self.should_stop = should_stop
         self.tick_s = float(tick_s)
+        self.version = int(version)
         self.batches = 0
 
     def _share(self, message):
@@ -145,6 +168,7 @@ class ReplicaDriver:
                     raise
                 self.batches += 1
                 for r, g in zip(batch, out, strict=True):
+                    r.future.version = self.version
                     r.future.set_result(g)
             return True
         finally:

@@ -19,6 +19,9 @@ optional "info"), what the agent posted to {base}/reward, ``reward(task, message
 conversation as the agent last saw it. Without an entry the built-in agent sends the row's
 ``messages`` (or ``prompt`` as one user message) once: the single-turn dataset-and-reward setup.
 
+``run_agents`` plays a list of tasks to their end (one rollout stage); ``start_agent`` starts one
+episode and hands back a future (asynchronous RL: trainer/agent_pool.py keeps it across stages).
+
 Failures never stop the run: an agent that raises (or finds no reward) loses its episode
 (``error`` holds its last line), one past ``timeout_s`` too (``timed_out``; a thread cannot be
 killed, so its later calls meet 410 and it dies on its own). Invariant: ``run_agents`` returns
@@ -28,6 +31,7 @@ one Outcome per task, in order, after every episode is closed on the server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import json
@@ -177,9 +181,12 @@ async def _in_thread(fn: Callable, *args):
 
 
 async def _one(server, task: dict, agent: Callable, reward_fn: Optional[Callable],
-               timeout_s: float, gate: asyncio.Semaphore) -> Outcome:
+               timeout_s: float, gate: asyncio.Semaphore,
+               opened: Optional[Callable] = None) -> Outcome:
     async with gate:
         ep = server.open_episode(task)
+        if opened is not None:
+            opened(ep)
         args = (task, ep.base_url + "/v1", server.api_key, server.model_name)
         out = Outcome(episode=ep)
         try:
@@ -238,3 +245,23 @@ def run_agents(server, tasks: Sequence[dict], agent: Callable,
                                       for t in tasks))
 
     return list(asyncio.run_coroutine_threadsafe(main(), agents_loop()).result())
+
+
+def agent_gate(concurrency: int) -> asyncio.Semaphore:
+    """A semaphore of ``agents_loop()`` admitting ``concurrency`` agents at once, for
+    ``start_agent``."""
+    async def make():
+        return asyncio.Semaphore(max(1, concurrency))
+
+    return asyncio.run_coroutine_threadsafe(make(), agents_loop()).result()
+
+
+def start_agent(server, task: dict, agent: Callable, reward_fn: Optional[Callable], *,
+                timeout_s: float, gate: asyncio.Semaphore,
+                opened: Optional[Callable] = None) -> concurrent.futures.Future:
+    """One episode started on ``agents_loop()`` and not waited for (asynchronous RL keeps it
+    running across rollout stages): a future of its Outcome. ``opened(ep)`` is called with its
+    AgentEpisode when it opens on the server (after ``gate`` admits it). Cancelling the future
+    ends the episode: the server closes it (its later calls meet 410)."""
+    return asyncio.run_coroutine_threadsafe(
+        _one(server, task, agent, reward_fn, timeout_s, gate, opened), agents_loop())

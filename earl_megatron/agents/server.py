@@ -79,6 +79,8 @@ class AgentEpisode:
     last_messages: list = field(default_factory=list)
     """The latest request's messages plus the reply: the conversation as the agent saw it."""
     closed: bool = False
+    oldest: Optional[int] = None
+    """The oldest version among its sampled tokens (None before one): trainer/agent_pool.py."""
 
 
 def _error(status: int, message: str, code: str, kind: str = "invalid_request_error",
@@ -302,7 +304,10 @@ class AgentServer:
             return _error(503, f"the rollout engine did not answer ({type(e).__name__}: {e})",
                           "engine_unavailable", "server_error", {"Retry-After": "1"})
         ids, logprobs, finish, cut = cut_at_stop(self.renderer, gen, req["stop"])
-        reply = ep.tokens.complete(prompt, ids, logprobs, finish, stop_text_cut=cut)
+        version = fut.version   # the policy version that sampled them (broker.Answer)
+        reply = ep.tokens.complete(prompt, ids, logprobs, finish, cut, version)
+        if ids and version >= 0:
+            ep.oldest = version if ep.oldest is None else min(ep.oldest, version)
         ep.calls += 1
         ep.tool_calls += len(reply.tool_calls)
         ep.malformed += reply.malformed

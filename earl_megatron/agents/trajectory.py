@@ -29,8 +29,9 @@ grew since its prompt was made (concurrent requests) branches: a new row holding
 tokens up to that prompt.
 
 Invariants (tests/unit/test_agent_tito.py, with char, BPE ChatML and SmolLM2 tokenizers):
-- every row: ``len(token_ids) == len(loss_mask) == len(logprobs)``; mask 1 exactly on sampled
-  ids, with the engine's logprobs there and 0.0 elsewhere;
+- every row: ``len(token_ids) == len(loss_mask) == len(logprobs) == len(versions)``; mask 1
+  exactly on sampled ids, with the engine's logprobs there and 0.0 elsewhere, and the version
+  that sampled them there and -1 elsewhere;
 - mask-1 ids are the sampled ids as sampled, never decoded and re-encoded (a fork's prompt holds
   earlier replies as context, mask 0, encoded from their raw text);
 - ``decode(row.token_ids)`` is the template text of ``row.messages`` (assistant contents = the
@@ -84,6 +85,9 @@ class Row:
     forked_from_reason: str
     finish_reasons: tuple[str, ...]
     """The engine's finish_reason for each sampled turn."""
+    versions: tuple[int, ...] = ()
+    """The policy version that sampled each token (-1 where the mask is 0): an episode that
+    lives across rollout stages (asynchronous RL) holds turns of several versions."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +113,14 @@ class _Row:
     turn_log: list = field(default_factory=list)  # (end index, tool calls, malformed, finish)
     stopped: bool = False
     rendered: Optional[str] = None  # template text of messages, None when not extendable
+    versions: list = field(default_factory=list)
 
-    def append(self, ids: Sequence[int], mask: int, logprobs: Optional[Sequence[float]] = None):
+    def append(self, ids: Sequence[int], mask: int, logprobs: Optional[Sequence[float]] = None,
+               version: int = -1):
         self.tokens.extend(ids)
         self.mask.extend([mask] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.versions.extend([version if mask else -1] * len(ids))
 
 
 def _canonical_args(arguments: str) -> str:
@@ -178,7 +185,8 @@ class EpisodeTokens:
         reason = reason if forked else ""
         ids = self.renderer.encode(text)
         self.forks += forked
-        self._rows.append(_Row(list(ids), [0] * len(ids), [0.0] * len(ids), text, tools, reason))
+        self._rows.append(_Row(list(ids), [0] * len(ids), [0.0] * len(ids), text, tools, reason,
+                               versions=[-1] * len(ids)))
         return Prompt(tuple(ids), len(self._rows) - 1, forked, reason, len(ids), text,
                       tuple(canon), tuple(tools), matched)
 
@@ -233,11 +241,12 @@ class EpisodeTokens:
     # --- completions ----------------------------------------------------------------------------
 
     def complete(self, prompt: Prompt, token_ids: Sequence[int], logprobs: Sequence[float],
-                 finish_reason: str, stop_text_cut: int = 0) -> Reply:
+                 finish_reason: str, stop_text_cut: int = 0, version: int = -1) -> Reply:
         """Record the engine's sampled ids for ``prompt`` and parse them into a Reply.
 
         ``stop_text_cut``: characters the server cut from the end of the decoded text (a client
-        stop string); the reply omits them, the row keeps every sampled id."""
+        stop string); the reply omits them, the row keeps every sampled id. ``version``: the
+        policy version that sampled them (the row's ``versions``; -1: not known)."""
         token_ids, logprobs = list(token_ids), list(logprobs)
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} sampled ids but {len(logprobs)} logprobs; the "
@@ -256,7 +265,7 @@ class EpisodeTokens:
         if len(row.tokens) != prompt.start:
             row = self._branch(prompt)
         row.append(prompt.ids[prompt.start:], 0)
-        row.append(token_ids, 1, logprobs)
+        row.append(token_ids, 1, logprobs, version)
         reply = self.renderer.parser.parse(text[:len(text) - stop_text_cut],
                                            f"{self.id_tag}{self.calls}")
         index = len(self._completions)
@@ -285,7 +294,8 @@ class EpisodeTokens:
         new = _Row(src.tokens[:start], src.mask[:start], src.logprobs[:start], prompt.text,
                    list(prompt.tools), f"row {prompt.row} got another completion after this "
                    "prompt was made (concurrent requests)",
-                   turn_log=[t for t in src.turn_log if t[0] <= start])
+                   turn_log=[t for t in src.turn_log if t[0] <= start],
+                   versions=src.versions[:start])
         self._rows.append(new)
         self.forks += 1
         return new
@@ -295,5 +305,5 @@ class EpisodeTokens:
         return [Row(tuple(r.tokens), tuple(r.mask), tuple(r.logprobs), len(r.turn_log),
                     sum(t[1] for t in r.turn_log), sum(t[2] for t in r.turn_log),
                     tuple(r.messages), tuple(r.tools), r.forked_from_reason,
-                    tuple(t[3] for t in r.turn_log))
+                    tuple(t[3] for t in r.turn_log), tuple(r.versions))
                 for r in self._rows if r.turn_log]

@@ -428,11 +428,6 @@ class TrainConfig:
                 f"rollout.engine={self.rollout.engine!r} does not return them: use "
                 "rollout.engine=embedded or routing_replay=false")
         k = self.algorithm.max_staleness
-        if k and self.env.name == "agent":
-            raise ConfigError(
-                f"algorithm.max_staleness={k}: agent programs (env.name=agent) run to their end "
-                "inside one rollout stage; asynchronous RL steps environments of this project's "
-                "Env class: use algorithm.max_staleness=0 with env.name=agent")
         if k and self.algorithm.routing_replay:
             raise ConfigError(
                 f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "

@@ -20,6 +20,10 @@
   metrics.jsonl: iteration 0 recorded), then never returns: a stop request lands in that rollout by
   construction, whatever the machine's speed (as testing/envs.py's held game).
 
+- ``span``: one call, then waits until the file ``task["span_after"]`` holds a line (the run's
+  samples of iteration 0: its TRAIN step is done), then a second call extending the first: under
+  asynchronous RL an episode that started before that step finishes after it, by construction.
+
 ``calculator_client`` (``client`` in the task row: ``openai``, ``openai_async``,
 ``openai_stream``, ``agents_sdk``, ``langgraph``) solves a calculator task with that client, a
 Python tool function and three worked examples in its messages (enough for SmolLM2-135M to call
@@ -72,6 +76,14 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
         threading.Event().wait()
     kind = "plain" if kind == "hold" else kind
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    if kind == "span":
+        r = client.chat.completions.create(model=model, messages=msgs)
+        while not _has_a_line(task["span_after"]):
+            threading.Event().wait(0.05)
+        more = msgs + [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                       {"role": "user", "content": "and again"}]
+        client.chat.completions.create(model=model, messages=more)
+        return 1.0
     if kind == "plain":
         r = client.chat.completions.create(model=model, messages=msgs)
         return {"reward": 1.0, "info": {"finish": r.choices[0].finish_reason}}

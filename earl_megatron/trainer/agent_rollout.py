@@ -4,7 +4,8 @@ The replica's leader (tp and pp coordinate 0) serves the OpenAI-compatible endpo
 (agents/server.py, started once and kept across iterations) and runs the agent programs
 (agents/programs.py); its driver (agents/broker.py) batches their calls into the engine's
 ``generate`` on every rank of the replica; at the end the leader broadcasts the rows to the
-replica's other ranks, so every rank of a replica holds its samples, as with the built-in loop.
+replica's other ranks, so every rank of a replica holds its samples, as with the built-in loop. Under asynchronous RL
+(algorithm.max_staleness >= 1) the episodes outlive a stage instead: trainer/agent_pool.py.
 
 Rows and sample ids. An episode whose agent kept its history is one row; one that edited it
 forked into several (agents/trajectory.py). The i-th episode of an iteration of n has sample id
@@ -13,8 +14,10 @@ i for its first row and i + k*n for its k-th fork, so ``s % n`` is the episode a
 last sampled turn. A lost episode (its agent raised or ran past ``rollout.agent_timeout_s``)
 keeps one row with its loss mask zeroed (it trains nothing and counts in no statistic), so
 every episode has a sample and a replica is never empty. Each row's info holds its canonical
-``messages`` and ``tools``: the row decodes to ``ChatRenderer.messages_text(messages, tools,
-False)`` up to the template's end of turn.
+``messages`` and ``tools``, and its tokens their versions (``Episode.versions``: the policy
+version that sampled each, -1 off the loss mask; () when the driver was given none): the row
+decodes to ``ChatRenderer.messages_text(messages, tools, False)`` up to the template's end of
+turn.
 
 Task of an episode: ``tasks[seed % len(tasks)]`` (GRPO groups share a seed, so a task).
 """
@@ -152,6 +155,9 @@ def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
     for k, row in enumerate(rows):
         mask = tuple(0 for _ in row.loss_mask) if outcome.lost else tuple(row.loss_mask)
         lps = tuple(0.0 for _ in row.logprobs) if outcome.lost else tuple(row.logprobs)
+        versions = tuple(v if m else -1 for v, m in zip(row.versions, mask))
+        if any(v < 0 for v, m in zip(versions, mask) if m):
+            versions = ()   # sampled by a driver told no version: the iteration's own
         turns = _runs(mask)
         reward = 0.0 if outcome.lost else outcome.reward
         first = next((i for i, m in enumerate(row.loss_mask) if m), len(mask))
@@ -164,18 +170,19 @@ def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
                            observations=(), info={**info, "messages": list(row.messages),
                                                          "tools": list(row.tools)},
                            turn_rewards=(0.0,) * max(turns - 1, 0) + ((reward,) if turns
-                                                                      else ())))
+                                                                      else ()),
+                           versions=versions))
     return out
 
 
 def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], seeds: Sequence[int],
                 n: int, tokenizer, *, sample_seed: int, limits: ServerLimits, group=None,
-                should_stop: Optional[Callable[[], bool]] = None
+                should_stop: Optional[Callable[[], bool]] = None, version: int = -1
                 ) -> tuple[list[int], list[Episode]]:
     """This replica's (sample ids, rows) of episodes ``block`` of the iteration's ``n``.
     ``player`` is the leader's (None on the replica's other ranks); every rank of the replica
     calls this with the same ``group`` (its ranks, leader first; None for a replica of one)."""
-    driver = ReplicaDriver(engine, group, should_stop=should_stop)
+    driver = ReplicaDriver(engine, group, should_stop=should_stop, version=version)
     box: list = [None]
     if player is not None:
         outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits)

@@ -126,6 +126,8 @@ class EmbeddedRollout:
         self.spec = spec
         self.tok = tokenizer
         self._player: Optional[AgentPlayer] = None
+        self._agent_pool = None
+        self._eval_player: Optional[AgentPlayer] = None
         self._replica_groups: dict = {}
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
@@ -144,7 +146,7 @@ class EmbeddedRollout:
         try:
             if sp.agent is not None and opponent is None:
                 return self._play_agents(policy, engine, block, seeds, temperature,
-                                         sample_seed, should_stop)
+                                         sample_seed, should_stop, version, evaluation)
             episodes = play_episodes(sp, engine, [seeds[i] for i in block], self.tok,
                                      temperature=temperature, sample_seed=sample_seed,
                                      opponent=opponent, should_stop=should_stop,
@@ -169,9 +171,15 @@ class EmbeddedRollout:
                                 record_routes=sp.routing_replay,
                                 prefill_tokens=sp.prefill_tokens)
         timed = _TimedEngine(engine)
+        agents = {}
+        if sp.agent is not None:   # agent programs across stages (trainer/agent_pool.py)
+            self._agent_pool = pool
+            agents = {"player": self._leader_player(policy, pool.temperature),
+                      "group": self._replica_group(policy)}
         try:
             out = pool.stage(policy, timed if time_decode else engine, iteration,
-                             sample_seed=sample_seed, should_stop=should_stop, version=version)
+                             sample_seed=sample_seed, should_stop=should_stop, version=version,
+                             **agents)
         finally:
             engine.close()
         if time_decode:
@@ -179,16 +187,34 @@ class EmbeddedRollout:
         return out
 
     def _play_agents(self, policy, engine, block, seeds, temperature, sample_seed,
-                     should_stop):
-        """The replica's leader serves the endpoint; its other ranks decode its batches."""
-        c = policy.coords
-        leader = c.tp == 0 and c.pp == 0 and c.cp == 0
-        if leader and self._player is None:
-            self._player = AgentPlayer(self.spec.agent, self.tok, self.spec.limits(temperature))
-        return play_agents(self._player if leader else None, engine, block, seeds, len(seeds),
-                           self.tok, sample_seed=sample_seed,
+                     should_stop, version, evaluation):
+        """The replica's leader serves the endpoint; its other ranks decode its batches. An
+        evaluation beside a pool of running agents (asynchronous RL) gets an endpoint of its
+        own: its driver must not answer the pool's calls (at its temperature and version)."""
+        if evaluation and self._agent_pool is not None:
+            c = policy.coords
+            if c.tp == 0 and c.pp == 0 and c.cp == 0 and self._eval_player is None:
+                self._eval_player = AgentPlayer(self.spec.agent, self.tok,
+                                                self.spec.limits(temperature))
+            player = self._eval_player
+        else:
+            player = self._leader_player(policy, temperature)
+        return play_agents(player, engine, block, seeds,
+                           len(seeds), self.tok, sample_seed=sample_seed,
                            limits=self.spec.limits(temperature),
-                           group=self._replica_group(policy), should_stop=should_stop)
+                           group=self._replica_group(policy), should_stop=should_stop,
+                           version=version)
+
+    def _leader_player(self, policy, temperature: float) -> Optional[AgentPlayer]:
+        """The endpoint and agents of this rank when it leads its replica (else None), started
+        once and kept, serving at ``temperature``."""
+        c = policy.coords
+        if not (c.tp == 0 and c.pp == 0 and c.cp == 0):
+            return None
+        if self._player is None:
+            self._player = AgentPlayer(self.spec.agent, self.tok, self.spec.limits(temperature))
+        self._player.server.limits = self.spec.limits(temperature)
+        return self._player
 
     def _replica_group(self, policy):
         """A gloo group of this rank's rollout replica (leader first), one per layout; None
@@ -226,9 +252,12 @@ class EmbeddedRollout:
         return []
 
     def close(self) -> None:
-        if self._player is not None:
-            self._player.close()
-            self._player = None
+        if self._agent_pool is not None:
+            self._agent_pool.end()   # its programs stop with the run
+        for player in (self._player, self._eval_player):
+            if player is not None:
+                player.close()
+        self._player = self._eval_player = None
 
 
 class _TimedEngine:

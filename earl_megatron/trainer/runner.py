@@ -141,13 +141,15 @@ class Trainer:
         """Asynchronous RL (algorithm.max_staleness >= 1): the episodes in flight between
         rollout stages (trainer/episode_pool.py); None: the synchronous loop."""
         if a.max_staleness:
+            from earl_megatron.trainer.agent_pool import AgentPool
             from earl_megatron.trainer.episode_pool import EpisodePool
             from earl_megatron.trainer.rollout import loop_config
-            self.pool = EpisodePool(cfg.env.name, dict(cfg.env.kwargs), tokenizer,
-                                    loop_config(self.rollout.spec, r.temperature, 0),
-                                    batch=r.episodes_per_iteration, group_size=a.group_size,
-                                    max_staleness=a.max_staleness, run_seed=cfg.run.seed,
-                                    env_concurrency=r.env_concurrency)
+            pool_class = AgentPool if cfg.env.name == "agent" else EpisodePool
+            self.pool = pool_class(cfg.env.name, dict(cfg.env.kwargs), tokenizer,
+                                   loop_config(self.rollout.spec, r.temperature, 0),
+                                   batch=r.episodes_per_iteration, group_size=a.group_size,
+                                   max_staleness=a.max_staleness, run_seed=cfg.run.seed,
+                                   env_concurrency=r.env_concurrency)
 
     def make_rollout(self, engine: str, **pool):
         """The rollout of ``engine`` for this run (trainer/rollout_engines.py); ``pool``: split

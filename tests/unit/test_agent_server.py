@@ -209,3 +209,27 @@ def test_a_client_kept_between_rollouts_stays_usable(server):
     for _ in range(2):
         out = run_agents(server, [{}, {}], _kept_client_agent, None, concurrency=2, timeout_s=30)
         assert [(o.reward, o.error) for o in out] == [(1.0, ""), (1.0, "")]
+
+
+def test_broker_wake_returns_take_at_once_and_driver_names_the_version():
+    import threading
+
+    from earl_megatron.agents.broker import ReplicaDriver
+
+    b = Broker(window_s=60.0)
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(b.take(3600.0)), daemon=True)
+    taker.start()
+    b.wake()
+    taker.join(timeout=120)                    # an hour's take, returned by the wake
+    assert got == [[]]
+
+    class Echo:
+        def generate(self, prompts, params):
+            return [Generation(tuple(p), (0.0,) * len(p), "length") for p in prompts]
+
+    b.open_episodes = 1
+    fut = b.submit([7, 8], P1)
+    done = iter([False, True])
+    assert ReplicaDriver(Echo(), version=4).lead(b, lambda: next(done), lambda k: k)
+    assert fut.result(timeout=1).token_ids == (7, 8) and fut.version == 4

@@ -398,3 +398,21 @@ def test_alternating_conversations_extend_their_own_rows(renderer):
     for k, row in enumerate(ep.rows()):
         assert row.turns == 3
         check_row(renderer, row, [s for s in sampled if s[0] == k])
+
+
+def test_rows_record_the_version_of_each_sampled_turn():
+    """An episode across rollout stages (asynchronous RL): each completion's tokens carry the
+    version that sampled it, -1 off the mask; a branch keeps the versions of its prefix."""
+    renderer = ChatRenderer(char_tokenizer())
+    ep = EpisodeTokens(renderer)
+    first = ep.prompt(SYSTEM[1:])
+    reply = ep.complete(first, renderer.encode("ab"), [-0.5, -0.5], "length", version=3)
+    second = ep.prompt(SYSTEM[1:] + [_assistant(reply), {"role": "user", "content": "c"}])
+    ep.complete(second, renderer.encode("de"), [-0.5, -0.5], "length", version=4)
+    ep.complete(second, renderer.encode("f"), [-0.5], "length", version=5)   # branches
+    rows = ep.rows()
+    for row in rows:
+        assert len(row.versions) == len(row.token_ids)
+        assert all((v >= 0) == bool(m) for v, m in zip(row.versions, row.loss_mask))
+    assert [v for v in rows[0].versions if v >= 0] == [3, 3, 4, 4]
+    assert [v for v in rows[1].versions if v >= 0] == [3, 3, 5]
