@@ -439,11 +439,6 @@ class TrainConfig:
                 f"algorithm.max_staleness={k}: agent programs (env.name=agent) run to their end "
                 "inside one rollout stage; asynchronous RL steps environments of this project's "
                 "Env class: use algorithm.max_staleness=0 with env.name=agent")
-        if k and self.algorithm.routing_replay:
-            raise ConfigError(
-                f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "
-                "that waits across iterations does not keep its experts in a checkpoint yet; "
-                "use one of them")
         if self.rollout.placement != "colocated":
             split_problem = _split_problem(self)
             if split_problem:
