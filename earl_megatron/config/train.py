@@ -427,12 +427,6 @@ class TrainConfig:
                 f"algorithm.routing_replay=true records the experts in the embedded engine; "
                 f"rollout.engine={self.rollout.engine!r} does not return them: use "
                 "rollout.engine=embedded or routing_replay=false")
-        k = self.algorithm.max_staleness
-        if k and self.algorithm.routing_replay:
-            raise ConfigError(
-                f"algorithm.max_staleness={k} with algorithm.routing_replay=true: an episode "
-                "that waits across iterations does not keep its experts in a checkpoint yet; "
-                "use one of them")
         if self.rollout.placement != "colocated":
             split_problem = _split_problem(self)
             if split_problem:

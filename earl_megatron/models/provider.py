@@ -81,7 +81,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
                        perform_initialization: bool = True, routing_replay: bool = False):
     """Megatron-Core's TransformerConfig for ``cfg`` on ``layout``. ``sequence_parallel``
     None: ``sequence_parallel_for``. ``routing_replay``: MoE routers record and replay their
-    top-k choices (Megatron's RouterReplay; trainer/routing_replay.py drives it)."""
+    top-k choices (Megatron's RouterReplay; models/routing_replay.py drives it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if sequence_parallel is None:

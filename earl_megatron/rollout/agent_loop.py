@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from earl_megatron.envs.base import Env
+from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.engine import RolloutEngine, SamplingParams
 from earl_megatron.rollout.tokenizer import chat_format, render_next_turn, render_prompt
 from earl_megatron.seeds import turn_sample_seed
@@ -120,8 +121,9 @@ class Episode:
     StepResult.role); ``len(observation_roles) == len(observations)``."""
     routes: Any = field(default=None, compare=False)
     """MoE routing replay: int16 [len(token_ids) - 1, layers, topk], the experts the rollout
-    routed each input token to (the last turn's Generation.routes: its prompt holds the whole
-    episode so far); None unless the engine records routes."""
+    routed each input token to, in the first forward that fed it (rollout/routing_replay.py
+    ``extend``: a later turn's re-prefill does not overwrite them); None unless the engine
+    records routes."""
     versions: tuple[int, ...] = ()
     """The policy version (train steps before it) of the weights that sampled each token; -1
     where loss_mask is 0. An episode carried across rollout stages has several."""
@@ -154,6 +156,7 @@ class LiveEpisode:
     turns: int = 0
     turn_rewards: list = field(default_factory=list)
     routes: Any = None
+    """MoE routing replay: the experts of every token fed so far (Episode.routes)."""
     key: Any = None
     """The caller's name for the episode (the trainer's: its start iteration and index)."""
 
@@ -175,10 +178,9 @@ class LiveEpisode:
                        versions=tuple(self.versions))
 
     def data(self) -> dict:
-        """Everything but the environment (and MoE routes, which the next turn records anew):
-        what moves between ranks and into a checkpoint."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("env", "routes")}
+        """Everything but the environment: what moves between ranks and into a checkpoint
+        (MoE routes included: the next turn keeps them for the tokens already fed)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "env"}
 
 
 def replay_env(env: Env, seed: int, actions: Sequence[str]) -> Env:
@@ -276,7 +278,7 @@ def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
             still = []
             for ep, gen, action, result in zip(active, generations, actions, steps):
                 ep.append(gen.token_ids, 1, gen.logprobs, version)
-                ep.routes = gen.routes
+                ep.routes = routing_replay.extend(ep.routes, gen.routes)
                 ep.turns += 1
                 ep.actions.append(action)
                 ep.observations.append(result.observation)

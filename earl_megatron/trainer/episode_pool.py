@@ -26,8 +26,8 @@ A stop during the stage (or after it, before TRAIN) rewinds the pool to what it 
 stage (``rewind``): the checkpoint of the last completed iteration holds that pool, and the
 resumed run replays the stage exactly, as the synchronous loop replays an abandoned iteration.
 ``state()``/``restore()`` put the pool into a checkpoint and back (the episodes' environments
-rebuilt by replay), so a resumed run continues the same episodes and none is trained twice or
-half.
+rebuilt by replay, their MoE routes kept exactly), so a resumed run continues the same episodes
+and none is trained twice or half.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from earl_megatron.envs import make_env
 from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, must_finish,
                                           pick_trained, replica_quotas, too_stale)
+from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
                                               play_turns, replay_env, start_episode)
 from earl_megatron.runtime import groups
@@ -284,18 +285,26 @@ class EpisodePool:
 
 
 def _to_json(d: dict) -> dict:
-    ep = d["episode"]
+    """A portable entry as JSON; MoE routes (live or finished) travel exactly, so an episode
+    in flight replays its experts after a resume (rollout/routing_replay.py)."""
+    ep, live = d["episode"], d["live"]
     if ep is not None:
-        ep = {f.name: getattr(ep, f.name) for f in dataclasses.fields(ep) if f.name != "routes"}
-    return {**d, "key": list(d["key"]), "episode": ep,
-            "live": None if d["live"] is None else {**d["live"], "key": list(d["key"])}}
+        ep = {f.name: getattr(ep, f.name) for f in dataclasses.fields(ep)}
+        ep["routes"] = routing_replay.to_json(ep["routes"])
+    if live is not None:
+        live = {**live, "key": list(d["key"]),
+                "routes": routing_replay.to_json(live.get("routes"))}
+    return {**d, "key": list(d["key"]), "episode": ep, "live": live}
 
 
 def _from_json(d: dict) -> dict:
-    ep = d["episode"]
+    ep, live = d["episode"], d["live"]
     if ep is not None:
-        ep = Episode(**{k: tuple(v) if isinstance(v, list) else v for k, v in ep.items()})
-    return {**d, "key": tuple(d["key"]), "episode": ep}
+        ep = Episode(**{k: tuple(v) if isinstance(v, list) else v for k, v in ep.items()
+                        if k != "routes"}, routes=routing_replay.from_json(ep.get("routes")))
+    if live is not None:
+        live = {**live, "routes": routing_replay.from_json(live.get("routes"))}
+    return {**d, "key": tuple(d["key"]), "episode": ep, "live": live}
 
 
 def _coords(lay) -> bool:

@@ -94,10 +94,10 @@ def _dispatched(model: ModelOnLayout, producer: ParallelLayout, ids: list[int], 
 def with_routes(model: ModelOnLayout, tensors: tuple, local: dict, ids: list[int],
                 routes: Optional[dict], plan: MicroBatchPlan) -> tuple:
     """Routing replay (MoE): each sample's rollout routes join ``local`` as per-token tensors
-    (rollout/routing_replay.py), dispatched with the rest. Without routes: ``tensors``."""
+    (models/routing_replay.py), dispatched with the rest. Without routes: ``tensors``."""
     if routes is None:
         return tensors
-    from earl_megatron.rollout.routing_replay import encode, route_specs
+    from earl_megatron.models.routing_replay import encode, route_specs
 
     for s in ids:
         for name, t in encode(routes[s], model.cfg.num_experts, plan.length_of[s]).items():
@@ -109,7 +109,7 @@ def replayed(model: ModelOnLayout, batches: list[dict], routes: Optional[dict]):
     """A block whose forwards replay each micro-batch's routes (none: a no-op)."""
     if routes is None:
         return contextlib.nullcontext()
-    from earl_megatron.rollout.routing_replay import micro_batch_targets, replaying_micro_batches
+    from earl_megatron.models.routing_replay import micro_batch_targets, replaying_micro_batches
 
     module = model.module()
     targets = micro_batch_targets(module, batches, model.cfg.num_experts,

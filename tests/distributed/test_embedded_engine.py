@@ -160,6 +160,7 @@ def _routing_replay():
     import torch.distributed as dist
 
     from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.models import routing_replay as replay_half
     from earl_megatron.rollout import routing_replay as rr
     from earl_megatron.rollout.embedded_engine import EmbeddedEngine
     from earl_megatron.rollout.engine import SamplingParams
@@ -186,7 +187,8 @@ def _routing_replay():
                 logits = scorer(ids, pos, None, runtime_gather_output=True)
                 used = torch.stack(rr.recorded(scorer), dim=1)   # [tokens, layers, topk]
         else:
-            with rr.replaying(scorer, rr.to_targets(replay[None], 0, cfg.num_layers)):
+            with replay_half.replaying(scorer,
+                                        replay_half.to_targets(replay[None], 0, cfg.num_layers)):
                 logits = scorer(ids, pos, None, runtime_gather_output=True)
             used = replay
         lp = torch.log_softmax(logits[0].float() / temp, -1)
