@@ -1,8 +1,9 @@
 """Range checks every configuration section shares, and the error they raise.
 
 ``ConfigError`` lives here, not in config/train.py, so that the sections train.py imports
-(config/model.py, config/sft.py) raise it too: every bad value is one ``ConfigError`` whose
-message names the key (``section.field=value``) and what to use instead. Invariants:
+(config/model.py, config/sft.py, config/rollout.py, config/algorithm.py) raise it too: every
+bad value is one ``ConfigError`` whose message names the key (``section.field=value``) and what
+to use instead. Invariants:
 
 - ``require_finite`` rejects nan and +-inf in every float field of a section and of its nested
   sections (a nan learning rate passes ``lr <= 0``; comparisons cannot catch it, this does);

@@ -276,6 +276,7 @@ class Trainer:
     def drive(self, start: int, messages: list[str], loop) -> list[dict]:
         """Run ``loop()`` from iteration ``start`` inside the live view, with the recorder,
         the sample writer and the stop control in place; the history."""
+        from earl_megatron.config.train import config_notes
         from earl_megatron.trainer.live import LiveView
 
         cfg = self.cfg
@@ -284,6 +285,7 @@ class Trainer:
         self.recorder = Recorder(self.out, self.history, view, self.rank)
         self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
                                           view, enabled=self.rank == 0)
+        messages[:0] = config_notes(cfg)  # first: what the configuration chose for the user
         messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()
         try:

@@ -330,11 +330,12 @@ def test_every_config_field_changes_behaviour():
 
 def test_negative_control_a_forwarded_but_unused_field_fails():
     src = _sources()
-    train = str(CONFIG_DIR / "train.py")
+    section = str(CONFIG_DIR / "rollout.py")
     runner = str(PACKAGE / "trainer" / "runner.py")
     spec = str(PACKAGE / "trainer" / "rollout.py")
     # plant rollout.planted: forwarded into EpisodeSpec.planted, which nothing reads
-    src[train] = src[train].replace(
+    assert "class RolloutConfig:\n" in src[section]
+    src[section] = src[section].replace(
         "class RolloutConfig:\n", "class RolloutConfig:\n    planted: int = 0\n    \"\"\"x\"\"\"\n", 1)
     src[spec] = src[spec].replace(
         "class EpisodeSpec:\n", "class EpisodeSpec:\n    planted: int = 0\n", 1)
@@ -351,6 +352,7 @@ def test_negative_control_an_attribute_stored_but_never_read_fails():
     src = _sources()
     train = str(CONFIG_DIR / "train.py")
     warm = str(PACKAGE / "trainer" / "warm_start.py")
+    assert "class RunConfig:\n" in src[train]
     src[train] = src[train].replace(
         "class RunConfig:\n", "class RunConfig:\n    planted: int = 0\n    \"\"\"x\"\"\"\n", 1)
     assert "self.keep_last = keep_last" in src[warm]

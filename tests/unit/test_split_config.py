@@ -8,8 +8,7 @@ from earl_megatron.trainer.split import split_pools
 
 SPLIT = {"layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
          "rollout": {"placement": "split", "episodes_per_iteration": 4},
-         "algorithm": {"max_staleness": 1, "off_policy": "decoupled",
-                       "old_logprobs": "recompute", "name": "grpo", "group_size": 2}}
+         "algorithm": {"max_staleness": 1, "name": "grpo", "group_size": 2}}
 
 
 def _cfg(**over) -> TrainConfig:

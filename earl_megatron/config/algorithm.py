@@ -1,0 +1,193 @@
+"""The algorithm section: the estimator, the loss, the optimizer and asynchrony.
+
+``AlgorithmConfig`` is frozen and checked on construction (a bad value or an impossible
+combination is a ``ConfigError`` naming the key and the fix). Two fields default to ``"auto"``,
+"chosen from max_staleness", and are resolved once, in ``__post_init__``, before any check reads
+them, so that ``algorithm.max_staleness=1`` alone is asynchronous RL with decoupled PPO on the
+trainer's re-scoring (``chosen_for``):
+
+    max_staleness   off_policy=auto   old_logprobs=auto
+    0               none              rollout      (the synchronous defaults, unchanged)
+    >= 1            decoupled         recompute    (AReaL's decoupled PPO, docs/async.md)
+
+and ``old_logprobs=auto`` is recompute too whenever the off-policy weights need it (off_policy
+tis or decoupled given at k=0). A value the user gives always wins; no field holds "auto" after
+construction, so ``to_dict`` (resolved.json) records what the run does, and which fields were
+chosen is kept in ``chosen`` (not a field: equal configs compare equal) for the run's first
+lines (config/train.py ``config_notes``). Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from earl_megatron.config.checks import ConfigError
+from earl_megatron.config.checks import at_least as _at_least
+
+AUTO = "auto"
+"""The value of algorithm.off_policy and algorithm.old_logprobs that says "chosen from
+algorithm.max_staleness" (module docstring)."""
+
+
+def chosen_for(max_staleness: int, off_policy: str, old_logprobs: str) -> tuple[str, str]:
+    """(off_policy, old_logprobs) with each ``AUTO`` replaced by what ``max_staleness`` (and a
+    given off_policy) choose; a given value is kept as given (module docstring's table)."""
+    if off_policy == AUTO:
+        off_policy = "decoupled" if max_staleness >= 1 else "none"
+    if old_logprobs == AUTO:
+        # the off-policy weights pi_prox / pi_behav need pi_prox, the trainer's re-scoring
+        old_logprobs = "recompute" if off_policy != "none" else "rollout"
+    return off_policy, old_logprobs
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "reinforce_pp"
+    """The advantage estimator: "reinforce_pp" (REINFORCE++: per-turn returns normalised over
+    the batch's policy tokens) or "grpo" (episode rewards normalised within groups). Both train
+    the PPO-clip surrogate without a critic; ``epochs`` > 1 reuses each batch (the recipe
+    algorithm=reinforce_pp_multi_epoch). No critic is trained, so no name says PPO."""
+    lr: float = 1e-3
+    """Adam's learning rate (Megatron's optimizer)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of Adam (AdamW)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip before each optimizer step (0: none)."""
+    group_size: int = 1
+    """GRPO: episodes per group sharing one environment seed."""
+    epochs: int = 1
+    """Optimizer passes over each batch; > 1 makes the clipped ratio bite (old logprobs fixed
+    at the batch's sampling policy)."""
+    clip_eps: float = 0.2
+    """PPO-clip's epsilon: the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]."""
+    gamma: float = 1.0
+    """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
+    GRPO scores whole episodes, so it takes only 1."""
+    kl_mode: str = "off"
+    """KL to the reference policy (the initial one, frozen): "off"; "loss" (k3 estimator in the
+    per-token loss); or "reward" (k1 = logp - ref_logp subtracted from the rewards, REINFORCE++
+    style; GRPO: the episode's summed k1 off its reward). Not "off": a LOGPROB stage runs."""
+    kl_coef: float = 0.0
+    """Weight of the KL (> 0 when kl_mode is not "off")."""
+    entropy_coef: float = 0.0
+    """Entropy bonus per policy token (0: off; > 0 trains through the logits path)."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch at most (length-grouped: neighbours in length train together)."""
+    micro_batch_tokens: Optional[int] = None
+    """Padded tokens per micro-batch at most (None: no limit); a longer sample trains alone, so
+    activation memory follows the longest episode, not micro_batch_size times it."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: Adam's state sharded over the dp (x cp) ranks."""
+    old_logprobs: str = AUTO
+    """Old logprobs of the PPO ratio: "rollout" (the engine's, as sampled), "recompute" (the
+    policy re-scores its episodes before TRAIN; trainer/old_logprobs.py) or "auto" (chosen:
+    recompute when off_policy is not "none", as under max_staleness >= 1; rollout otherwise)."""
+    off_policy: str = AUTO
+    """How tokens sampled by other weights than the trained ones are corrected, each token's
+    policy-gradient term weighted by w = pi_prox / pi_behav (pi_behav: the engine's logprobs as
+    sampled; pi_prox: the policy re-scoring the batch at the start of TRAIN, which is the PPO
+    ratio's denominator): "none" (no weight); "tis" (truncated importance sampling, verl's and
+    slime's: w capped at ``off_policy_cap``); "decoupled" (decoupled PPO, AReaL's: tokens with
+    w > ``off_policy_cap`` dropped, w otherwise); "auto" (chosen from max_staleness: none at 0,
+    decoupled at >= 1). Both but "none" need old_logprobs=recompute; with max_staleness >= 1
+    "none" is refused (stale tokens would go uncorrected)."""
+    off_policy_cap: Optional[float] = None
+    """The cap of w: off_policy=tis truncates at it, decoupled drops tokens above it (None: 2.0,
+    verl's and slime's usual value; refused with off_policy=none, which reads no cap)."""
+    max_staleness: int = 0
+    """Asynchronous RL: how many train steps older than the trained weights a trained token's
+    sampling weights may be (docs/async.md). 0: the synchronous loop (every episode played and
+    trained in one iteration). k >= 1: up to (k + 1) batches of episodes are in flight, a
+    rollout stage ends when one batch has finished, and unfinished episodes continue in the
+    next stage (dropped, and counted, when they would break the bound). Alone (off_policy and
+    old_logprobs left at auto; the recipe algorithm=async) k >= 1 is decoupled PPO on the
+    trainer's re-scoring."""
+    routing_replay: bool = False
+    """Mixture-of-experts only: the rollout records the experts each token was routed to and
+    the LOGPROB (old / reference) and TRAIN forwards reuse them (Megatron-Core's RouterReplay;
+    rollout/routing_replay.py), so a token near a routing tie cannot land on other experts in
+    training than it did when sampled. Embedded engine only."""
+
+    @property
+    def off_policy_weights(self) -> Optional[tuple[str, float]]:
+        """(mode, cap) of the off-policy weights, or None (off_policy=none)."""
+        if self.off_policy == "none":
+            return None
+        return (self.off_policy, 2.0 if self.off_policy_cap is None else self.off_policy_cap)
+
+    @property
+    def chosen(self) -> tuple[str, ...]:
+        """The fields given as "auto" and resolved at construction (module docstring): what the
+        run's first lines say was chosen for the user. Not a field, so equal configs compare
+        equal whoever chose; ``dataclasses.replace`` passes the resolved values on as given."""
+        return self.__dict__.get("_chosen", ())
+
+    def __post_init__(self):
+        # "auto" resolved once, before any check reads the two fields; object.__setattr__
+        # because the dataclass is frozen (this is its construction, not a later mutation)
+        off_policy, old_logprobs = chosen_for(self.max_staleness, self.off_policy,
+                                              self.old_logprobs)
+        object.__setattr__(self, "_chosen", tuple(
+            name for name in ("off_policy", "old_logprobs") if getattr(self, name) == AUTO))
+        object.__setattr__(self, "off_policy", off_policy)
+        object.__setattr__(self, "old_logprobs", old_logprobs)
+        if self.old_logprobs not in ("rollout", "recompute"):
+            raise ConfigError(f"algorithm.old_logprobs={self.old_logprobs!r}: use rollout, "
+                              "recompute or auto")
+        _at_least(self, "algorithm", 1, "group_size", "epochs", "micro_batch_size",
+                  "micro_batch_tokens")
+        if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:
+            raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
+                              "clip_eps >= 0")
+        if self.name == "ppo":
+            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic (no value "
+                              "model, no GAE); PPO-clip without a critic over several epochs is "
+                              "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
+                              "algorithm=reinforce_pp_multi_epoch)")
+        if self.name not in ("reinforce_pp", "grpo"):
+            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp or grpo")
+        if self.kl_mode not in ("off", "loss", "reward"):
+            raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
+        if self.kl_mode != "off" and self.kl_coef <= 0:
+            raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
+        if self.kl_mode == "off" and self.kl_coef:
+            raise ConfigError(f"algorithm.kl_coef={self.kl_coef} does nothing with "
+                              "algorithm.kl_mode=off (no reference policy): set "
+                              "algorithm.kl_mode=loss or reward, or drop the coefficient")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
+        if self.name == "grpo" and self.group_size < 2:
+            raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
+        if self.name == "grpo" and self.gamma != 1.0:
+            raise ConfigError(f"algorithm.gamma={self.gamma} does nothing under "
+                              "algorithm.name=grpo (GRPO scores whole episodes, no per-turn "
+                              "returns): drop it, or use algorithm.name=reinforce_pp")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
+        if self.off_policy not in ("none", "tis", "decoupled"):
+            raise ConfigError(f"algorithm.off_policy={self.off_policy!r}: use none, tis, "
+                              "decoupled or auto")
+        if self.off_policy_cap is not None and not self.off_policy_cap > 0:
+            raise ConfigError(f"algorithm.off_policy_cap={self.off_policy_cap} must be > 0 (or "
+                              "null: 2.0)")
+        if self.off_policy_cap is not None and self.off_policy == "none":
+            why = (f" (auto at algorithm.max_staleness={self.max_staleness})"
+                   if "off_policy" in self.chosen else "")
+            raise ConfigError(f"algorithm.off_policy_cap={self.off_policy_cap} does nothing "
+                              f"with algorithm.off_policy=none{why}: set off_policy=tis or "
+                              "decoupled, or drop the cap")
+        if self.off_policy != "none" and self.old_logprobs != "recompute":
+            raise ConfigError(f"algorithm.off_policy={self.off_policy} weights by pi_prox / "
+                              "pi_behav, which needs the trainer's re-scoring: set "
+                              "algorithm.old_logprobs=recompute, or drop it (auto chooses "
+                              "recompute; with 'rollout' the ratio is 1 by definition)")
+        if self.max_staleness < 0:
+            raise ConfigError(f"algorithm.max_staleness={self.max_staleness} must be >= 0 "
+                              "(0: synchronous)")
+        if self.max_staleness and self.off_policy == "none":
+            raise ConfigError(f"algorithm.max_staleness={self.max_staleness} trains tokens "
+                              "sampled by older weights, which algorithm.off_policy=none leaves "
+                              "uncorrected: drop algorithm.off_policy (auto: decoupled, with "
+                              "old_logprobs=recompute) or set it to decoupled or tis")
+
