@@ -124,14 +124,18 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} x {local} ranks per node != world "
                           f"size {world}; pass cluster.nodes=$SLURM_NNODES (the sbatch script "
                           "does)")
-    if cfg.rollout.placement == "split":   # each pool's layout on the pool's ranks
+    r = cfg.rollout
+    if r.placement == "split" and cfg.layout.mode == "static":   # each pool's layout
         from earl_megatron.trainer.split import split_pools
         split_pools(cfg, world)
         return
-    if cfg.rollout.placement == "auto":    # the split's plan checks the pools at the start
+    if r.placement in ("auto", "split"):    # the plan checks the pools at the start
         if world < 2:
-            raise ConfigError("rollout.placement=auto splits the world into a rollout and a "
-                              "train pool: run on at least 2 ranks")
+            raise ConfigError(f"rollout.placement={r.placement} splits the world into a rollout "
+                              "and a train pool: run on at least 2 ranks")
+        if r.pool_ranks is not None and not 1 <= r.pool_ranks < world:
+            raise ConfigError(f"rollout.pool_ranks={r.pool_ranks} on {world} ranks must leave "
+                              f"both pools at least one rank (1 .. {world - 1})")
         return
     if cfg.rollout.placement != "colocated":
         raise ConfigError(f"rollout.placement={cfg.rollout.placement!r}")

@@ -122,7 +122,7 @@ class RolloutConfig:
     placement: str = "colocated"
     """"colocated": every rank plays, then every rank trains (the stages in turn). "split":
     the last ``pool_ranks`` ranks are a rollout pool that plays while the first ranks, the
-    train pool, train the batch before (trainer/split_loop.py, docs/async.md); layouts
+    train pool, train the batch before (trainer/split.py, docs/async.md); layouts
     static (layout.train on the train pool, layout.rollout on the rollout pool). "auto": split,
     with the pools' sizes and layouts the selector's (plan/split.py), re-planned at every
     iteration from the lengths and the seconds each pool measured (layout.mode=auto)."""

@@ -190,7 +190,7 @@ class TrainConfig:
 
 
 def _split_problem(cfg: "TrainConfig") -> Optional[str]:
-    """What split placement (trainer/split_loop.py) does not run yet in ``cfg``, with the fix;
+    """What split placement (trainer/split.py) does not run yet in ``cfg``, with the fix;
     None: it runs."""
     a, r, lay = cfg.algorithm, cfg.rollout, cfg.layout
     if a.max_staleness < 1:

@@ -31,9 +31,7 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
     ({"algorithm__max_staleness": 0}, "algorithm.max_staleness >= 1"),
     ({"rollout__engine": "sglang", "rollout__placement": "auto", "layout__mode": "auto"},
      "rollout.placement=split with rollout.pool_ranks"),
-    ({"layout__mode": "auto"}, "layout.mode=static"),
-    ({"algorithm__kl_mode": "loss", "algorithm__kl_coef": 0.1}, "algorithm.kl_mode=loss"),
-    ({"sft__steps": 4}, "run.init"),
+    ({"rollout__engine": "sglang", "layout__mode": "auto"}, "layout.mode=static"),
     ({"layout__logprob": "tp2"}, "layout.logprob to the same"),
     ({"rollout__placement": "auto"}, "set layout.mode=auto"),
     ({"rollout__placement": "auto", "layout__mode": "auto", "rollout__pool_ranks": 1},
@@ -78,3 +76,13 @@ def test_split_runs_sglang_servers_on_the_rollout_pool():
 def test_auto_placement_takes_auto_layouts():
     cfg = _cfg(rollout__placement="auto", layout__mode="auto")
     assert cfg.rollout.placement == "auto"
+
+
+@pytest.mark.parametrize("over", [
+    {"layout__mode": "auto"},                               # the selector lays out the pools
+    {"layout__mode": "auto", "rollout__pool_ranks": 1},     # ... of the size given
+    {"algorithm__kl_mode": "loss", "algorithm__kl_coef": 0.1},   # the reference on the train pool
+    {"sft__steps": 4, "sft__data": "traces.jsonl"},         # warm start before the pools split
+])
+def test_what_split_now_composes_with(over):
+    _cfg(**over)
