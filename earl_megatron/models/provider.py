@@ -257,8 +257,9 @@ def set_tensor_parallel_attributes(model, cfg: ModelConfig) -> None:
 
 
 def wrap_ddp(model, tcfg, *, use_distributed_optimizer: bool = False,
-             bucket_size: Optional[int] = None):
-    """Megatron-Core DistributedDataParallel over the dp x cp group of the active layout."""
+             bucket_size: Optional[int] = None, pg_collection=None):
+    """Megatron-Core DistributedDataParallel over the dp x cp group of the active layout
+    (``pg_collection``'s, when given: runtime/groups.current_pg_collection)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
@@ -268,4 +269,5 @@ def wrap_ddp(model, tcfg, *, use_distributed_optimizer: bool = False,
         bucket_size=bucket_size,
         average_in_collective=False,
     )
-    return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
+    return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model,
+                                   pg_collection=pg_collection)

@@ -99,6 +99,9 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     if weights is not None and load is not None:
         raise ValueError("pass either weights= (full tensors) or load= (a loader), not both")
     coords = seat_on_layout(cfg, layout, seed=seed, pools=pools).coords
+    # the pool's groups, handed to Megatron explicitly (the same ones runtime/megatron_globals.py
+    # installs for the code of the pinned Megatron-Core that reads parallel_state's globals)
+    pgc = groups.current_pg_collection()
     init = (weights is None and load is None if init is None else init) or te_available()
     # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
     # partition_dim, partition_stride: set only inside its init functions) and grad clipping
@@ -112,7 +115,8 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_gpt_model(cfg, layout, pre_process=coords.pp == 0,
-                                post_process=coords.pp == layout.pp - 1, config=tcfg)
+                                post_process=coords.pp == layout.pp - 1, config=tcfg,
+                                pg_collection=pgc)
     # the flag is read only during construction; a model built later from on_layout.tcfg (e.g. a
     # second live copy) gets Megatron's init as usual
     tcfg.perform_initialization = True
@@ -122,7 +126,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
         load(model, coords)
     if ddp or optimizer is not None:
         model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
-            optimizer and optimizer.use_distributed_optimizer))
+            optimizer and optimizer.use_distributed_optimizer), pg_collection=pgc)
     opt = build_optimizer(model, optimizer, params_dtype=tcfg.params_dtype) \
         if optimizer is not None else None
     return ModelOnLayout(cfg=cfg, layout=layout, coords=coords, tcfg=tcfg, model=model,
@@ -143,6 +147,9 @@ def build_optimizer(model, spec: OptimizerSpec, params_dtype: torch.dtype = torc
                            bf16=params_dtype == torch.bfloat16,
                            fp16=params_dtype == torch.float16, params_dtype=params_dtype,
                            use_distributed_optimizer=spec.use_distributed_optimizer)
-    with groups.pool_world():   # it gathers parameter groups over the world: the pool's
+    # 0.16.1 gathers parameter-group keys over the world whatever groups it is given
+    # (megatron/core/optimizer/__init__.py:180): on this thread, the pool's. Its groups are the
+    # installed globals: its pg_collection path refuses the gloo side groups used beside NCCL.
+    with groups.pool_world():
         return get_megatron_optimizer(ocfg, [model],
                                       use_gloo_process_groups=groups.has_gloo_side_groups())

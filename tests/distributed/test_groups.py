@@ -210,7 +210,8 @@ def _evict_cycle(cycles):
             if i in (0, cycles - 1):
                 samples.append((len(os.listdir("/proc/self/fd")), proc.num_threads()))
         groups.destroy_groups()
-        state = {n: getattr(ps, n) for n in groups._state_names(ps)}
+        from earl_megatron.runtime import megatron_globals
+        state = {n: getattr(ps, n) for n in megatron_globals.SET | set(megatron_globals.UNUSED)}
         return dict(samples=samples, cached=cached, initialized=ps.model_parallel_is_initialized(),
                     registered=[pg is dist.GroupMember.WORLD for pg in pg_map],
                     leftover=sorted(n for n, v in state.items() if v is not None))
@@ -231,3 +232,55 @@ def test_eviction_keeps_fds_and_threads_bounded():
         assert not r["initialized"]
         assert r["registered"] == [True]   # WORLD only
         assert r["leftover"] == []         # every parallel_state global back to None
+
+
+def _as_ranks(v):
+    """A parallel_state value with every group replaced by its ranks (comparable across runs)."""
+    import torch.distributed as dist
+
+    if isinstance(v, list):
+        return [_as_ranks(x) for x in v]
+    if isinstance(v, dist.ProcessGroup):
+        return ("group", dist.get_process_group_ranks(v))
+    return v
+
+
+def _shim_against_megatron(layouts):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups, megatron_globals
+
+    names = sorted(megatron_globals.SET)
+    moe = ModelConfig(family="qwen3_moe", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                      num_attention_heads=4, num_query_groups=2, vocab_size=128, num_experts=4,
+                      moe_ffn_hidden_size=32, moe_router_topk=2)
+    out = []
+    for spec in layouts:
+        lay = ParallelLayout.parse(spec, dist.get_world_size(), moe)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
+            expert_tensor_parallel_size=lay.expert_tp, order="tp-cp-ep-dp-pp",
+            create_gloo_process_groups=False)
+        want = {n: _as_ranks(getattr(ps, n)) for n in names}
+        groups.destroy_groups()       # Megatron's own groups, as untracked ones
+        groups.build_groups(lay)
+        got = {n: _as_ranks(getattr(ps, n)) for n in names}
+        out.append((spec, {n: (want[n], got[n]) for n in names if want[n] != got[n]},
+                    sum(v is not None for v in got.values())))
+        groups.destroy_groups()
+    return out
+
+
+def test_the_shim_installs_what_initialize_model_parallel_sets():
+    """On a pool that is the world, every global the shim sets holds the same ranks (groups) or
+    list as Megatron-Core's own initialize_model_parallel sets, in dense, pp, cp and ep layouts."""
+    layouts = ["tp2-dp2", "pp2-dp2", "tp2-pp2", "cp2-dp2", "pp4", "ep2", "ep4", "ep2,tp2,etp1",
+               "ep2-pp2"]
+    for per_layout in run_distributed(_shim_against_megatron, 4, layouts, timeout=300):
+        for spec, diff, n_set in per_layout:
+            assert diff == {}, (spec, diff)
+            assert n_set >= 23, (spec, n_set)   # no gloo side groups on a gloo world

@@ -16,6 +16,12 @@ pool). Checked:
 - each pool is cached on its own (the second iteration rebuilds nothing), and a train pool
   switching its layout leaves the rollout pool's groups, and its model, working;
 - pools that do not add up to the world are refused, naming both.
+
+Offset pools in pp and ep layouts (``_offset_pools``): PP2 beside TP2 (tiny llama) and EP2
+beside DP2 (tiny qwen3_moe, 4 experts, top 2), each pairing in both orders, so the PP2 and EP2
+pools run once at ranks 0-1 and once at ranks 2-3, on the same weights and batch: their
+logprobs, a train step's loss and the logprobs after that step are equal at either offset, and
+equal (to rounding) to the other layout's.
 """
 
 import pytest
@@ -113,6 +119,90 @@ def _two_pools():
         except ValueError as e:
             out["refused"] = str(e)
     return out
+
+
+OFFSET_CASES = [("llama", "pp2", "tp2"), ("qwen3_moe", "ep2", "dp2")]
+
+
+def _offset_pools():
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.runtime.step import (forward_logprobs, local_microbatches, random_batch,
+                                            train_step)
+
+    torch.set_num_threads(1)
+    me = dist.get_rank()
+    out = []
+    with cpu_backend():
+        for family, a, b in OFFSET_CASES:
+            cfg = ModelConfig.tiny(family, vocab_size=32)
+            weights = reference_weights(cfg)
+            batch = random_batch(2, 16, 32, seed=7)
+            for pair in ((a, b), (b, a)):
+                pools = tuple(ParallelLayout.parse(x, 2, cfg) for x in pair)
+                lay = pools[0] if me < 2 else pools[1]
+                m = build_on_layout(cfg, lay, pools=pools, weights=weights,
+                                    optimizer=OptimizerSpec(lr=1e-2))
+                mbs = local_microbatches(batch, lay, m.coords, 1)
+                before = forward_logprobs(m, mbs, seq_len=16, micro_batch_size=1)
+                r = train_step(m, mbs, seq_len=16, micro_batch_size=1)
+                after = forward_logprobs(m, mbs, seq_len=16, micro_batch_size=1)
+                c = m.coords
+                # one rank of each dp replica of the last stage holds its samples' logprobs
+                holds = c.pp == lay.pp - 1 and c.tp == 0 and c.cp == 0
+                out.append(dict(case=family, layout=pair[0] if me < 2 else pair[1], offset=groups.current_pool().offset,
+                                dp=c.dp, loss=r.loss, ok=r.update_successful,
+                                before=torch.cat(before) if holds else None,
+                                after=torch.cat(after) if holds else None))
+                del m
+                groups.destroy_groups()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out)
+    return every if me == 0 else None
+
+
+@pytest.fixture(scope="module")
+def offset_results():
+    return run_distributed(_offset_pools, 4, timeout=600)[0]
+
+
+def _pool_values(records, case, layout, offset):
+    """A pool's loss and its full batch's logprobs (before, after the step), from its ranks."""
+    import torch
+
+    mine = [r for r in records if r["case"] == case and r["layout"] == layout
+            and r["offset"] == offset]
+    assert len(mine) == 2 and all(r["ok"] for r in mine), mine
+    assert len({r["loss"] for r in mine}) == 1, mine     # every rank reports the global loss
+    held = sorted((r for r in mine if r["before"] is not None), key=lambda r: r["dp"])
+    return (mine[0]["loss"], torch.cat([r["before"] for r in held]),
+            torch.cat([r["after"] for r in held]))
+
+
+@pytest.mark.parametrize("case", OFFSET_CASES, ids=lambda c: f"{c[1]}-beside-{c[2]}")
+def test_offset_pools_in_pp_and_ep_compute_what_the_same_pool_at_rank_zero_does(
+        offset_results, case):
+    import torch
+
+    records = [r for per_rank in offset_results for r in per_rank]
+    family, a, b = case
+    lay_a, lay_b = a, b
+    for lay in (lay_a, lay_b):
+        at0, at2 = _pool_values(records, family, lay, 0), _pool_values(records, family, lay, 2)
+        assert at0[0] == at2[0], (lay, at0[0], at2[0])        # the offset changes nothing
+        assert torch.equal(at0[1], at2[1]) and torch.equal(at0[2], at2[2]), lay
+    pa, pb = _pool_values(records, family, lay_a, 2), _pool_values(records, family, lay_b, 2)
+    assert abs(pa[0] - pb[0]) <= 1e-5 * abs(pb[0]), (pa[0], pb[0])
+    assert pa[1].shape == (2, 16) and torch.allclose(pa[1], pb[1], atol=1e-5), (pa[1] - pb[1])
+    assert torch.allclose(pa[2], pb[2], atol=1e-4), (pa[2] - pb[2]).abs().max()
+    assert not torch.allclose(pa[1], pa[2], atol=1e-4)          # the step moved the weights
 
 
 @pytest.fixture(scope="module")
