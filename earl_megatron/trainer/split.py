@@ -40,13 +40,20 @@ Invariants (tests/distributed/test_split_trainer.py):
 The loop is trainer/loop.py's (lag 1: meeting ``iterations`` saves the last step); the handoff,
 on a group of its own bounded by ``cluster.weight_sync_timeout_s``, is trainer/handoff.py's.
 
-``rollout.placement=auto``: the pools' sizes and layouts are the selector's (plan/split.py
-``plan_split`` over the splits of the world), planned at the start from the checkpoint's lengths
-and, at every meeting, by rank 0 from the step it just trained and the stage the meeting before
-measured (decoding apart from the environments' time); the others follow its plan. A move
-rewinds the stage just played, checkpoints iteration j-1 and has every rank rebuild its side on
-the new pools from that checkpoint (dist_checkpointing reshards the train state); the loop goes
-on from stage j. tests/distributed/test_split_trainer.py forces one and checks exactly once.
+Planned splits (``rollout.placement=auto``, or ``split`` with ``layout.mode=auto``): the pools'
+sizes and layouts are the selector's (trainer/auto.py; auto weighs the colocated placement
+too), planned at the start and, before every meeting, by rank 0 from the step it just trained
+and the stage the meeting before measured (decoding apart from the environments' time); the
+others follow its plan. A move rewinds the stage just played, checkpoints iteration j-1 and has
+every rank build its side of the new placement from that checkpoint (dist_checkpointing
+reshards the train state); the loop goes on from stage j. tests/distributed/
+test_split_trainer.py forces moves (split to split, split to colocated and back) and checks
+exactly once.
+
+KL on: the train pool holds the frozen reference beside the policy, in the same layout (the
+initial policy, or the warmed one after a warm start). A warm start (``sft.steps``) runs on the
+whole world before the pools split, and its last checkpoint is loaded into the train pool
+(trainer/split_sides.py). tests/distributed/test_split_compose.py.
 
 ``rollout.engine=sglang``: the rollout pool holds no model (``PoolSeat``); each of its replicas
 leads one SGLang server (trainer/sglang_rollout.py with ``ranks=`` the pool). Step 4 then
@@ -55,71 +62,36 @@ push them into their servers after the meeting, outside the handoff's bound: a s
 or restart is the rollout pool's time, within the engine's restart budget.
 tests/sglang/test_split_sglang.py.
 
-Not here yet (docs/async.md): auto placement with SGLang servers, the KL reference, the train
-pool's own LOGPROB / TRAIN layouts, moves in memory rather than through a checkpoint.
+Not here yet (docs/async.md): planned placements with SGLang servers (a move would restart them;
+refused), the train pool's own LOGPROB / TRAIN layouts within one plan (its layouts change only
+by a planned move), moves in memory rather than through a checkpoint.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Optional
 
 import torch.distributed as dist
 
-from earl_megatron.config.train import ConfigError, TrainConfig
+from earl_megatron.config.train import ConfigError
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.plan.split import MeasuredRates, SplitPlan
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
-from earl_megatron.runtime import groups
-from earl_megatron.runtime.build import ModelOnLayout, build_on_layout, seat_on_layout
-from earl_megatron.runtime.checkpoint import load_checkpoint
-from earl_megatron.runtime.checkpoint_files import find_checkpoint
+from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
     transfer_episodes
 from earl_megatron.seeds import rollout_sample_seed
-from earl_megatron.trainer import segments
 from earl_megatron.trainer.audit import RunAudit
 from earl_megatron.trainer.handoff import Handoff, HandoffFailed, ranks_text
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer
+from earl_megatron.trainer.split_sides import (build_sides, split_pools,
+                                              warm_start_before_split)
 
 __all__ = ["HandoffFailed", "Split", "split_pools"]
-
-
-def split_pools(cfg: TrainConfig, world: int) -> tuple[ParallelLayout, ParallelLayout]:
-    """(train pool's layout, rollout pool's layout) of ``cfg`` on ``world`` ranks; a
-    ConfigError naming the fix when they do not divide the world or cannot run."""
-    n_r = cfg.rollout.pool_ranks or world // 2
-    if not 1 <= n_r < world:
-        raise ConfigError(f"rollout.placement=split on {world} ranks: rollout.pool_ranks="
-                          f"{n_r} must leave both pools at least one rank (1 .. {world - 1})")
-    n_t = world - n_r
-
-    def parse(stage: str, text: Optional[str], n: int) -> ParallelLayout:
-        try:
-            return ParallelLayout.parse(text, world_size=n, model=cfg.model)
-        except ValueError as e:
-            raise ConfigError(f"layout.{stage}={text} on the {stage} pool's {n} ranks "
-                              f"(rollout.placement=split, rollout.pool_ranks={n_r}): {e}") \
-                from None
-
-    train = parse("train", cfg.layout.train, n_t)
-    rollout = parse("rollout", cfg.layout.rollout, n_r)
-    problem = rollout_layout_problem(rollout, cfg.rollout.engine)
-    if problem:
-        raise ConfigError(f"layout.rollout={rollout}: {problem}")
-    if train.cp > 1:
-        raise ConfigError(f"layout.train={train}: the train pool holds each replica's episodes "
-                          "whole, which cp > 1 does not yet; use tp, pp or dp there")
-    episodes, g = cfg.rollout.episodes_per_iteration, cfg.algorithm.group_size
-    if episodes // g < max(train.dp, rollout.dp):
-        raise ConfigError(f"rollout.episodes_per_iteration={episodes} is {episodes // g} groups "
-                          f"of {g}: fewer than the train pool's {train.dp} or the rollout "
-                          f"pool's {rollout.dp} replicas; raise it")
-    return train, rollout
 
 
 class Split:
@@ -202,137 +174,10 @@ class Split:
         return line + (f" ({self.split_plan.reason})" if self.split_plan else "")
 
     def _start(self, *, moved: bool = False) -> tuple[int, Optional[dict], list[str]]:
-        """Build each pool's model and load the newest checkpoint, if any: (first iteration, the
-        episode pool it held, lines for the live view). auto plans the pools first (from the
-        checkpoint's lengths); ``moved``: the pools were just re-planned and the checkpoint
-        written, in this process."""
-        cfg = self.tr.cfg
-        if not cfg.run.resume and not moved:
-            refused = segments.earlier_run(self.tr.out)
-            if refused is not None:
-                raise ConfigError(refused)
-        found = find_checkpoint(self.tr.out / "checkpoints") if cfg.run.resume or moved else None
-        if found is not None and (found.state.get("world_size") != self.tr.world or
-                                  not (found.state.get("placement") or self.auto)):
-            raise ConfigError(
-                f"{found.path} was written under placement "
-                f"{found.state.get('placement') or 'colocated'} on "
-                f"{found.state.get('world_size')} ranks: resume split placement on the same "
-                "world size, or start a new run from it with run.init")
-        t, r = self.pools
-        placement = {"train": str(t), "rollout": str(r)}
-        if found is not None and not self.auto and found.state["placement"] != placement:
-            raise ConfigError(
-                f"{found.path} was written with pools {found.state['placement']}, not "
-                f"{placement}: resume with the pools it was written with (or "
-                "rollout.placement=auto, which plans its own), or start a new run from it "
-                "with run.init")
-        lay = t if self.train_side else r
-        spec = self.tr.optimizer if self.train_side else None
-        self.model = self.models = None     # a move: the old pools' models go first
-        if cfg.run.init and self.train_side and found is None:
-            from earl_megatron.weights.convert import load_policy
-            model = load_policy(cfg.run.init, lay, ddp=True, optimizer=spec,
-                                seed=cfg.run.seed, pools=self.pools)
-        elif self.sglang and not self.train_side:   # the servers hold the weights
-            model = seat_on_layout(cfg.model, lay, seed=cfg.run.seed, pools=self.pools)
-            if cfg.run.init and found is None:
-                from earl_megatron.weights.convert import join_policy_load
-                join_policy_load(cfg.run.init)
-        else:   # the rollout pool's weights come from the train pool at the first handoff
-            model = build_on_layout(cfg.model, lay, ddp=self.train_side, optimizer=spec,
-                                    seed=cfg.run.seed, pools=self.pools,
-                                    init=None if self.train_side else False)
-            if cfg.run.init and found is None:
-                from earl_megatron.weights.convert import join_policy_load
-                join_policy_load(cfg.run.init)
-        self.model = model
-        ref = self._reference(lay)
-        self.models = ModelPair(model, ref, fixed=True) if self.train_side else None
-        if self.sglang:
-            self._sglang_side()
-        if found is None:
-            return 0, None, []
-        state = found.state
-        load_checkpoint(model if self.train_side else None, found.path)
-        # the selector state is per pool layout and the pools may differ: lengths and profile
-        self.tr.planner.restore([], state["last_lengths"], state.get("profile"))
-        self.tr.history[:] = state["history"]
-        self.tr.saved = state["iteration"]
-        if moved:
-            return state["iteration"] + 1, state.get("pool"), []
-        notes = [m for m in (found.message(),) if m is not None]
-        return state["iteration"] + 1, state.get("pool"), notes + [
-            f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
-
-    def _reference(self, lay: ParallelLayout) -> Optional[ModelOnLayout]:
-        """KL on: the frozen reference on the train pool, in its layout (the initial policy:
-        run.init or the seed's init, as under colocated placement; never checkpointed); the
-        rollout pool joins the collective read of a checkpoint. None otherwise."""
-        cfg = self.tr.cfg
-        if not self.tr.kl_on:
-            return None
-        if not self.train_side:
-            if cfg.run.init:
-                from earl_megatron.weights.convert import join_policy_load
-                join_policy_load(cfg.run.init)
-            return None
-        if cfg.run.init:
-            from earl_megatron.weights.convert import load_policy
-            return load_policy(cfg.run.init, lay, ddp=False, seed=cfg.run.seed,
-                               pools=self.pools)
-        return build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed, pools=self.pools)
-
-    def _sglang_side(self) -> None:
-        """engine=sglang: this rank's rollout, for its side of the current pools. The rollout
-        pool's ranks drive the servers (started at the first handoff, on the pool's group); the
-        train pool evaluates with the embedded engine, its devices holding no server."""
-        if self.tr.rollout is not None:
-            self.tr.rollout.close()   # a rank's servers of earlier pools stop
-        if self.train_side:
-            self.tr.rollout = self.tr.make_rollout("embedded")
-        else:
-            self.tr.rollout = self.tr.make_rollout("sglang",
-                                             ranks=range(self.pools[0].world_size, self.tr.world),
-                                             ranks_group=groups.pool_group())
+        return build_sides(self, moved=moved)
 
     def warm_start(self) -> bool:
-        """The warm start before the pools split: the world's policy, laid out by the selector
-        over the whole world (trainer/warm_start.py, resumed from its own checkpoint), then its
-        last checkpoint (weights and Adam state) loaded into the train pool's policy, resharded
-        by dist_checkpointing; KL on: into the reference too. The rollout pool's weights come
-        at the first handoff, as always. False: told to stop (the warm start checkpointed)."""
-        from earl_megatron.trainer.model_pair import build_model_pair
-        from earl_megatron.trainer.sft import set_lr
-        from earl_megatron.trainer.warm_start import warm_start_state
-
-        tr, cfg = self.tr, self.tr.cfg
-        planner = tr.make_planner(tr.world, servers_here=False,
-                                  layout=replace(cfg.layout, mode="auto"))
-        warm = warm_start_state(tr.out) if cfg.run.resume else None
-        if warm is not None:   # killed during the warm start: it goes on from its checkpoint
-            lay = ParallelLayout.parse(warm["layout"], world_size=tr.world, model=cfg.model)
-        else:
-            lay = planner.plan("rollout", planner.rollout_lengths(), None)
-        world = build_model_pair(cfg.model, lay, None, optimizer=tr.optimizer,
-                                 seed=cfg.run.seed, init=cfg.run.init)
-        if warm is not None:
-            load_checkpoint(world.policy, warm["path"])
-            tr.sft_start, tr.sft_history = warm["sft_step"] + 1, warm["sft_history"]
-        done = tr.warm_start(world, planner)
-        del world
-        groups.build_pool_groups(self.pools, cfg.model)   # the pools' groups current again
-        if not done:
-            return False
-        path = warm_start_state(tr.out)["path"]
-        load_checkpoint(self.model if self.train_side else None, path)
-        if self.train_side:
-            set_lr(self.model.optimizer, cfg.algorithm.lr)
-        if self.models is not None and self.models.reference is not None:
-            tr.warmed_reference(self.models.reference)
-        elif tr.kl_on:
-            tr.warmed_reference(None)       # the rollout pool joins the collective read
-        return True
+        return warm_start_before_split(self)
 
     def begin(self, j: int, evaluate: bool) -> None:
         """The current pools start at iteration ``j``: the start's evaluation on the train
