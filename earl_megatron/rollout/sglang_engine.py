@@ -61,37 +61,21 @@ from typing import Any, Callable, Optional, Sequence
 
 from earl_megatron.rollout.engine import (EngineHealth, Generation, SamplingParams,
                                           check_prompts, split_evenly)
-from earl_megatron.rollout.sglang_launch import (CPU_FLAGS, SGLangConfig, SGLangRequestError,
-                                                 SGLangServerError, parse_generation,
+from earl_megatron.rollout.sglang_launch import (CPU_FLAGS, SGLangConfig,
+                                                 SGLangRequestError, SGLangServerError,
+                                                 SGLangServerUnreachable, SGLangWeightsLost,
+                                                 parse_generation,
                                                  server_command, server_environment,
                                                  server_variables, sglang_sampling_params)
-from earl_megatron.rollout.sglang_server import _Server, _Unreachable, free_ports, port_is_free
+from earl_megatron.rollout.sglang_server import (RESTORE_FAULTS, _Server, _Unreachable,
+                                                 free_ports, port_is_free)
 from earl_megatron.rollout.sglang_weights import WeightUpdateGroup, trainer_weight_update_group
 from earl_megatron.runtime.fault_points import fault_point
 
-__all__ = ["CPU_FLAGS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
+__all__ = ["CPU_FLAGS", "RESTORE_FAULTS", "SGLangConfig", "SGLangEngine", "SGLangRequestError",
            "SGLangServerError", "SGLangServerUnreachable", "SGLangWeightsLost",
            "parse_generation", "server_command", "server_variables", "server_environment",
            "sglang_sampling_params", "trainer_weight_update_group", "free_ports", "port_is_free"]
-
-
-class SGLangServerUnreachable(SGLangServerError):
-    """A server died, stalled or stopped answering outside a supervised request (a weight push,
-    forming the weight-update group): pass its index to ``SGLangEngine.recover``."""
-
-    def __init__(self, message: str, index: int):
-        super().__init__(message)
-        self.index = index
-
-
-class SGLangWeightsLost(SGLangServerError):
-    """A server restarted, but its weights exist nowhere on disk and nobody can push them."""
-
-
-RESTORE_FAULTS = (SGLangServerError, _Unreachable, RuntimeError, OSError, TimeoutError)
-"""What a failed start or weight restore raises when the server died (again) meanwhile: a start
-error, an HTTP failure, gloo's errors on a dead peer (RuntimeError subclasses), a store timeout.
-Each uses one restart attempt."""
 
 
 class SGLangEngine(WeightUpdateGroup):

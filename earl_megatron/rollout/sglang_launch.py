@@ -36,6 +36,21 @@ class SGLangServerError(RuntimeError):
     """A server could not be started, or stayed unreachable after the allowed restarts."""
 
 
+class SGLangServerUnreachable(SGLangServerError):
+    """A server died, stalled or stopped answering outside a supervised request (a weight push,
+    forming the weight-update group): pass its index to ``SGLangEngine.recover``."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class SGLangWeightsLost(SGLangServerError):
+    """A server restarted, but its weights exist nowhere on disk and nobody can push them."""
+
+
+
+
 class SGLangRequestError(RuntimeError):
     """A live server rejected a request (bad parameters, failed weight update...)."""
 

@@ -52,6 +52,12 @@ class _Unreachable(Exception):
     """Connection-level failure: the server is dead, hung, stalled or restarting."""
 
 
+RESTORE_FAULTS = (SGLangServerError, _Unreachable, RuntimeError, OSError, TimeoutError)
+"""What a failed start or weight restore raises when the server died (again) meanwhile: a start
+error, an HTTP failure, gloo's errors on a dead peer (RuntimeError subclasses), a store timeout.
+Each uses one restart attempt."""
+
+
 class _Server:
     """One SGLang server process: start, wait for /health and its identity, HTTP calls, stop
     (by its pgid). ``port`` is the first start's; every later start picks a new one."""
