@@ -72,7 +72,8 @@ lengths, and a batch's step grows with its longest game (Connect Four: 0.3 s at 
 2.4 s at 669), so on one seed the splits are ranked by their draws as much as by the split.
 Connect Four's rollout is a sixth of its iteration: little to overlap there, and the rollout
 ranks' decoding competes with the trainers for the 2 cores. Printed: each row's ratio to sync,
-and auto's to the best fixed split, with auto's pools per iteration and its first plan's reason.
+and auto's to the best other placement, with auto's pools per iteration (0: colocated) and its
+first plan's reason.
 
 Section 3 (``--section plan``). The time model's projection for the 72B recipe on 128 H100
 (plan/split.py, no run): seconds per iteration synchronous colocated, split on 64/64 GPUs and
@@ -80,8 +81,9 @@ auto's split, with the ratios to sync, at 2K, 8K and 32K contexts.
 
 Its last lines: ``async: colocated k=1 / sync <X.XX>x (tool latency), <Y.YY>x (connect four)``
 (trained episodes/s ratios of section 1), ``async: split k=1 / sync <X.XX>x (tool latency),
-<Y.YY>x (connect four)`` (section 4: split 1) and ``async: auto / best fixed split <A.AA> (tool
-latency), <B.BB> (connect four)``.
+<Y.YY>x (connect four)`` (section 4: split 1), ``async: auto / best placement <A.AA> (tool
+latency), <B.BB> (connect four)`` (auto against the fastest other row: sync on 2 ranks, sync and
+colocated k=1 on 3, split 1, split 2) and the same on 3 ranks only (auto runs on 3).
 
 Run:  python benchmarks/async_rl.py [--section all|async|env|plan] [--iterations 5]
       [--episodes 16] [--latency 0.1] [--workloads tool connect_four] [--ks 0 1 2]
@@ -145,7 +147,8 @@ def slow_tool(**kwargs) -> SlowToolEnv:
 def _train(cfg_dict: dict) -> dict:
     """On every rank: the trainer's run, with this rank's decode and stage seconds."""
     import earl_megatron.rollout.embedded_engine as ee
-    import earl_megatron.trainer.runner as runner
+    import earl_megatron.trainer.colocated as colocated
+    import earl_megatron.trainer.split as split
     from earl_megatron.config.train import TrainConfig
     from earl_megatron.train import run
 
@@ -161,7 +164,7 @@ def _train(cfg_dict: dict) -> dict:
             decode[0] += time.perf_counter() - t
 
     ee.EmbeddedEngine.generate = timed_generate
-    base_timer = runner.StageTimer
+    base_timer = colocated.StageTimer
 
     class Timer(base_timer):
         def __init__(self):
@@ -175,7 +178,7 @@ def _train(cfg_dict: dict) -> dict:
                            "cpu": time.process_time() - self.cpu0})
             return tot
 
-    runner.StageTimer = Timer
+    colocated.StageTimer = split.StageTimer = Timer   # the placements time their iterations
     cpu0 = time.process_time()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the live view
         hist = run(TrainConfig.from_dict(cfg_dict))
@@ -362,9 +365,11 @@ def _same(a: str, b: str, ranks: int) -> bool:
 
 
 def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
-    """Section 4's run: the workload's config; placement None: colocated sync on 2 ranks, 1
-    or 2: that many rollout ranks of 3, "auto": the selector's split of 3 (k = 1)."""
-    cfg = _config(workload, 0 if placement is None else 1, args, out)
+    """Section 4's run: the workload's config; placement None: colocated sync on 2 ranks,
+    "sync3": colocated sync on 3 ranks, "colo": colocated k = 1 on 3 ranks (both in the
+    selector's layouts), 1 or 2: that many rollout ranks of 3, "auto": the selector's placement
+    of 3 ranks, colocated or a split (k = 1)."""
+    cfg = _config(workload, 0 if placement in (None, "sync3") else 1, args, out)
     cfg["run"] = dict(cfg["run"], resume=False)
     if workload == "tool":
         cfg["env"]["kwargs"] = dict(cfg["env"]["kwargs"], tool_latency_s=args.split_latency)
@@ -372,6 +377,8 @@ def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
         cfg["run"]["init"] = init   # the warm start's checkpoint: every run starts from it
     if placement is None:
         cfg["layout"] = {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"}
+    elif placement in ("sync3", "colo"):
+        cfg["layout"] = {"mode": "auto"}
     elif placement == "auto":
         cfg["layout"] = {"mode": "auto"}
         cfg["rollout"] = dict(cfg["rollout"], placement="auto")
@@ -401,15 +408,17 @@ def _split_runs(w: str, placement, args, init, ranks: int):
         meas = hist[1:]
         s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
         s["wait"] = 0.0
-        if placement is not None:
-            s["rollout_s"] = sum(h["split"]["rollout_s"] for h in meas) / len(meas)
-            s["wait"] = sum(h["split"]["train_wait_s"] for h in meas) / len(meas)
+        split = [h for h in meas if "split" in h]   # auto: its split iterations
+        if split:
+            s["rollout_s"] = sum(h["split"]["rollout_s"] for h in split) / len(split)
+            s["wait"] = sum(h["split"]["train_wait_s"] for h in split) / len(split)
         s["train"] = sum(h["seconds"].get(st, 0.0) for h in meas
                          for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
         runs.append(s)
         if placement == "auto":
-            plans.append((seed, [(h["split"]["rollout_ranks"], h["layouts"]) for h in hist],
-                          hist[0]["split"]["plan"]))
+            plans.append((seed, [(h["split"]["rollout_ranks"] if "split" in h else 0,
+                                  h["layouts"]) for h in hist],
+                          hist[0]["split"]["plan"] if "split" in hist[0] else "colocated"))
     n = len(runs)
     pooled = {"eps": sum(r["eps"] * r["wall"] for r in runs) / sum(r["wall"] for r in runs),
               "per_seed": [r["eps"] for r in runs],
@@ -432,8 +441,9 @@ def section_split(args) -> dict:
     for w in args.workloads:
         print(f"\n[split: {names[w]}] {args.episodes} episodes/iteration, {args.iterations} "
               f"iterations (rates over iterations 1..{args.iterations - 1}); sync: 2 ranks "
-              "colocated, dp2; k=1 on 3 ranks: split 1 = rollout dp1 + train dp2, split 2 = "
-              "rollout dp2 + train dp1, auto = the selector's" +
+              "colocated, dp2; on 3 ranks: sync3 and colocated k=1 in the selector's layouts, "
+              "split 1 = rollout dp1 + train dp2, split 2 = rollout dp2 + train dp1 (k=1), auto "
+              "= the selector's placement (colocated or a split, k=1)" +
               (f"; tool latency {args.split_latency} s" if w == "tool" else ""), flush=True)
         warm, init = None, None
         if w == "tool":
@@ -447,7 +457,7 @@ def section_split(args) -> dict:
               f"{'cpu s/it':>8s}   eps/s per seed {' / '.join(map(str, args.split_seeds))}",
               flush=True)
         rows, plans = {}, []
-        order = [None, 1, "auto", 2] + ([None] if args.bracket else [])
+        order = [None, 1, "auto", "colo", 2, "sync3"] + ([None] if args.bracket else [])
         for n, placement in enumerate(order):
             again = n == len(order) - 1 and placement is None and n > 0
             ranks = 2 if placement is None else 3
@@ -457,7 +467,8 @@ def section_split(args) -> dict:
             else:
                 rows[placement] = s
             name = "sync'" if again else {None: "sync", 1: "split 1", 2: "split 2",
-                                          "auto": "auto"}[placement]
+                                          "auto": "auto", "colo": "colo k=1",
+                                          "sync3": "sync3"}[placement]
             print(f"  {name:8s} {ranks:5d} {s['eps']:7.2f} {s['rollout_s']:9.2f} {train:7.2f} "
                   f"{wait:6.2f} {s['st_mean']:7.3f} {s['st_max']:6d} {s['dropped']:7d} "
                   f"{s['reward']:7.2f} {s['cpu']:8.2f}   " +
@@ -481,14 +492,21 @@ def section_split(args) -> dict:
         if warm is not None:
             shutil.rmtree(warm, ignore_errors=True)
         base = rows[None]["eps"]
-        best = max((1, 2), key=lambda p: rows[p]["eps"])
+        fixed = [p for p in rows if p != "auto"]
+        best = max(fixed, key=lambda p: rows[p]["eps"])
+        best3 = max((p for p in fixed if p is not None), key=lambda p: rows[p]["eps"])
+        label = {None: "sync on 2 ranks", "sync3": "sync3", "colo": "colocated k=1",
+                 1: "split 1", 2: "split 2"}
         ratios[w] = rows[1]["eps"] / base
         ratios[w + "/auto"] = rows["auto"]["eps"] / rows[best]["eps"]
+        ratios[w + "/auto3"] = rows["auto"]["eps"] / rows[best3]["eps"]
         print(f"  sync baseline {base:.2f} episodes/s"
               + (" (harmonic mean of sync and sync')" if args.bracket else "")
-              + f"; split 1 {rows[1]['eps'] / base:.2f}x, split 2 {rows[2]['eps'] / base:.2f}x, "
-              f"auto {rows['auto']['eps'] / base:.2f}x; auto / the best fixed split (split "
-              f"{best}) {ratios[w + '/auto']:.2f}", flush=True)
+              + "; " + ", ".join(f"{label[p]} {rows[p]['eps'] / base:.2f}x" for p in fixed
+                                 if p is not None)
+              + f", auto {rows['auto']['eps'] / base:.2f}x; auto / the best placement "
+              f"({label[best]}) {ratios[w + '/auto']:.2f}; on 3 ranks ({label[best3]}) "
+              f"{ratios[w + '/auto3']:.2f}", flush=True)
     return ratios
 
 
@@ -562,9 +580,12 @@ def main() -> None:
         print("async: split k=1 / sync "
               f"{split.get('tool', float('nan')):.2f}x (tool latency), "
               f"{split.get('connect_four', float('nan')):.2f}x (connect four)")
-        print("async: auto / best fixed split "
+        print("async: auto / best placement "
               f"{split.get('tool/auto', float('nan')):.2f} (tool latency), "
               f"{split.get('connect_four/auto', float('nan')):.2f} (connect four)")
+        print("async: auto / best placement of 3 ranks "
+              f"{split.get('tool/auto3', float('nan')):.2f} (tool latency), "
+              f"{split.get('connect_four/auto3', float('nan')):.2f} (connect four)")
 
 
 if __name__ == "__main__":
