@@ -1,34 +1,60 @@
 """k=0 parity: with ``algorithm.max_staleness: 0`` (the synchronous loop) the trainer reproduces,
-iteration for iteration, the records of the synchronous trainer as it was before asynchronous RL
-existed (commit 7974335). Two 2-rank runs of 3 iterations each, launched once:
+iteration for iteration, the records of the synchronous trainer as it was before the loop was
+rewritten (issue #43: "with k=0 every record equals today's value for value"). Four 2-rank runs
+of 3 iterations each, launched once:
 
 - ``demo``: the CPU demo's choices (recipes/config.yaml: Connect Four against a random
   opponent, REINFORCE++, layout=auto under the demo's 0.25 GB per-rank budget, lr 1e-2,
   length-grouped micro-batches of 2048 tokens) at test size (vocab 32, 8 episodes of at most
   4 turns);
 - ``grpo``: the same game trained by GRPO (groups of 2 episodes that share a seed), static
-  layouts.
+  layouts;
+- ``calculator``: the tool-use environment (recipes/tool_use.yaml's model and env choices:
+  the tool tokenizer, 2 operands, tags, no system prompt; no warm start) under layout=auto,
+  REINFORCE++ at lr 1e-2, 8 episodes of at most 4 turns;
+- ``agent``: ``env.name=agent`` with the test agent programs of
+  earl_megatron/testing/agents.py (``AGENT_TASKS``: plain, post, builtin, one call each),
+  rollout tp2 (the leader serves the endpoint, the other rank decodes beside it), re-scored
+  (old_logprobs=recompute). ``rollout.agent_concurrency=1``: the episodes play one after
+  another, so every decode batch holds one request and batch k is the k-th call. At the
+  default concurrency the broker batches whatever requests have arrived (agents/broker.py:
+  all open episodes waiting, or 20 ms after the first), in arrival order, and a row's
+  sampling seed is (batch index, row in the batch) (embedded_engine.py, seeds.py): which
+  tokens an episode samples would then depend on the order in which the agents' threads
+  reach the endpoint, which no config fixes.
+
+Golden files (tests/distributed/golden/async_parity_CASE.json; each records its ``commit``):
+
+    demo, grpo          generated at 7974335 (the synchronous trainer before asynchronous RL;
+                        they still pass at d96fc9f)
+    calculator, agent   generated at d96fc9f (the last commit with trainer/runner.py's and
+                        trainer/split_loop.py's loops, before the one loop of issue #43)
+
+each generated twice and compared byte for byte before it was committed.
 
 Each rank's history of each run (the records ``earl_megatron.train.run`` returns, one per
 iteration; the ranks' records differ in ``dispatch_bytes``, what that rank received) minus the
-keys measured in wall time (``TIMING_KEYS``) equals that rank's history in
-tests/distributed/golden/async_parity_{demo,grpo}.json: integers, booleans, strings (layouts,
-the selector's reasons, whose predicted seconds come from the analytic time model, not a clock)
-exactly, floats within rel 1e-6 / abs 1e-7. Why a tolerance at all: on one machine two runs
-are bit-identical (the golden files were generated twice and compared byte for byte), but a CPU
-with other vector units (AVX-512 against AVX2, another BLAS kernel) may sum in another order and
-round the last bits differently; anything the asynchronous change breaks (another batch, another
-policy version, another order of updates) moves the gradient norms and policy ratios by far
-more than 1e-6 (a learning rate 0.1% off moves iteration 1's gradient norm by 1.3e-4 relative).
+keys measured in wall time (``TIMING_KEYS``) equals that rank's history in its golden file:
+integers, booleans, strings (layouts, the selector's reasons, whose predicted seconds come from
+the analytic time model, not a clock) exactly, floats within rel 1e-6 / abs 1e-7. Why a
+tolerance at all: on one machine two runs are bit-identical, but a CPU with other vector units
+(AVX-512 against AVX2, another BLAS kernel) may sum in another order and round the last bits
+differently; anything a loop change breaks (another batch, another policy version, another
+order of updates) moves the gradient norms and policy ratios by far more than 1e-6 (a learning
+rate 0.1% off moves iteration 1's gradient norm by 1.3e-4 relative).
 
-Regenerating the golden files (only when the synchronous numbers are MEANT to change, e.g. a new
-model init; never to make this test pass after a trainer change):
+Regenerating golden files (only when the synchronous numbers are MEANT to change, e.g. a new
+model init; never to make this test pass after a trainer change), from the checkout whose code
+should be golden:
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python tests/distributed/test_async_parity.py
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python tests/distributed/test_async_parity.py \
+        [CASE ...]
 
-The generator runs the same configs with ``algorithm.max_staleness`` left out when the config
-does not know it (it did not exist at 7974335, where the files were generated) and set to 0
-when it does; the test itself always passes ``STALENESS`` explicitly.
+(default: every case). The files are written next to the script (a copy of it in /tmp run with
+``PYTHONPATH=<an older checkout>`` generates that checkout's records without touching it; the
+``commit`` recorded is the imported package's). The generator runs the same configs with
+``algorithm.max_staleness`` left out when the config does not know it (it did not exist at
+7974335) and set to 0 when it does; the test itself always passes ``STALENESS`` explicitly.
 """
 
 from __future__ import annotations
@@ -57,10 +83,15 @@ a record at 7974335 is a function of the config and the seed (``test_timing_keys
 fails on a new key whose name says it is a time, so it gets listed here, or renamed)."""
 
 ADDED_KEYS = frozenset({"staleness_mean", "staleness_max", "staleness_shares"})
-"""Record keys the asynchronous trainer adds (none of them in the golden files): not compared,
-except that at k=0 every trained token is fresh (``check_added_at_k0``). Any other key missing
-from a record, or new in it, fails the test: list a new metric here once its k=0 value is known.
-(The names are those of the asynchronous change in progress on 2026-12-03.)"""
+"""Record keys the asynchronous trainer added after 7974335: not compared against the golden
+files generated before it (demo, grpo), except that at k=0 every trained token is fresh
+(``check_added_at_k0``); compared like every other key against the files of d96fc9f, which hold
+them. Any other key missing from a record, or new in it, fails the test: list a new metric here
+once its k=0 value is known."""
+
+NOT_TIMING = frozenset({"agent_timeouts"})
+"""Key names that look like a time but count something: ``agent_timeouts`` is the number of
+episodes whose agent ran past ``rollout.agent_timeout_s`` (0 in every golden record)."""
 
 TIMING_HINTS = ("second", "time", "elapsed", "wall", "per_s", "throughput", "profile", "clock")
 """Substrings of a key name that say it is measured in wall time (besides a "_s"/"_ms" suffix)."""
@@ -99,19 +130,73 @@ CASES = {
         "algorithm": {"name": "grpo", "group_size": 2, "lr": 1.0e-2, "micro_batch_size": 4},
         "run": _run_cfg(out),
     },
+    "calculator": lambda out: {
+        "model": {"vocab_size": 64, "num_attention_heads": 4, "num_query_groups": 2},
+        "layout": {"mode": "auto", "memory_budget_gb": 0.25},
+        "env": {"name": "calculator",
+                "kwargs": {"num_operands": 2, "max_operand": 99, "max_tool_calls": 4,
+                           "invalid_penalty": -1.0, "tool_format": "tags",
+                           "system_prompt": "", "expert_tool_rate": 0.5,
+                           "mental_accuracy": 0.1},
+                "eval_opponents": []},
+        "rollout": {"engine": "embedded", "tokenizer": "tool", "episodes_per_iteration": 8,
+                    "max_turns": 4, "max_action_tokens": 16},
+        "algorithm": {"name": "reinforce_pp", "lr": 1.0e-2, "micro_batch_size": 4},
+        # a short warm start on the expert's traces: the initial policy never writes a tag
+        # (every episode unparsable, reward -1, no gradient); after it some episodes call the
+        # calculator or answer
+        "sft": {"steps": 40, "batch_size": 16, "expert_episodes": 128, "log_every": 10},
+        "run": _run_cfg(out),
+    },
+    "agent": lambda out: {
+        "model": {"vocab_size": 128},
+        "layout": {"mode": "static", "rollout": "tp2", "logprob": "dp2", "train": "dp2"},
+        "env": {"name": "agent",
+                "kwargs": {"entry": "earl_megatron.testing.agents:probe",
+                           "tasks": _tasks_path(out),
+                           "reward": "earl_megatron.testing.agents:score"},
+                "eval_opponents": []},
+        "rollout": {"engine": "embedded", "tokenizer": "ascii", "episodes_per_iteration": 8,
+                    "max_turns": 3, "max_action_tokens": 6, "max_context_tokens": 256,
+                    "agent_concurrency": 1},
+        "algorithm": {"name": "reinforce_pp", "lr": 1.0e-2, "micro_batch_size": 2,
+                      "old_logprobs": "recompute"},
+        "run": _run_cfg(out),
+    },
 }
 """Each case's config as a dict, given its output_dir, without the staleness key."""
+
+AGENT_TASKS = ({"kind": "plain", "prompt": "say hi"},
+               {"kind": "post", "prompt": "say hi"},
+               {"kind": "builtin", "prompt": "say hi"})
+"""The agent run's tasks (earl_megatron/testing/agents.py ``probe``): one call each, rewards 1
+(returned), 0.5 (posted to {base}/reward) and 0.25 (the built-in agent scored by ``score``). An
+episode plays ``tasks[seed % 3]`` and iteration i's seeds are ``i * 10_007 + k`` (seeds.py), so
+the three iterations' reward means differ; the policy's samples are what the gradients see."""
+
+
+def _tasks_path(out: str) -> str:
+    return f"{out}.tasks.jsonl"
+
+
+def _prepare(root: str, cases) -> None:
+    """Write the files the cases' configs name (before any rank starts)."""
+    if "agent" in cases:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        Path(_tasks_path(f"{root}/agent")).write_text(
+            "".join(json.dumps(t) + "\n" for t in AGENT_TASKS))
 
 
 def _with(d: dict, algorithm_extra: dict) -> dict:
     return {**d, "algorithm": {**d["algorithm"], **algorithm_extra}}
 
 
-def _train_all(root: str, algorithm_extra: dict) -> dict:
+def _train_all(root: str, algorithm_extra: dict, cases=tuple(CASES)) -> dict:
     from earl_megatron.train import run
 
-    return {case: run(TrainConfig.from_dict(_with(make(f"{root}/{case}"), algorithm_extra)))
-            for case, make in CASES.items()}
+    return {case: run(TrainConfig.from_dict(_with(CASES[case](f"{root}/{case}"),
+                                                  algorithm_extra)))
+            for case in cases}
 
 
 def _json(x):
@@ -172,6 +257,10 @@ def _nontrivial(case: str, hist: list[dict]) -> None:
     assert len({h["grad_norm"] for h in hist}) == len(hist), case
     assert len({h["reward"] for h in hist}) > 1, (case, [h["reward"] for h in hist])
     assert len({h["mean_context"] for h in hist}) > 1, case
+    if case == "agent":   # every agent made its one call and none was lost (error, timeout)
+        for h in hist:
+            assert (h["agent_errors"], h["agent_timeouts"]) == (0, 0), h
+            assert h["agent_calls_per_episode"] == 1.0, h
 
 
 def _load(case: str) -> dict:
@@ -189,6 +278,8 @@ def test_golden_files_are_nontrivial():
             [{**h, "dispatch_bytes": 0} for h in g["histories"][1]], case
         # the test's config is the generator's (a config edit needs regenerated files)
         assert g["config"] == _with(make("OUT"), {}), case
+        if case == "agent":
+            assert g["agent_tasks"] == [dict(t) for t in AGENT_TASKS]
 
 
 def _timed_keys(x, where="") -> list[str]:
@@ -199,7 +290,8 @@ def _timed_keys(x, where="") -> list[str]:
     out = []
     for k, v in x.items():
         low = k.lower()
-        if any(s in low for s in TIMING_HINTS) or low.endswith(("_s", "_ms")):
+        if k not in NOT_TIMING and (any(s in low for s in TIMING_HINTS)
+                                    or low.endswith(("_s", "_ms"))):
             out.append(f"{where}{k}")
         out += _timed_keys(v, f"{where}{k}.")
     return out
@@ -212,14 +304,19 @@ def test_timing_keys_are_known():
 
 
 def test_max_staleness_0_reproduces_the_synchronous_trainer(tmp_path):
-    results = run_distributed(_train_all, 2, str(tmp_path), STALENESS, timeout=600)
+    _prepare(str(tmp_path), CASES)
+    # four 3-iteration runs in one launch: ~3 CPU minutes on an idle 2-core machine; the limit
+    # only catches a hang
+    results = run_distributed(_train_all, 2, str(tmp_path), STALENESS, timeout=2400)
     for case in CASES:
         golden = _load(case)["histories"]
         for rank, result in enumerate(results):
             now = strip_timing(result[case])
             for h in now:
                 check_added_at_k0(h)
-            now = [{k: v for k, v in h.items() if k not in ADDED_KEYS} for h in now]
+            # the keys added after a golden file's commit are left out (ADDED_KEYS)
+            now = [{k: v for k, v in h.items() if k not in ADDED_KEYS or k in g}
+                   for h, g in zip(now, golden[rank] + [{}] * len(now))]
             problems = compare(golden[rank], now)
             assert not problems, (f"{case}, rank {rank}: {len(problems)} differences:\n"
                                   + "\n".join(problems[:40]))
@@ -227,19 +324,29 @@ def test_max_staleness_0_reproduces_the_synchronous_trainer(tmp_path):
 
 # ------------------------------------------------------------------ the generator
 def _commit() -> str:
+    """The commit of the code under test (the imported package's checkout), "+dirty" when its
+    tracked files differ from it."""
+    import earl_megatron
+
+    where = Path(earl_megatron.__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=where, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
-def generate(root: str) -> None:
+def generate(root: str, cases) -> None:
     known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     extra = STALENESS if set(STALENESS) <= known else {}
-    results = run_distributed(_train_all, 2, root, extra, timeout=900)
+    _prepare(root, cases)
+    results = run_distributed(_train_all, 2, root, extra, tuple(cases), timeout=2400)
     GOLDEN.mkdir(exist_ok=True)
-    for case, make in CASES.items():
+    for case in cases:
         hists = [strip_timing(r[case]) for r in results]
         for hist in hists:
             _nontrivial(case, hist)
@@ -247,18 +354,32 @@ def generate(root: str) -> None:
                         "records, timing keys left out; regenerate only by its __main__",
                "commit": _commit(), "algorithm_extra": extra,
                "excluded_keys": sorted(TIMING_KEYS),
-               "config": _with(make("OUT"), {}), "histories": hists}
+               "config": _with(CASES[case]("OUT"), {}), "histories": hists}
+        if case == "agent":
+            doc["agent_tasks"] = [dict(t) for t in AGENT_TASKS]
         path = GOLDEN / f"async_parity_{case}.json"
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"wrote {path} ({len(hists)} ranks x {len(hists[0])} records)")
 
 
 if __name__ == "__main__":
+    import argparse
     import os
     import tempfile
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # as tests/conftest.py
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    with tempfile.TemporaryDirectory(prefix="earl-parity-") as d:
-        generate(d if len(sys.argv) < 2 else sys.argv[1])
+    ap = argparse.ArgumentParser(description="Regenerate golden files (module docstring).")
+    ap.add_argument("cases", nargs="*", help=f"cases to regenerate, of {list(CASES)} "
+                                             "(default: all)")
+    ap.add_argument("--root", help="keep the runs' output here (default: a temporary dir)")
+    a = ap.parse_args()
+    if set(a.cases) - set(CASES):
+        ap.error(f"unknown cases {sorted(set(a.cases) - set(CASES))}: use {list(CASES)}")
+    a.cases = a.cases or list(CASES)
+    if a.root:
+        generate(a.root, a.cases)
+    else:
+        with tempfile.TemporaryDirectory(prefix="earl-parity-") as d:
+            generate(d, a.cases)
