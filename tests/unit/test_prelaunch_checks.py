@@ -2,7 +2,7 @@
 ConfigError naming the key and the fix), so ``earl train`` stops before any rank starts: an
 environment without a scripted expert under ``sft.data=null``, an expert that does not finish
 its episode, an ``sft.data`` with fewer traces than ``sft.batch_size``
-(trainer/warm_start.py ``check_warm_start``)."""
+(trainer/warm_start.py ``check_warm_start``), a new run into a folder that holds one."""
 
 import json
 import sys
@@ -66,3 +66,14 @@ def test_sft_data_with_fewer_traces_than_a_batch_is_refused(tmp_path):
     assert _validate({"sft": {"steps": 4, "data": str(data), "batch_size": 3}}) == (
         f"sft.batch_size=3 but {data} holds 2 trajectories; lower sft.batch_size")
     assert _validate({"sft": {"steps": 4, "data": str(data), "batch_size": 2}}) == "no error"
+
+
+def test_a_new_run_into_a_folder_holding_one_is_refused(tmp_path):
+    # trainer/resume.py refuses it too, but only after every rank has started
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    run = {"output_dir": str(tmp_path), "resume": False}
+    assert _validate({"run": run}) == (
+        f"run.output_dir={tmp_path} already holds a run (metrics.jsonl) and run.resume=false "
+        f"would overwrite it: set run.resume=true to continue that run, choose a new "
+        f"run.output_dir, or delete {tmp_path} to start over")
+    assert _validate({"run": {**run, "resume": True}}) == "no error"
