@@ -12,7 +12,8 @@ this process (``torch.distributed.run.run``, the code behind the ``torchrun`` co
 options, rendezvous and signal forwarding are torchrun's). Each worker's stderr goes to
 ``<run.output_dir>/logs/`` (``--log-dir``/``--redirects``/``--tee`` given by the user win): the
 console keeps rank 0's live view, and a failing run ends with one line naming the rank, how it
-ended, the last line it wrote to stderr, and its log file, instead of torchrun's failure box.
+ended, its own last error (``last_error``: the exception line of its last traceback, never
+Hydra's ``HYDRA_FULL_ERROR`` hint), and its log file, instead of torchrun's failure box.
 Plain ``torchrun -m earl_megatron.train`` keeps working; this wraps it.
 
 Arguments: ``key=value`` (and ``+key=value``, ``~key``) are Hydra overrides, as are
@@ -126,9 +127,28 @@ def check_config(trainer_args: Sequence[str], world: Optional[int], local: Optio
     return cfg
 
 
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+"""How Hydra's hint after a worker's traceback starts: a hint, never the worker's error."""
+
+
+def last_error(log_text: str) -> Optional[str]:
+    """The line of a rank's stderr log that says why it failed: the exception line of its last
+    traceback (``Type: message``, the first unindented line after the frames; the last one of a
+    chain of exceptions), else its last non-empty line; Hydra's hint is skipped. None: the log
+    says nothing."""
+    lines = [ln.rstrip() for ln in log_text.splitlines()
+             if ln.strip() and not ln.lstrip().startswith(HYDRA_HINT)]
+    tracebacks = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent ")]
+    if tracebacks:
+        said = next((ln for ln in lines[tracebacks[-1] + 1:] if not ln[0].isspace()), None)
+        if said is not None:
+            return said.strip()
+    return lines[-1].strip() if lines else None
+
+
 def failure_line(error, log_dir: Path) -> str:
-    """One line for torchrun's ChildFailedError: the first failing rank, how it ended, the last
-    line of its stderr log and the log's path. A bad input found while training (a layout that
+    """One line for torchrun's ChildFailedError: the first failing rank, how it ended, its last
+    error (``last_error`` of its stderr log) and the log's path. A bad input found while training (a layout that
     no longer fits) is reported by rank 0 alone and every rank exits 2: when the first to exit
     has nothing in its log, the line is that of a rank that exited 2 and said why."""
     first, failure0 = error.get_first_failure()
@@ -142,10 +162,9 @@ def failure_line(error, log_dir: Path) -> str:
         log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
         if log is None or not log.is_file():
             log = _stderr_log(log_dir, failure.local_rank)
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
-                 if ln.strip()] if log is not None else []
-        said.append((bool(lines), rank, failure, log, lines))
-    _, rank, failure, log, lines = next((x for x in said if x[0]), said[0])
+        error_line = last_error(log.read_text(errors="replace")) if log is not None else None
+        said.append((error_line is not None, rank, failure, log, error_line))
+    _, rank, failure, log, error_line = next((x for x in said if x[0]), said[0])
     code = failure.exitcode
     if code is not None and code < 0:
         try:
@@ -154,7 +173,7 @@ def failure_line(error, log_dir: Path) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with status {code}"
-    last = f": {lines[-1]}" if lines else ""
+    last = f": {error_line}" if error_line else ""
     where = f"; log {log}" if log is not None else f"; logs under {log_dir}"
     return f"earl train: rank {rank} (pid {failure.pid}) {how}{last}{where}"
 

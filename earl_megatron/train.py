@@ -192,8 +192,8 @@ def _check_agent(cfg: TrainConfig, world: int) -> None:
 
 
 def _check_inputs(cfg: TrainConfig) -> None:
-    """The environment's kwargs and the files the run reads (sft.data, the tokenizer, run.init's
-    config), checked on every rank before any model or group exists: each problem is one
+    """The environment's kwargs and the files the run reads (sft.data or the expert, the
+    tokenizer, run.init's config) or would overwrite (run.resume=false), checked on every rank before any model or group exists: each problem is one
     ConfigError naming its key."""
     from earl_megatron.envs import make_env
     for opp in (None, *cfg.env.eval_opponents) if cfg.env.name != "agent" else ():
@@ -206,21 +206,12 @@ def _check_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(f"env.eval_opponents={list(cfg.env.eval_opponents)} of env.name="
                               f"{cfg.env.name}: opponent {opp!r}: {e} (an environment without "
                               "opponents takes env.eval_opponents=[])") from None
-    scfg = cfg.sft
-    if scfg.steps and scfg.data is not None:
-        from earl_megatron.rollout.trajectories import read_jsonl
-        data = Path(scfg.data)
-        if not data.is_file():
-            raise ConfigError(f"sft.data={scfg.data} is not a file; point sft.data at a JSONL "
-                              "file of chat trajectories (rollout/trajectories.py) or set "
-                              "sft.data=null to warm start on the environment's expert")
-        try:
-            read_jsonl(data)  # read in full: a bad line is named now, not after model setup
-        except OSError as e:
-            raise ConfigError(f"sft.data={scfg.data} cannot be read ({e.strerror}); fix its "
-                              "permissions or copy it again") from None
-        except ValueError as e:
-            raise ConfigError(f"sft.data={scfg.data}: {e}") from None
+    from earl_megatron.trainer.warm_start import TraceSource, check_warm_start
+    check_warm_start(cfg.sft, TraceSource(cfg.env.name, dict(cfg.env.kwargs), cfg.run.seed))
+    if not cfg.run.resume:   # resume.start's refusal, made before any rank starts
+        from earl_megatron.trainer.segments import earlier_run
+        if (refused := earlier_run(cfg.run.output_dir)) is not None:
+            raise ConfigError(refused)
     if cfg.rollout.tokenizer not in BUILTIN_TOKENIZERS:
         tokenizer_dir(cfg.rollout.tokenizer)
     if cfg.run.init is not None:

@@ -118,7 +118,16 @@ write_config() {
         echo "JobRequeue=1"
         echo "MinJobAge=3600"          # finished jobs stay visible to scontrol for the tests
         echo "KillWait=30"
-        echo "SlurmdTimeout=60"
+        # a loaded host (CI beside training jobs, load average 50) answers slowly: Slurm's 10 s
+        # message and 2 s connect defaults made `scontrol show job` fail with "slurm_load_jobs
+        # error: Socket timed out"; a node is marked down only after 5 minutes of silence, and
+        # a step is unkillable only after 5 x MessageTimeout (Slurm's own floor)
+        echo "MessageTimeout=60"
+        echo "TCPTimeout=15"
+        echo "SlurmdTimeout=300"
+        echo "SlurmctldTimeout=300"
+        echo "BatchStartTimeout=120"
+        echo "UnkillableStepTimeout=300"
         echo "SchedulerParameters=defer_batch=0"
         local i=1
         for n in "${NODES[@]}"; do

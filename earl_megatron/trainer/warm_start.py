@@ -16,6 +16,12 @@ the warm start resumes at the next step with the same batches (trainer/sft.py: a
 a pure function of the step), and sft.jsonl is rewritten from the checkpoint's history, so it
 never repeats a step; a run with an RL checkpoint has finished its warm start. One optimizer
 throughout: the warm start's Adam state carries into RL, as in a run that never stopped.
+
+What the warm start would refuse at its first step without a model, ``check_warm_start`` refuses
+first (train.validate: every rank, and ``earl train`` before any rank starts), each problem one
+ConfigError naming its key and the fix: an ``sft.data`` that is missing, unreadable, malformed or
+holds fewer traces than ``sft.batch_size``; with ``sft.data=null``, an environment without a
+scripted expert, or an expert whose first episode does not play to its end.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.sft import SFTConfig
 from earl_megatron.trainer.sft import load_traces, set_lr, sft_step, step_batch, tokenize_traces
 from earl_megatron.trainer.stages import BatchShape
@@ -57,6 +64,53 @@ class TraceSource:
     """run.seed: the expert's episodes use seeds derived from it (earl_megatron/seeds.py expert_seeds)."""
 
 
+def check_warm_start(scfg: SFTConfig, source: TraceSource) -> None:
+    """The warm start's inputs, before any model exists (module doc); nothing when sft.steps=0.
+    Reads sft.data in full (a bad line is named now, not after model setup) and plays the
+    expert's first episode (the expert exists and finishes it). env.name=agent without sft.data
+    is train._check_agent's refusal."""
+    if not scfg.steps or (scfg.data is None and source.env == "agent"):
+        return
+    if scfg.data is not None:
+        from earl_megatron.rollout.trajectories import read_jsonl
+        data = Path(scfg.data)
+        if not data.is_file():
+            raise ConfigError(f"sft.data={scfg.data} is not a file; point sft.data at a JSONL "
+                              "file of chat trajectories (rollout/trajectories.py) or set "
+                              "sft.data=null to warm start on the environment's expert")
+        try:
+            traces = read_jsonl(data)
+        except OSError as e:
+            raise ConfigError(f"sft.data={scfg.data} cannot be read ({e.strerror}); fix its "
+                              "permissions or copy it again") from None
+        except ValueError as e:
+            raise ConfigError(f"sft.data={scfg.data}: {e}") from None
+        check_trace_count(scfg, len(traces))
+        return
+    from earl_megatron.envs import make_env
+    from earl_megatron.rollout.trajectories import expert_trajectories
+    from earl_megatron.seeds import expert_seeds
+    first = expert_seeds(source.seed, scfg.expert_episodes)[:1]
+    try:
+        expert_trajectories(lambda: make_env(source.env, **source.env_kwargs), first)
+    except NotImplementedError:   # Env.expert's default: no scripted teacher
+        raise ConfigError(f"sft.steps={scfg.steps} with sft.data=null plays the environment's "
+                          f"expert, but {source.env} has no scripted expert; give the warm "
+                          "start a JSONL file of chat trajectories (sft.data=PATH, "
+                          "docs/trainer.md) or set sft.steps=0") from None
+    except RuntimeError as e:     # expert_trajectories: an expert that does not finish
+        raise ConfigError(f"sft.data=null: {e}; give sft.data=PATH (chat trajectories) "
+                          f"instead, or fix {source.env}'s expert") from None
+
+
+def check_trace_count(scfg: SFTConfig, traces: int) -> None:
+    """A step draws sft.batch_size distinct traces (trainer/sft.py step_batch)."""
+    if scfg.batch_size > traces:
+        raise ConfigError(f"sft.batch_size={scfg.batch_size} but "
+                          f"{scfg.data or 'the expert'} holds {traces} trajectories; lower "
+                          "sft.batch_size")
+
+
 class WarmStart:
     def __init__(self, scfg: SFTConfig, source: TraceSource, tokenizer, *, batch: BatchShape,
                  rl_lr: float, max_tokens: int, out: Path, checkpoint_every: int, rank: int,
@@ -85,10 +139,7 @@ class WarmStart:
         t0 = time.perf_counter()
         traces = load_traces(self.scfg, self.source.env, self.source.env_kwargs, self.source.seed)
         samples = tokenize_traces(traces, self.tok, self.max_tokens)
-        if self.batch_size > len(samples):
-            from earl_megatron.config.train import ConfigError
-            raise ConfigError(f"sft.batch_size={self.batch_size} but {self.data} holds "
-                              f"{len(samples)} trajectories; lower sft.batch_size")
+        check_trace_count(self.scfg, len(samples))
         self.log(f"warm start: {len(samples)} traces "
                  f"({'expert' if self.data is None else self.data}), steps {self.start}.."
                  f"{self.steps - 1}, batch {self.batch_size}, lr {self.lr:g}")

@@ -1,7 +1,8 @@
 """``earl train`` as a user runs it (a subprocess): bad input is one line and exit 2 under any
-rank count, before any worker starts; a worker killed mid-run ends the run with one line on
-stderr naming the rank, how it ended and its log file (torchrun's failure box and the other
-ranks' errors stay in the logs).
+rank count, before any worker starts (a warm start on a game without a scripted expert
+included); a worker killed mid-run ends the run with one line on stderr naming the rank, how it
+ended and its log file (torchrun's failure box and the other ranks' errors stay in the logs); a
+worker that raises is named by its own exception line, not by Hydra's hint.
 
 Where the kill lands is decided by construction, as in test_stop.py: the run plays
 ``held_connect_four``, whose steps hold from iteration 1's rollout on (once metrics.jsonl has
@@ -45,6 +46,40 @@ def test_bad_input_is_one_line_and_exit_2_under_any_rank_count(nproc, tmp_path):
     assert (out + err).splitlines() == ["configuration error: algorithm.lr=nan must be a finite "
                                         "number"]
     assert not (tmp_path / "run").exists()   # nothing started, nothing written
+
+
+def test_a_warm_start_without_expert_stops_before_any_rank(tmp_path):
+    # the default recipe (Connect Four: no scripted expert), exactly as a new user types it
+    proc = _earl("--nproc-per-node", "2", "sft.steps=4", cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert (out + err).splitlines() == [
+        "configuration error: sft.steps=4 with sft.data=null plays the environment's expert, "
+        "but connect_four has no scripted expert; give the warm start a JSONL file of chat "
+        "trajectories (sft.data=PATH, docs/trainer.md) or set sft.steps=0"]
+    assert list(tmp_path.iterdir()) == []   # no runs/cpu_demo/logs: no rank started
+
+
+def test_a_failing_worker_is_named_by_its_own_error(tmp_path):
+    # passes the pre-launch check, then fails inside the ranks: the held environment's hold
+    # outlasts its 1 s limit in iteration 1 (nobody tells it to stop) and raises HoldTimeout
+    out = tmp_path / "run"
+    proc = _earl("--nproc-per-node", "2", f"run.output_dir={out}", *RUN, f"env.name={HELD}",
+                 f"+env.kwargs.hold_when={out / 'metrics.jsonl'}", "+env.kwargs.hold_limit_s=1")
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    m = re.fullmatch(r"earl train: rank [01] \(pid \d+\) exited with status 1: "
+                     r"earl_megatron\.testing\.envs\.HoldTimeout: held_connect_four: "
+                     rf"{re.escape(str(out))}/metrics\.jsonl has 1 line\(s\) but this process "
+                     r"was not told to stop within 1 s .*; log (\S+)", lines[0])
+    assert m, lines[0]
+    assert "HYDRA_FULL_ERROR" in Path(m[1]).read_text()   # the hint is there, and skipped
 
 
 def test_a_killed_worker_is_one_summary_line_naming_its_log(tmp_path):

@@ -21,7 +21,7 @@ import subprocess
 import time
 
 import pytest
-from slurm_helpers import SMALL, metrics, strip
+from slurm_helpers import SMALL, metrics, query, strip
 
 HOLD_AFTER_STOP_S = 35   # > torchrun's default --shutdown-timeout (30 s)
 RUN = SMALL + ["layout=static", "layout.rollout=dp2", "layout.logprob=dp2", "layout.train=tp2",
@@ -57,7 +57,8 @@ def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path
     _until("held step in iteration 1", running_and_holding, deadline, log)
     assert len(metrics(out)) == 1
     t_term = time.monotonic()
-    subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], check=True, timeout=30)
+    # not retried: a second TERM would be a second stop request; above MessageTimeout=60
+    subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], check=True, timeout=90)
     # the first segment ends requeued (PENDING again, Restarts=1)
     _until("requeue", lambda: slurm.show(job).get("Restarts") == "1", deadline, log)
     t_stopped = time.monotonic()
@@ -79,8 +80,8 @@ def test_sigterm_mid_iteration_requeues_and_resumes_exactly_once(slurm, tmp_path
     _until("PENDING", lambda: slurm.show(job)["JobState"] == "PENDING", deadline, log)
     time.sleep(2.0)
     # Slurm holds a requeued job ~2 minutes (BeginTime): release it now instead of waiting
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
-                   timeout=30)
+    done = query(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    assert done.returncode == 0, done.stderr
     info = slurm.wait(job, 600)
     full_log = log()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", full_log[-3000:]

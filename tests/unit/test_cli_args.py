@@ -54,3 +54,39 @@ def test_the_failure_line_quotes_the_rank_that_said_why(tmp_path):
     # a rank that was killed is the cause, whatever the others logged
     line = failure_line(error({0: -15, 1: -9}), tmp_path)
     assert line == f"earl train: rank 1 (pid 101) was killed by SIGKILL; log {logs[1]}"
+
+
+# a rank's stderr log as Hydra leaves it (the warm start of a game without expert, before the
+# pre-launch check refused it): the traceback, then Hydra's hint as the last line
+HYDRA_LOG = """\
+Error executing job with overrides: ['sft.steps=4']
+Traceback (most recent call last):
+  File "/w/earl_megatron/trainer/warm_start.py", line 86, in run
+    traces = load_traces(self.scfg, self.source.env, self.source.env_kwargs, self.source.seed)
+             ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/w/earl_megatron/envs/base.py", line 100, in expert
+    raise NotImplementedError(f"environment {self.name!r} has no scripted expert; give the "
+NotImplementedError: environment 'connect_four' has no scripted expert; give the warm start a \
+JSONL file (sft.data=PATH)
+
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+"""
+
+
+def test_the_last_error_is_the_exception_line_not_hydras_hint():
+    from earl_megatron.cli import last_error
+
+    assert last_error(HYDRA_LOG) == ("NotImplementedError: environment 'connect_four' has no "
+                                     "scripted expert; give the warm start a JSONL file "
+                                     "(sft.data=PATH)")
+    # a chain of exceptions: the last one is the rank's error
+    chained = ("Traceback (most recent call last):\n  File \"a.py\", line 1, in f\n"
+               "KeyError: 'x'\n\nDuring handling of the above exception, another exception "
+               "occurred:\n\nTraceback (most recent call last):\n  File \"a.py\", line 3, in f\n"
+               "ValueError: bad x\n")
+    assert last_error(chained) == "ValueError: bad x"
+    # no traceback: the last line that is not Hydra's hint; nothing said: None
+    assert last_error("warning: y\nconfiguration error: z\n") == "configuration error: z"
+    assert last_error("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack "
+                      "trace.\n") is None
+    assert last_error("") is None

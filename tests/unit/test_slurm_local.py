@@ -80,3 +80,51 @@ def test_env_and_down_without_a_recorded_directory(tmp_path):
     assert r.returncode == 0
     assert r.stdout.strip() == (f"export EARL_SLURM_DIR={tmp_path / 'slurm'} "
                                 f"SLURM_CONF={tmp_path / 'slurm' / 'slurm.conf'}")
+
+
+def _helpers():
+    import importlib.util
+    path = SCRIPT.parents[1] / "tests" / "slurm" / "slurm_helpers.py"
+    spec = importlib.util.spec_from_file_location("slurm_helpers_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flaky(tmp_path, failures: int, words: str) -> list[str]:
+    """A command that fails ``failures`` times with Slurm's ``words`` on stderr, then answers."""
+    count = tmp_path / "calls"
+    return ["bash", "-c", f'n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $n > {count}; '
+            f'if (( n <= {failures} )); then echo "{words}" >&2; exit 1; fi; echo JobState=RUNNING']
+
+
+def test_slurm_queries_retry_a_controller_that_did_not_answer(tmp_path):
+    h = _helpers()
+    # two socket timeouts, then the answer: the caller sees the answer
+    out = h.query(_flaky(tmp_path, 2, "slurm_load_jobs error: Socket timed out on send/recv "
+                                      "operation"), tries=3, pause_s=0)
+    assert (out.returncode, out.stdout.strip()) == (0, "JobState=RUNNING")
+    assert (tmp_path / "calls").read_text().strip() == "3"
+    # more timeouts than tries: one error naming the command and Slurm's words
+    (tmp_path / "calls").unlink()
+    with pytest.raises(RuntimeError, match=r"the Slurm controller did not answer in 3 tries 0 s "
+                                           r"apart \(last: slurm_load_jobs error: Socket timed "
+                                           r"out\)"):
+        h.query(_flaky(tmp_path, 9, "slurm_load_jobs error: Socket timed out"), tries=3,
+                pause_s=0)
+    # any other error is not retried: returned once for the caller to assert on
+    (tmp_path / "calls").unlink()
+    out = h.query(_flaky(tmp_path, 9, "slurm_load_jobs error: Invalid job id specified"),
+                  tries=3, pause_s=0)
+    assert out.returncode == 1 and "Invalid job id" in out.stderr
+    assert (tmp_path / "calls").read_text().strip() == "1"
+
+
+def test_the_local_slurm_waits_for_a_loaded_host():
+    # tools/slurm_local.sh's slurm.conf: a message timeout above Slurm's 10 s default, and an
+    # unkillable-step timeout at least 5 x that (Slurm's own floor)
+    conf = dict(line.split('"', 2)[1].split("=", 1) for line in SCRIPT.read_text().splitlines()
+                if line.strip().startswith('echo "') and "Timeout=" in line)
+    assert int(conf["MessageTimeout"]) >= 60
+    assert int(conf["UnkillableStepTimeout"]) >= 5 * int(conf["MessageTimeout"])
+    assert _helpers().QUERY_TIMEOUT_S > int(conf["MessageTimeout"])
