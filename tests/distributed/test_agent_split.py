@@ -1,5 +1,6 @@
 """Agent programs on a split (env.name=agent, rollout.placement=split, k = 1), as a user runs it
-(``earl train``, 3 ranks): the train pool, ranks 0-1 in dp2, trains batch j - 1 while the
+(``earl train``, 3 ranks): the train pool, ranks 0-1 in tp2 (one replica: rank 0 writes every
+sample of the batch), trains batch j - 1 while the
 rollout pool, rank 2, serves the agents' endpoint and plays stage j; the programs' calls are
 decoded by the rollout pool under the weights the last handoff brought.
 
@@ -27,7 +28,7 @@ def test_agent_programs_on_a_split_train_every_episode_once_within_the_bound(tmp
                              for k in ("plain", "span")))
     args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
             "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
-            "layout=static", "layout.rollout=dp1", "layout.train=dp2", "layout.logprob=dp2",
+            "layout=static", "layout.rollout=dp1", "layout.train=tp2", "layout.logprob=tp2",
             "rollout.placement=split", "rollout.pool_ranks=1",
             f"rollout.episodes_per_iteration={N}", "rollout.max_turns=3",
             "rollout.max_action_tokens=6", "rollout.max_context_tokens=256",

@@ -145,8 +145,12 @@ def test_recomputed_old_logprobs_with_the_embedded_engine(tmp_path):
         assert abs(h["off_policy_weight_mean"] - 1) < 1e-4, h
         assert h["off_policy_capped_fraction"] == 0, h
         assert abs(h["advantage_mean"]) < 1e-6  # checked before the weights
+    # the weights need the trainer's re-scoring: chosen when old_logprobs is left out, refused
+    # when given as the engine's own
+    assert TrainConfig.from_dict({"algorithm": {"off_policy": "tis"}}).algorithm.old_logprobs \
+        == "recompute"
     with pytest.raises(ConfigError, match="old_logprobs=recompute"):
-        TrainConfig.from_dict({"algorithm": {"off_policy": "tis"}})
+        TrainConfig.from_dict({"algorithm": {"off_policy": "tis", "old_logprobs": "rollout"}})
     with pytest.raises(ConfigError, match="off_policy_cap=-1"):
         TrainConfig.from_dict({"algorithm": {"off_policy": "tis", "off_policy_cap": -1,
                                              "old_logprobs": "recompute"}})
