@@ -52,3 +52,29 @@ def test_warm_start_then_split_with_the_warmed_policy_as_kl_reference(tmp_path):
     check_exactly_once(read_audit(audit), 3)
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "iter_000002" in ckpts and "sft" in ckpts, ckpts
+
+
+def test_moe_routing_replay_on_a_split(tmp_path):
+    """MoE routing replay on a split (tiny Qwen3-MoE, train pool ranks 0-1 in tp2, rollout
+    pool ranks 2-3 in ep2, k = 1): the experts the rollout pool chose cross the meeting with
+    their episodes and are replayed by the train pool's re-scoring, so its logprobs equal the
+    engine's on the batches no weight change separates from their rollout (iteration 0), and
+    every episode sent is trained exactly once."""
+    import dataclasses
+
+    from earl_megatron.config.model import ModelConfig
+    from split_audit import split_config
+
+    base = split_config(str(tmp_path / "run"), 3, 1).to_dict()
+    model = {k: v for k, v in dataclasses.asdict(ModelConfig.tiny("qwen3_moe")).items()
+             if k != "vocab_size"}
+    base["model"] = {**model, "vocab_size": 32}
+    base["layout"] = {"mode": "static", "rollout": "ep2", "logprob": "tp2", "train": "tp2"}
+    base["algorithm"]["routing_replay"] = True
+    audit = tmp_path / "audit"
+    hist = run_distributed(train_audited, 4, TrainConfig.from_dict(base), str(audit),
+                           timeout=600)[0]
+    assert [h["iteration"] for h in hist] == [0, 1, 2]
+    assert hist[0]["rollout_logprob_diff_max"] < 1e-4, hist[0]
+    assert all(h["staleness_max"] <= 1 for h in hist)
+    check_exactly_once(read_audit(audit), 3)
