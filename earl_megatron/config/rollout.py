@@ -122,12 +122,15 @@ class RolloutConfig:
     placement: str = "colocated"
     """"colocated": every rank plays, then every rank trains (the stages in turn). "split":
     the last ``pool_ranks`` ranks are a rollout pool that plays while the first ranks, the
-    train pool, train the batch before (trainer/split.py, docs/async.md); layouts
-    static (layout.train on the train pool, layout.rollout on the rollout pool). "auto": split,
-    with the pools' sizes and layouts the selector's (plan/split.py), re-planned at every
-    iteration from the lengths and the seconds each pool measured (layout.mode=auto)."""
+    train pool, train the batch before (trainer/split.py, docs/async.md); layout.mode=static:
+    layout.train on the train pool, layout.rollout on the rollout pool; layout.mode=auto: the
+    selector lays the pools out (and sizes them without pool_ranks). "auto": the selector's
+    placement, colocated or a split, with its layouts (trainer/auto.py, plan/split.py),
+    re-planned at every iteration from the lengths and the seconds measured (layout.mode=auto).
+    One loop runs them all (trainer/loop.py)."""
     pool_ranks: Optional[int] = None
-    """placement=split: ranks of the rollout pool (None: half the world, rounded down)."""
+    """placement=split: ranks of the rollout pool (None: half the world, rounded down, with
+    static layouts; the selector's count with layout.mode=auto)."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
