@@ -229,14 +229,21 @@ class EmbeddedRollout:
         if layout.tp * layout.pp * layout.cp == 1:
             return None
         if layout not in self._replica_groups:
-            world = dist.get_world_size()
+            # the layout's ranks: the world, or split placement's pool (offset), whose groups
+            # its own ranks make alone (the other pool is elsewhere: at the handoff, playing)
+            offset, n = groups.pool_span()
+            pooled = n != dist.get_world_size()
             mine = None
             for d in range(layout.dp):  # every rank creates every group, in the same order
-                ranks = sorted((r for r in range(world) if layout.coords(r).dp == d),
-                               key=lambda r: (layout.coords(r).tp, layout.coords(r).pp,
-                                              layout.coords(r).cp, r))
+                ranks = sorted((offset + r for r in range(n) if layout.coords(r).dp == d),
+                               key=lambda r: (layout.coords(r - offset).tp,
+                                              layout.coords(r - offset).pp,
+                                              layout.coords(r - offset).cp, r))
+                if pooled and dist.get_rank() not in ranks:
+                    continue
                 g = dist.new_group(ranks, backend="gloo",
-                                   timeout=timedelta(seconds=groups.group_timeout_s()))
+                                   timeout=timedelta(seconds=groups.group_timeout_s()),
+                                   use_local_synchronization=pooled)
                 if dist.get_rank() in ranks:
                     mine = g
             self._replica_groups[layout] = mine
