@@ -51,7 +51,7 @@ from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups,
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
 from earl_megatron.seeds import episode_seeds, turn_sample_seed
-from earl_megatron.trainer.agent_rollout import outcome_rows
+from earl_megatron.trainer.agent_rollout import from_leader, outcome_rows
 from earl_megatron.trainer.episode_pool import StageOutcome
 
 SGLANG_REFUSAL = ("env.name=agent with algorithm.max_staleness >= 1 runs its agents on the "
@@ -227,18 +227,14 @@ class AgentPool:
         self.entries, self.layout, self.replica, self.leader = entries, lay, r, is_leader
 
         driver = ReplicaDriver(engine, group, should_stop=should_stop, version=version)
-        box: list = [None]
+        got = None
         if is_leader:
             if driver.lead(player.broker, lambda: self._enough(it, quota),
                            lambda b: turn_sample_seed(sample_seed, b)):
-                box[0] = self._pick(quota, offset)
-        elif not driver.follow():
-            box[0] = None
-        if group is not None:
-            dist.broadcast_object_list(box, group=group, group_src=0)
-        if box[0] is None:
-            raise RolloutAbandoned("stopped while agents played")
-        ids, rows, keys = box[0]
+                got = self._pick(quota, offset)
+        else:
+            driver.follow()
+        ids, rows, keys = from_leader(got, group)
         return StageOutcome(ids, rows, {"pool_carried": held, "pool_admitted": new * self.g,
                                         "pool_dropped": dropped, "agent_restarted": restarted},
                             keys)

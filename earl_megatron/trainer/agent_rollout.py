@@ -183,7 +183,7 @@ def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], see
     ``player`` is the leader's (None on the replica's other ranks); every rank of the replica
     calls this with the same ``group`` (its ranks, leader first; None for a replica of one)."""
     driver = ReplicaDriver(engine, group, should_stop=should_stop, version=version)
-    box: list = [None]
+    got = None
     if player is not None:
         outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits)
         if outcomes is not None:
@@ -192,9 +192,16 @@ def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], see
                 for k, row in enumerate(outcome_rows(o, seeds[i], tokenizer)):
                     ids.append(i + k * n)
                     rows.append(row)
-            box[0] = (ids, rows)
-    elif not driver.follow():
-        box[0] = None
+            got = (ids, rows)
+    else:
+        driver.follow()
+    return from_leader(got, group)
+
+
+def from_leader(value, group):
+    """The replica leader's ``value`` on every rank of the replica (``group``: None when the
+    leader decodes alone); RolloutAbandoned when it is None (a stop while agents played)."""
+    box = [value]
     if group is not None:
         dist.broadcast_object_list(box, group=group, group_src=0)
     if box[0] is None:
