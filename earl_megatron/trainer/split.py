@@ -318,7 +318,8 @@ class Split:
         else:
             self.tr.rollout = self.tr.make_rollout("sglang",
                                              ranks=range(self.pools[0].world_size, self.tr.world),
-                                             ranks_group=groups.pool_group())
+                                             ranks_group=groups.pool_group(),
+                                             weights="handoff")
 
     def warm_start(self) -> bool:
         """The warm start before the pools split: the world's policy, laid out by the selector
