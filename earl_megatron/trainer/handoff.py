@@ -27,7 +27,7 @@ from earl_megatron.runtime.fault_points import fault_point
 from earl_megatron.runtime.switcher import plan_params
 from earl_megatron.runtime.transport import Traffic
 from earl_megatron.runtime.weight_transfer import WeightPlanError, hand_off, hand_off_full
-from earl_megatron.trainer.sglang_rollout import replica_leaders
+from earl_megatron.trainer.sglang_servers import replica_leaders
 
 class HandoffFailed(RuntimeError):
     """Split placement's weight handoff timed out or failed on this rank (module docstring)."""

@@ -12,9 +12,13 @@ episodes). The sample id of the i-th episode of an iteration is i; GRPO groups a
 
 Engines: ``embedded`` (EmbeddedRollout: Megatron-Core's own model, KV cache, in the rollout
 layout; the default and the CPU path) and ``sglang`` (SGLangRollout, trainer/sglang_rollout.py:
-SGLang servers in the rollout layout, weights pushed by ``sync`` after every TRAIN step);
-trainer/rollout_engines.py's ``make_rollout`` picks one (this module imports neither that one
-nor sglang_rollout: no import loop).
+SGLang servers in the rollout layout, their weights from a source the placement picks: the
+local policy, pushed by ``sync`` after every TRAIN step, or the train pool's handoff, kept by
+``receive`` and pushed by ``push_received``); trainer/rollout_engines.py's ``make_rollout``
+picks one (this module imports neither that one nor sglang_rollout: no import loop). Both
+implement every method of ``Rollout``, the loops' whole view of an engine, under either
+placement: a method that does not apply to an engine's weights is a no-op where nothing needs
+doing and an error naming the right call where something would be lost.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 from earl_megatron.envs import make_env
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.agents.server import ServerLimits
 from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
@@ -59,6 +64,11 @@ class EpisodeSpec:
 
 
 class Rollout(Protocol):
+    """What the loops (trainer/colocated.py, trainer/split.py, trainer/handoff.py,
+    trainer/evaluation.py) call on an engine."""
+
+    spec: EpisodeSpec
+
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
              should_stop: Optional[Callable[[], bool]] = None, version: int = 0
@@ -70,8 +80,28 @@ class Rollout(Protocol):
         or None), which plays on the engine as it stands. ``version``: the policy's version
         (train steps behind it), recorded on every sampled token (Episode.versions)."""
 
+    def play_pool(self, policy, pool, iteration: int, *, sample_seed: int,
+                  should_stop: Optional[Callable[[], bool]] = None,
+                  version: Optional[int] = None, time_decode: bool = False):
+        """Asynchronous RL's stage (trainer/episode_pool.py ``EpisodePool.stage``): this
+        replica's block of the batch, its live episodes continued and new ones started, under
+        weights of version ``version`` (default ``iteration``); ``time_decode``: the outcome's
+        metrics hold ``rollout_decode_s``. ``policy``: the policy, or split placement's
+        rollout-pool seat."""
+
     def sync(self, policy: ModelOnLayout) -> None:
         """After TRAIN: make the engine serve ``policy``'s weights (all ranks call it)."""
+
+    def ensure_servers(self, layout: ParallelLayout) -> None:
+        """Split placement, before the handoff: the engine ready to serve ``layout`` (the
+        rollout pool's ranks call it)."""
+
+    def receive(self, buckets, traffic) -> None:
+        """Split placement's handoff (runtime/weight_transfer.py ``hand_off_full``'s buckets,
+        every rank iterating them): keep the weights, to serve after ``push_received``."""
+
+    def push_received(self) -> None:
+        """After the meeting: serve the weights the last handoff brought."""
 
     def metrics(self) -> dict:
         """Engine facts for the iteration's metrics line (the same on every rank)."""
@@ -251,6 +281,17 @@ class EmbeddedRollout:
 
     def sync(self, policy: ModelOnLayout) -> None:
         pass  # the engine decodes with the policy itself: nothing to copy
+
+    def ensure_servers(self, layout: ParallelLayout) -> None:
+        pass  # no servers: the engine is built on the policy at every stage
+
+    def receive(self, buckets, traffic) -> None:
+        raise RuntimeError("the embedded engine decodes with its pool's own model, which the "
+                           "handoff writes into (runtime/weight_transfer.py hand_off): full "
+                           "buckets (hand_off_full) are for SGLang servers")
+
+    def push_received(self) -> None:
+        pass  # the handoff wrote into the model the engine decodes with: nothing to push
 
     def metrics(self) -> dict:
         return weight_sync_metrics(0, 0, 0.0)   # nothing moves (``sync``)

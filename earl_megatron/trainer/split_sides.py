@@ -152,9 +152,9 @@ def sglang_side(split) -> None:
     if split.train_side:
         split.tr.rollout = split.tr.make_rollout("embedded")
     else:
-        split.tr.rollout = split.tr.make_rollout("sglang",
-                                         ranks=range(split.pools[0].world_size, split.tr.world),
-                                         ranks_group=groups.pool_group())
+        split.tr.rollout = split.tr.make_rollout(
+            "sglang", ranks=range(split.pools[0].world_size, split.tr.world),
+            ranks_group=groups.pool_group(), weights="handoff")
 
 def warm_start_before_split(split) -> bool:
     """The warm start before the pools split: the world's policy, laid out by the selector

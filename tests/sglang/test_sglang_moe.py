@@ -39,7 +39,7 @@ def test_server_ep_size_from_the_rollout_layout():
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rollout.sglang_launch import SGLangConfig, server_command
-    from earl_megatron.trainer.sglang_rollout import server_ep
+    from earl_megatron.trainer.sglang_servers import server_ep
 
     moe, dense = ModelConfig.tiny("qwen3_moe"), ModelConfig.tiny("qwen3")
     # on cuda: the layout's ep as far as it fits in one server's tp ranks; dense models never
