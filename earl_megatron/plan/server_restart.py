@@ -1,6 +1,6 @@
 """What changing the rollout layout costs when ROLLOUT runs on inference servers (SGLang).
 
-The trainer's SGLang servers (trainer/sglang_rollout.py) are one per rollout dp replica with
+The trainer's SGLang servers (trainer/sglang_servers.py) are one per rollout dp replica with
 ``--tp-size`` = the layout's tp. A training rollout planned in another (tp, dp) stops them,
 starts new ones and pushes the current weights before the first request::
 

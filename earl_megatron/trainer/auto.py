@@ -19,7 +19,9 @@ where it is unless another is faster by the selector's hysteresis with the move 
                    every rank builds its side of the new placement from that checkpoint
                    (dist_checkpointing reshards the train state); stage j plays there
 
-The world's stage planner (cp = 1: split's train pool holds each replica's episodes whole, and
+A colocated plan runs the synchronous colocated loop, the episode pool's bound at 0 (what the
+plan's period models: the rollout, then the training); a split runs at the run's
+``algorithm.max_staleness``. The world's stage planner (cp = 1: split's train pool holds each replica's episodes whole, and
 decoding never uses cp) is the plan's, and the colocated placement's own planner.
 """
 

@@ -121,6 +121,11 @@ class Colocated:
 
     def begin(self, j: int, evaluate: bool) -> None:
         self.seg_start = j
+        if self.auto is not None and self.tr.pool is not None:
+            # auto's colocated plan is the synchronous loop (its period: rollout, then train):
+            # the pool at bound 0 admits one batch and plays it to the end (a group it restored
+            # past that bound is dropped and counted, never trained stale)
+            self.tr.pool.k = 0
         if evaluate:
             self.tr.evaluate_into("start", self.models)
 

@@ -89,6 +89,7 @@ class EpisodePool:
                  env_concurrency: int):
         self.env, self.env_kwargs, self.tok, self.loop = env, dict(env_kwargs), tokenizer, loop
         self.batch, self.g, self.k = batch, group_size, max_staleness
+        # self.k, the bound: auto placement sets it to 0 while its plan is colocated (trainer/auto.py)
         self.run_seed, self.env_concurrency = run_seed, env_concurrency
         self.entries: list[Entry] = []
         """This replica's pool after the last stage (the same on every rank of the replica)."""

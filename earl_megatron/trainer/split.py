@@ -183,6 +183,8 @@ class Split:
         """The current pools start at iteration ``j``: the start's evaluation on the train
         pool (the rollout pool waits at the handoff), then the weights the train pool holds
         handed to the rollout pool (version ``j``)."""
+        if self.tr.pool is not None:     # the run's bound (auto's colocated plan runs at 0)
+            self.tr.pool.k = self.tr.cfg.algorithm.max_staleness
         if evaluate and self.train_side:
             self.tr.evaluate_into("start", self.models)
         self.handoff.run(self, j)
