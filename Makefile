@@ -40,7 +40,7 @@ selfcheck: install
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 # tests/real needs the real model and SGLang: `make test-real` makes both
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests --ignore=tests/slurm --ignore=tests/real $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
