@@ -45,7 +45,7 @@ CAPABILITIES = {
     "replay": ["model.family=qwen3_moe", "algorithm.routing_replay=true"],
     "recompute": ["layout.recompute=full"],
     # Connect Four has no scripted expert: the warm start reads chat trajectories
-    "warm": ["sft.steps=4", "sft.data={data}/warm.jsonl"],
+    "warm": ["sft.steps=4", "sft.data={data}/warm.jsonl", "sft.batch_size=1"],
 }
 
 REFUSED = {

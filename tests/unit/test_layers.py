@@ -15,7 +15,7 @@ import earl_megatron
 PACKAGE = pathlib.Path(earl_megatron.__file__).parent
 LAYERS = {"quiet": 0, "config": 0, "stages": 0, "seeds": 0, "plan": 1, "models": 2, "rl": 2,
           "envs": 2, "runtime": 3, "weights": 4, "rollout": 4, "agents": 4, "trainer": 5,
-          "train": 6, "selfcheck": 6, "cli": 6, "serve": 6, "testing": 7}
+          "train": 6, "reporting": 6, "selfcheck": 6, "cli": 6, "serve": 6, "testing": 7}
 
 
 def _modules():
