@@ -102,6 +102,16 @@ class Auto:
             return Colocated(self.tr, auto=self)
         return Split(self.tr, auto=self)
 
+    def move(self, old, plan: SplitPlan):
+        """Leave placement ``old`` for the one of ``plan`` (another split, or colocated), built
+        from the checkpoint just written; a line in the live view says so."""
+        line = old.describe().split(" (")[0]
+        old.release()
+        new = self.placement_for(plan)
+        new.moved_in()
+        self.tr.recorder.view.message(f"moved from {line} to {new.describe()}")
+        return new
+
     def replan_or_keep(self, propose) -> SplitPlan:
         """Rank 0: ``propose()``, or the plan in force when nothing else fits (said in a
         line)."""

@@ -231,14 +231,9 @@ class Colocated:
             self._checkpoint(j)
         return stop
 
-    def move(self, plan):
-        """auto: the placement of ``plan``, built from the checkpoint just written."""
-        old = self.describe()
+    def release(self) -> None:
+        """auto leaves this placement: its models go before the next one's are built."""
         self.models = None
-        new = self.auto.placement_for(plan)
-        new.moved_in()
-        self.tr.recorder.view.message(f"moved from {old.split(' (')[0]} to {new.describe()}")
-        return new
 
     def save_completed(self) -> None:
         done = self._completed["iteration"]

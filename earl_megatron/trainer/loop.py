@@ -33,7 +33,7 @@ Invariants (every placement):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 
@@ -42,7 +42,7 @@ class Meeting:
     """What a meeting decided, the same on every rank."""
 
     batch: Optional[tuple] = None
-    """This rank's part of batch j to train: (ids, episodes, metrics, extra); None on a rank that
+    """This rank's part of batch j to train: (ids, episodes, metrics); None on a rank that
     does not train it (split's rollout pool) or when nothing is left to train."""
     stop: bool = False
     """The world agreed to stop (the last completed iteration is saved by then or at finish)."""
@@ -63,7 +63,7 @@ class Placement(Protocol):
     def meet(self, j: int, played: Any) -> Meeting: ...
     def train(self, j: int, batch: tuple) -> dict: ...
     def after_train(self, j: int) -> bool: ...
-    def move(self, plan: Any) -> "Placement": ...
+    def release(self) -> None: ...
     def save_completed(self) -> None: ...
     @property
     def trains(self) -> bool: ...
@@ -89,7 +89,6 @@ class LoopState:
     ref_layout: Optional[str] = None
     placement: Optional[dict] = None
     """split: {"train": layout, "rollout": layout}; None: colocated."""
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {"iteration": self.iteration, "layout": self.layout,
@@ -114,7 +113,7 @@ def run_loop(trainer, place: Placement, start: int) -> None:
     while j < n + place.lag:
         met = place.meet(j, place.play(j) if j < n else None)
         if met.move is not None:            # auto: stage j plays again in the new placement
-            place = trainer.placement = place.move(met.move)
+            place = trainer.placement = trainer.auto.move(place, met.move)
             place.begin(j, evaluate=False)
             continue
         if met.stop or met.end:

@@ -314,15 +314,9 @@ class Split:
         if pool_state and not self.train_side:
             self.tr.pool.restore(pool_state)
 
-    def move(self, plan: SplitPlan):
-        """auto: the placement of ``plan`` (another split, or colocated), built from the
-        checkpoint just written."""
-        old = self.describe()
+    def release(self) -> None:
+        """auto leaves these pools: their models go before the next placement's are built."""
         self.model = self.models = None
-        new = self.auto.placement_for(plan)
-        new.moved_in()
-        self.tr.recorder.view.message(f"moved from {old.split(' (')[0]} to {new.describe()}")
-        return new
 
     def _checkpoint_split(self, done: int, played: bool) -> None:
         """Checkpoint iteration ``done`` at a meeting (world): the train pool's model and

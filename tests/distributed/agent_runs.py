@@ -47,7 +47,19 @@ def run_agents_k1(tmp_path, nproc: int, layouts: list[str], *extra: str) -> list
     return ms
 
 
-def trained_rows(tmp_path, it: int) -> list[dict]:
-    """The rows rank 0 wrote for iteration ``it`` (every sample of its replica)."""
-    path = tmp_path / "run" / "samples" / f"iter_{it:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def trained_once(tmp_path) -> list[list[dict]]:
+    """Each iteration's rows as rank 0 wrote them (every sample of its replica), checked: N
+    episodes (their first rows carry the pool key) an iteration, every episode trained once
+    over the run, every turn sampled by the iteration's version or the one before."""
+    trained, by_it = [], []
+    for it in range(3):
+        path = tmp_path / "run" / "samples" / f"iter_{it:06d}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        firsts = [r for r in rows if "pool_key" in r["info"]]
+        assert len(firsts) == N, rows
+        trained += [tuple(r["info"]["pool_key"]) for r in firsts]
+        for r in rows:
+            assert set(r["turn_versions"]) <= {it - 1, it}, (it, r["turn_versions"])
+        by_it.append(rows)
+    assert len(trained) == len(set(trained)) == 3 * N, trained     # each trained once
+    return by_it

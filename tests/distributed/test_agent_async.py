@@ -13,7 +13,7 @@ Checked from the records and samples: staleness_max <= k every iteration and 1 i
 holds turns of versions 0 and 1, no group dropped or lost, and every episode (its pool key:
 iteration started, index) trained at most once, 4 per iteration."""
 
-from agent_runs import N, run_agents_k1, trained_rows
+from agent_runs import N, run_agents_k1, trained_once
 
 
 def test_agent_episodes_live_across_iterations_within_the_staleness_bound(tmp_path):
@@ -25,19 +25,12 @@ def test_agent_episodes_live_across_iterations_within_the_staleness_bound(tmp_pa
     assert [m["pool_carried"] for m in ms] == [0, N, N]
     assert ms[0]["staleness_max"] == 0 and ms[1]["staleness_max"] == 1
 
-    trained: list = []
-    spanned = []    # (iteration trained, task kind) of rows with turns of two versions
-    for it in range(3):
-        rows = trained_rows(tmp_path, it)
-        firsts = [r for r in rows if "pool_key" in r["info"]]
-        assert len(firsts) == N, rows
-        trained += [tuple(r["info"]["pool_key"]) for r in firsts]
-        for r in rows:
-            versions = set(r["turn_versions"])
-            assert versions <= {it - 1, it}, (it, r["turn_versions"])
-            if len(versions) == 2:
-                spanned.append((it, r["info"].get("task", {}).get("kind")))
-    assert len(trained) == len(set(trained)) == 3 * N, trained     # each trained once
+    by_it = trained_once(tmp_path)
+    # (iteration trained, task kind) of rows with turns of two versions
+    spanned = [(it, r["info"].get("task", {}).get("kind")) for it, rows in enumerate(by_it)
+               for r in rows if len(set(r["turn_versions"])) == 2]
+    trained = [tuple(r["info"]["pool_key"]) for rows in by_it for r in rows
+               if "pool_key" in r["info"]]
     # iteration 0 trains its plain episodes; iteration 1 the span ones started in iteration 0,
     # each with a turn of version 0 and one of version 1 (iteration 1's own span episodes may
     # span too, as the machine's timing has it: whether their second call beat the stage's end)
