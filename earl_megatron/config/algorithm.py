@@ -25,6 +25,14 @@ from typing import Optional
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.checks import at_least as _at_least
 
+ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "grpo", "rloo")
+GROUPED = ("reinforce_pp_baseline", "grpo", "rloo")
+"""The estimators whose baseline is the group's (they need group_size >= 2)."""
+POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "cispo")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+             "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
 AUTO = "auto"
 """The value of algorithm.off_policy and algorithm.old_logprobs that says "chosen from
 algorithm.max_staleness" (module docstring)."""
@@ -44,10 +52,12 @@ def chosen_for(max_staleness: int, off_policy: str, old_logprobs: str) -> tuple[
 @dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = "reinforce_pp"
-    """The advantage estimator: "reinforce_pp" (REINFORCE++: per-turn returns normalised over
-    the batch's policy tokens) or "grpo" (episode rewards normalised within groups). Both train
-    the PPO-clip surrogate without a critic; ``epochs`` > 1 reuses each batch (the recipe
-    algorithm=reinforce_pp_multi_epoch). No critic is trained, so no name says PPO."""
+    """The advantage estimator (docs/algorithms.md): "reinforce_pp" (REINFORCE++: per-turn
+    returns normalised over the batch's policy tokens); "reinforce_pp_baseline" (the episode
+    reward minus its group's mean, then normalised over the batch's policy tokens); "grpo"
+    (episode rewards normalised within groups; ``norm_by_std=false``: Dr. GRPO's unscaled
+    r - mean); "rloo" (the reward minus the mean of the group's other rewards). None trains a
+    critic; ``epochs`` > 1 reuses each batch (algorithm=reinforce_pp_multi_epoch)."""
     lr: float = 1e-3
     """Adam's learning rate (Megatron's optimizer)."""
     weight_decay: float = 0.0
@@ -60,7 +70,33 @@ class AlgorithmConfig:
     """Optimizer passes over each batch; > 1 makes the clipped ratio bite (old logprobs fixed
     at the batch's sampling policy)."""
     clip_eps: float = 0.2
-    """PPO-clip's epsilon: the ratio pi / pi_old is clipped to [1 - eps, 1 + eps]."""
+    """PPO-clip's epsilon: the ratio pi / pi_old is clipped to [1 - eps, 1 + eps] (both sides
+    unless clip_eps_low / clip_eps_high are given)."""
+    clip_eps_low: Optional[float] = None
+    """The lower epsilon: the ratio is clipped below at 1 - clip_eps_low (None: clip_eps). With
+    policy_loss=gspo it bounds the sequence ratio; with cispo the clipped weight."""
+    clip_eps_high: Optional[float] = None
+    """The upper epsilon (None: clip_eps); DAPO's clip-higher sets it above clip_eps_low."""
+    dual_clip: Optional[float] = 10.0
+    """Dual clip (Ye et al. 2020) of policy_loss=ppo_clip: a negative advantage's loss is
+    bounded by dual_clip * |A| however large the ratio (None: off; must exceed 1)."""
+    policy_loss: str = "ppo_clip"
+    """The policy loss (rl/losses.py, docs/algorithms.md): "ppo_clip" (the clipped surrogate
+    per token); "gspo" (GSPO, Zheng et al. 2025: the sequence ratio, the geometric mean of the
+    episode's token ratios, clipped with the sequence's mean advantage); "gspo_token" (GSPO's
+    token variant: the same ratio, each token's own advantage); "cispo" (CISPO, MiniMax-M1:
+    the clipped ratio, stop-gradient, times the advantage and the token's logprob)."""
+    loss_agg: str = "token_mean"
+    """How per-token losses add up to the batch's loss, over the GLOBAL batch: "token_mean"
+    (every policy token weighs the same); "seq_mean_token_mean" (each episode's token mean,
+    then the mean over episodes); "seq_mean_token_sum" (each episode's token sum, then the mean
+    over episodes); "seq_mean_token_sum_norm" (Dr. GRPO: the token sums over episodes times a
+    constant, loss_agg_tokens)."""
+    loss_agg_tokens: Optional[int] = None
+    """seq_mean_token_sum_norm's constant normaliser, in tokens (None: rollout.max_turns x
+    rollout.max_action_tokens, the most policy tokens an episode can sample)."""
+    norm_by_std: bool = True
+    """grpo: divide r - mean by the group's std (false: Dr. GRPO's unscaled advantages)."""
     gamma: float = 1.0
     """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
     GRPO scores whole episodes, so it takes only 1."""
@@ -70,6 +106,27 @@ class AlgorithmConfig:
     style; GRPO: the episode's summed k1 off its reward). Not "off": a LOGPROB stage runs."""
     kl_coef: float = 0.0
     """Weight of the KL (> 0 when kl_mode is not "off")."""
+    kl_estimator: str = AUTO
+    """The per-token estimator of KL(pi || ref) (Schulman's names; rl/losses.py): "k1"
+    (log pi - log ref), "k2" ((log pi - log ref)^2 / 2), "k3" (exp(log ref - log pi) - (log ref
+    - log pi) - 1), "low_var_kl" (k3 clamped to [-10, 10], verl's); "auto": k3 in the loss, k1
+    in the reward ("none" with kl_mode=off, where no KL is estimated)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal carries no signal; it is
+    dropped (counted) and more groups are played until the batch is full or
+    dynamic_sampling_rounds extra rounds were played. Needs group_size >= 2."""
+    dynamic_sampling_rounds: int = 4
+    """Extra rounds of groups dynamic sampling may play per batch (the batch then trains with
+    the groups it has)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: a truncated episode (finish reason max_turns or max_context)
+    is masked out of the loss (it still counts in the statistics of its group)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment, in tokens (0: off): an episode whose length L passes
+    rollout.max_context_tokens - overlong_buffer loses overlong_penalty x (L - (max -
+    buffer)) / buffer from its reward (all of overlong_penalty past the limit)."""
+    overlong_penalty: float = 1.0
+    """The most the soft overlong punishment takes off a reward."""
     entropy_coef: float = 0.0
     """Entropy bonus per policy token (0: off; > 0 trains through the logits path)."""
     micro_batch_size: int = 4
@@ -110,6 +167,65 @@ class AlgorithmConfig:
     training than it did when sampled. Embedded engine only."""
 
     @property
+    def clip_low(self) -> float:
+        """The lower clip epsilon in force (clip_eps_low, else clip_eps)."""
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip epsilon in force (clip_eps_high, else clip_eps)."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    def _check_menu(self) -> None:
+        """The menu's keys (docs/algorithms.md): each value known, none that does nothing in
+        this combination, none that means nothing (GSPO over tokens, dynamic sampling without
+        groups)."""
+        if self.kl_estimator == AUTO:
+            object.__setattr__(self, "kl_estimator", {"off": "none", "loss": "k3",
+                                                      "reward": "k1"}[self.kl_mode])
+        if self.kl_mode == "off" and self.kl_estimator != "none":
+            raise ConfigError(f"algorithm.kl_estimator={self.kl_estimator} does nothing with "
+                              "algorithm.kl_mode=off (no reference policy): set kl_mode=loss "
+                              "or reward, or drop it")
+        estimators = ("none",) if self.kl_mode == "off" else KL_ESTIMATORS
+        for key, options in (("policy_loss", POLICY_LOSSES), ("loss_agg", LOSS_AGGS),
+                             ("kl_estimator", estimators)):
+            if getattr(self, key) not in options:
+                raise ConfigError(f"algorithm.{key}={getattr(self, key)!r}: use "
+                                  f"{', '.join(options)}")
+        for key in ("clip_eps_low", "clip_eps_high"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                raise ConfigError(f"algorithm.{key}={getattr(self, key)} must be >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null: off)")
+        if self.policy_loss.startswith("gspo") and self.loss_agg != "seq_mean_token_mean":
+            raise ConfigError(f"algorithm.policy_loss={self.policy_loss} is a sequence-level "
+                              f"objective; algorithm.loss_agg={self.loss_agg} would weigh "
+                              "episodes by their length: set algorithm.loss_agg="
+                              "seq_mean_token_mean (the recipe algorithm=gspo does)")
+        if self.loss_agg_tokens is not None and self.loss_agg != "seq_mean_token_sum_norm":
+            raise ConfigError(f"algorithm.loss_agg_tokens={self.loss_agg_tokens} does nothing "
+                              f"with algorithm.loss_agg={self.loss_agg}: drop it, or set "
+                              "loss_agg=seq_mean_token_sum_norm")
+        if self.loss_agg_tokens is not None and self.loss_agg_tokens < 1:
+            raise ConfigError(f"algorithm.loss_agg_tokens={self.loss_agg_tokens} must be >= 1")
+        if not self.norm_by_std and self.name != "grpo":
+            raise ConfigError(f"algorithm.norm_by_std=false does nothing under algorithm.name="
+                              f"{self.name} (only grpo divides by the group's std): drop it, or "
+                              "use algorithm.name=grpo")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ConfigError("algorithm.dynamic_sampling=true drops groups whose rewards are "
+                              "all equal, and algorithm.group_size=1 makes every group one "
+                              "episode: set algorithm.group_size >= 2 (the recipe "
+                              "algorithm=dapo does)")
+        if self.dynamic_sampling_rounds < 0:
+            raise ConfigError(f"algorithm.dynamic_sampling_rounds="
+                              f"{self.dynamic_sampling_rounds} must be >= 0")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError(f"algorithm.overlong_buffer={self.overlong_buffer} and "
+                              f"overlong_penalty={self.overlong_penalty} must be >= 0")
+
+    @property
     def off_policy_weights(self) -> Optional[tuple[str, float]]:
         """(mode, cap) of the off-policy weights, or None (off_policy=none)."""
         if self.off_policy == "none":
@@ -145,10 +261,11 @@ class AlgorithmConfig:
                               "model, no GAE); PPO-clip without a critic over several epochs is "
                               "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
                               "algorithm=reinforce_pp_multi_epoch)")
-        if self.name not in ("reinforce_pp", "grpo"):
-            raise ConfigError(f"algorithm.name={self.name!r}: use reinforce_pp or grpo")
+        if self.name not in ESTIMATORS:
+            raise ConfigError(f"algorithm.name={self.name!r}: use {', '.join(ESTIMATORS)}")
         if self.kl_mode not in ("off", "loss", "reward"):
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode!r}: use off, loss or reward")
+        self._check_menu()
         if self.kl_mode != "off" and self.kl_coef <= 0:
             raise ConfigError(f"algorithm.kl_mode={self.kl_mode} needs algorithm.kl_coef > 0")
         if self.kl_mode == "off" and self.kl_coef:
@@ -157,12 +274,13 @@ class AlgorithmConfig:
                               "algorithm.kl_mode=loss or reward, or drop the coefficient")
         if not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"algorithm.gamma={self.gamma}: use a discount in [0, 1]")
-        if self.name == "grpo" and self.group_size < 2:
-            raise ConfigError("algorithm.name=grpo needs algorithm.group_size >= 2")
-        if self.name == "grpo" and self.gamma != 1.0:
+        if self.name in GROUPED and self.group_size < 2:
+            raise ConfigError(f"algorithm.name={self.name} needs algorithm.group_size >= 2 (its "
+                              "baseline is the group's)")
+        if self.name != "reinforce_pp" and self.gamma != 1.0:
             raise ConfigError(f"algorithm.gamma={self.gamma} does nothing under "
-                              "algorithm.name=grpo (GRPO scores whole episodes, no per-turn "
-                              "returns): drop it, or use algorithm.name=reinforce_pp")
+                              f"algorithm.name={self.name} (it scores whole episodes, no "
+                              "per-turn returns): drop it, or use algorithm.name=reinforce_pp")
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
         if self.off_policy not in ("none", "tis", "decoupled"):

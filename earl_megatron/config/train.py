@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from earl_megatron.config.algorithm import AlgorithmConfig
+from earl_megatron.config.algorithm import GROUPED, AlgorithmConfig
 from earl_megatron.config.checks import ConfigError, require_finite
 from earl_megatron.config.checks import at_least as _at_least
 from earl_megatron.config.cluster import ClusterConfig
@@ -175,11 +175,20 @@ class TrainConfig:
             if split_problem:
                 raise ConfigError(f"rollout.placement={self.rollout.placement}: "
                                   f"{split_problem}")
-        if self.algorithm.name == "grpo" and \
-                self.rollout.episodes_per_iteration % self.algorithm.group_size:
+        a, r = self.algorithm, self.rollout
+        if (a.name in GROUPED or a.dynamic_sampling) and \
+                r.episodes_per_iteration % a.group_size:
             raise ConfigError(
-                f"rollout.episodes_per_iteration={self.rollout.episodes_per_iteration} must be a "
-                f"multiple of algorithm.group_size={self.algorithm.group_size}")
+                f"rollout.episodes_per_iteration={r.episodes_per_iteration} must be a "
+                f"multiple of algorithm.group_size={a.group_size}")
+        if a.overlong_buffer and r.max_context_tokens is None:
+            raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} shapes rewards "
+                              "toward the context limit, and rollout.max_context_tokens is not "
+                              "set: give rollout.max_context_tokens, or drop the buffer")
+        if a.overlong_buffer and a.overlong_buffer >= r.max_context_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be below "
+                              f"rollout.max_context_tokens={r.max_context_tokens} (the penalty "
+                              "ramps over the last overlong_buffer tokens before it)")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
