@@ -27,6 +27,15 @@ tokens (the ones the loss trains) and 0 on prompt, environment, tool and padding
   broadcast over the episode's policy tokens, ``grpo_advantage``. With KL in the reward the
   episode's summed k1 comes off r_i first (a sequence-level penalty, ``kl_penalized_reward``).
 
+- RLOO (Ahmadian et al. 2024): ``A_i = r_i - mean of the other rewards of the group``,
+  ``rloo_advantage``. REINFORCE++-baseline (Hu et al. 2025): ``r_i - mean_g``, then normalised
+  like REINFORCE++ over the batch's policy tokens, ``baselined_reward`` then ``normalize``.
+  Dr. GRPO (Liu et al. 2025): GRPO without the division by the std (``grpo_advantage(scale=
+  False)``; its length normalisation is rl/losses.py's ``seq_mean_token_sum_norm``). These
+  three score whole episodes (no per-turn gamma), with the summed KL off the reward like GRPO.
+- DAPO's overlong reward shaping (Yu et al. 2025), ``overlong_penalty``: a soft punishment over
+  the last ``buffer`` tokens before the context limit.
+
 - Off-policy weights (``algorithm.off_policy``). The policy that sampled a token (pi_behav: the
   engine's logprobs, perhaps another engine's kernels, perhaps weights some train steps old)
   is not the trainer's old policy pi_old (pi_prox: the re-scoring at the start of TRAIN), so
@@ -157,6 +166,35 @@ def grpo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Momen
     if scale:
         a = a / (moments.std[group].item() + eps)
     return a * mask
+
+
+def rloo_advantage(reward: float, group: int, mask: torch.Tensor, moments: Moments
+                   ) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): the reward minus the mean of the OTHER rewards of its group,
+    ``r_i - (sum_g - r_i) / (c - 1) = c / (c - 1) * (r_i - mean_g)`` for a group of c episodes
+    (0 for a group of one: nothing to compare with), on the episode's policy tokens."""
+    c = moments.count[group].item()
+    if c < 2:
+        return torch.zeros_like(mask, dtype=torch.float32)
+    return c / (c - 1) * (reward - moments.mean[group].item()) * mask
+
+
+def baselined_reward(reward: float, group: int, moments: Moments) -> float:
+    """REINFORCE++-baseline's first step: the reward minus its group's mean (then normalised
+    over the batch's policy tokens by ``normalize``)."""
+    return reward - moments.mean[group].item()
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025), as a non-positive reward term: 0 up to
+    ``max_tokens - buffer`` tokens, then falling linearly to ``-penalty`` at ``max_tokens``, and
+    ``-penalty`` beyond it."""
+    if buffer <= 0:
+        return 0.0
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(1.0, (length - start) / buffer)
 
 
 def off_policy_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,

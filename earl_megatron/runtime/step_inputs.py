@@ -11,6 +11,9 @@ never separates an input from its label), the dispatcher moves them (default: ``
     old_logprobs  lp1 ... lp_n       0...
     advantages    a1  ... a_n        0...
     ref_logprobs  rlp1 ... rlp_n     0...          (only when the loss reads them: kl_mode=loss)
+    loss_weights  w   ... w          0...          (only when algorithm.loss_agg is not
+                                                    token_mean: the sample's aggregation weight,
+                                                    rl/losses.aggregation_weights)
     routes_<l>    e0  e1  ... e_{n-1} 0...         (int64, per layer l: the rollout's experts of
                                                     each input token, algorithm.routing_replay;
                                                     trainer/stages.with_routes adds them to the
@@ -35,13 +38,17 @@ TRAIN_TENSORS = (
 )
 REF_LOGPROBS = TensorSpec("ref_logprobs", "float32", per_token=True, pp_stages="last")
 """Produced on the LOGPROB layout's last pp_stage, read by the loss on TRAIN's last pp_stage."""
+LOSS_WEIGHTS = TensorSpec("loss_weights", "float32", per_token=True, pp_stages="last")
+"""Each token's aggregation weight (the same on every token of a sample); read by the loss."""
 LOGPROB_TENSORS = TRAIN_TENSORS[:2]
 """What the LOGPROB stage's forward reads: input_ids (first pp_stage) and labels (last)."""
 
 
-def train_tensors(with_ref: bool) -> tuple[TensorSpec, ...]:
-    """TRAIN_TENSORS, plus the reference logprobs when the loss reads them (kl_mode=loss)."""
-    return TRAIN_TENSORS + (REF_LOGPROBS,) if with_ref else TRAIN_TENSORS
+def train_tensors(with_ref: bool, with_weights: bool = False) -> tuple[TensorSpec, ...]:
+    """TRAIN_TENSORS, plus the reference logprobs when the loss reads them (kl_mode=loss) and
+    the aggregation weights when the loss is not a plain token mean."""
+    return TRAIN_TENSORS + ((REF_LOGPROBS,) if with_ref else ()) + \
+        ((LOSS_WEIGHTS,) if with_weights else ())
 
 
 def shifted_ids(token_ids: Sequence[int], length: int, pad_id: int = 0

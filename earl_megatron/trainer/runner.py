@@ -66,7 +66,8 @@ from earl_megatron.trainer.rollout import EpisodeSpec
 from earl_megatron.trainer.rollout_engines import make_rollout
 from earl_megatron.trainer.samples import SampleWriter
 from earl_megatron.trainer.scoring import (AdvantageConfig, advantage_check, advantages,
-                                           kl_to_reference, owns_samples)
+                                           kl_to_reference, loss_weights, overlong_filtered,
+                                           overlong_metrics, owns_samples, shaped_overlong)
 from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, reference_logprobs,
                                           train_on)
 from earl_megatron.trainer.auto import Auto
@@ -100,11 +101,18 @@ class Trainer:
         a, r = cfg.algorithm, cfg.rollout
         self.kl_on = a.kl_mode != "off"
         self.batch = BatchShape(a.micro_batch_size, a.micro_batch_tokens)
-        self.loss = PolicyLossConfig(clip_eps_low=a.clip_eps, clip_eps_high=a.clip_eps,
+        self.loss = PolicyLossConfig(clip_eps_low=a.clip_low, clip_eps_high=a.clip_high,
                                      kl_coef=a.kl_coef if a.kl_mode == "loss" else 0.0,
-                                     entropy_coef=a.entropy_coef)
+                                     entropy_coef=a.entropy_coef, ratio_cap=a.dual_clip,
+                                     kind=a.policy_loss,
+                                     kl_estimator=a.kl_estimator if a.kl_mode == "loss"
+                                     else "k3")
         self.adv = AdvantageConfig(a.name, a.gamma,
-                                   a.group_size, a.kl_coef if a.kl_mode == "reward" else 0.0)
+                                   a.group_size, a.kl_coef if a.kl_mode == "reward" else 0.0,
+                                   norm_by_std=a.norm_by_std)
+        self.loss_agg_tokens = a.loss_agg_tokens or r.max_turns * r.max_action_tokens
+        """seq_mean_token_sum_norm's constant (algorithm.loss_agg_tokens, or the most policy
+        tokens an episode can sample)."""
         self.optimizer = OptimizerSpec(lr=a.lr, weight_decay=a.weight_decay,
                                        clip_grad=a.clip_grad,
                                        use_distributed_optimizer=a.use_distributed_optimizer)
@@ -223,6 +231,9 @@ class Trainer:
         layouts["train"] = plan.plan("train", lengths, policy.layout,
                                      plan.weight_bytes(layouts.get("logprob")),
                                      fixed=train_layout)
+        a = cfg.algorithm
+        episodes, penalties = shaped_overlong(episodes, cfg.rollout.max_context_tokens,
+                                              a.overlong_buffer, a.overlong_penalty)
         ref_lp, moved_lp, metrics, kl = {}, 0, dict(engine_metrics), None
         if ref is not None:
             with t("logprob"):
@@ -236,19 +247,24 @@ class Trainer:
                                       e.turn_rewards, ref_logprobs=ref_lp.get(s))
                    for s, e in zip(ids, episodes)}
         if ref is not None:
-            kl, kl_metrics = kl_to_reference(policy, ids, samples,
-                                             in_reward=cfg.algorithm.kl_mode == "reward")
+            kl, kl_metrics = kl_to_reference(policy, ids, samples, a.kl_estimator)
             metrics.update(kl_metrics)  # beside the engine's (rollout_engine, logprob diffs)
         adv = advantages(self.adv, policy, ids, samples, n,
                          kl=kl if self.adv.kl_coef else None)
         metrics.update(advantage_check(self.adv, policy, ids, samples, adv, n))
         if tis:  # off-policy weights: w * A trains exactly w * surrogate (rl/advantages.py)
             adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
+        cut = []
+        if a.overlong_filter:   # after the group statistics: truncated episodes train nothing
+            samples, cut = overlong_filtered(samples, ids, episodes)
+        if a.overlong_filter or a.overlong_buffer:
+            metrics.update(overlong_metrics(policy, ids, cut, penalties, n))
+        weights = loss_weights(a.loss_agg, policy, ids, samples, self.loss_agg_tokens)
         with t("switch"):
             trainee = models.trainee(layouts["train"], plan.recompute["train"])
         with t("train"):
             res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
-                           cfg.algorithm.epochs, routes=routes)
+                           cfg.algorithm.epochs, routes=routes, weights=weights)
         if sync:
             with t("weight_sync"):
                 self.rollout.sync(trainee)

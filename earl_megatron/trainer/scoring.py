@@ -11,14 +11,16 @@ policy that sampled the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from earl_megatron.rl.advantages import (grpo_advantage, kl_penalized_reward, normalize,
+from earl_megatron.rl.advantages import (baselined_reward, grpo_advantage, kl_penalized_reward,
+                                         normalize, overlong_penalty, rloo_advantage,
                                          token_returns)
-from earl_megatron.rl.losses import k1_kl, k3_kl
+from earl_megatron.rl.losses import aggregation_weights, k1_kl, kl_estimate
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.reduce import global_max, global_moments, global_sum
 
@@ -26,11 +28,18 @@ from earl_megatron.runtime.reduce import global_max, global_moments, global_sum
 @dataclass(frozen=True)
 class AdvantageConfig:
     estimator: str
-    """"reinforce_pp" (per-turn returns, batch-normalised) or "grpo" (algorithm.name)."""
+    """algorithm.name: "reinforce_pp" (per-turn returns, batch-normalised),
+    "reinforce_pp_baseline", "grpo" or "rloo" (rl/advantages.py)."""
     gamma: float = 1.0
     group_size: int = 1
     kl_coef: float = 0.0
-    """KL in the reward (k1); 0 when the KL is off or in the loss."""
+    """KL in the reward; 0 when the KL is off or in the loss."""
+    norm_by_std: bool = True
+    """grpo: divide by the group's std (False: Dr. GRPO)."""
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+"""The estimators whose baseline is the episode's group (each episode's reward, one value)."""
 
 
 def owns_samples(policy: ModelOnLayout) -> bool:
@@ -39,17 +48,18 @@ def owns_samples(policy: ModelOnLayout) -> bool:
     return c.tp == 0 and c.pp == 0 and c.cp == 0
 
 
-def kl_to_reference(policy: ModelOnLayout, ids: list[int], samples: dict, in_reward: bool
+def kl_to_reference(policy: ModelOnLayout, ids: list[int], samples: dict, estimator: str
                     ) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-    """Per-token KL of the sampling policy to the reference (k1 in the reward, k3 in the loss) on
-    policy tokens, and global metrics: ``kl`` (its mean per policy token) and
-    ``ref_log_ratio_max`` (max |log pi_old - log pi_ref| over policy tokens)."""
+    """Per-token KL of the sampling policy to the reference (algorithm.kl_estimator: by default
+    k1 in the reward, k3 in the loss) on policy tokens, and global metrics: ``kl`` (its mean per
+    policy token) and ``ref_log_ratio_max`` (max |log pi_old - log pi_ref| over policy
+    tokens)."""
     per, acc, top = {}, torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     owner = owns_samples(policy)
     for s in ids:
         t = samples[s]
         m = t.loss_mask
-        k = (k1_kl if in_reward else k3_kl)(t.old_logprobs, t.ref_logprobs) * m
+        k = kl_estimate(t.old_logprobs, t.ref_logprobs, estimator) * m
         per[s] = k
         if owner:
             acc += torch.stack([k.double().sum(), m.double().sum()])
@@ -75,7 +85,7 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
     """
     owner = owns_samples(policy)
     coef = cfg.kl_coef if kl is not None else 0.0
-    if cfg.estimator == "grpo":
+    if cfg.estimator in GROUP_ESTIMATORS:
         g = cfg.group_size
         reward = {s: kl_penalized_reward(samples[s].reward, kl[s] if coef else None, coef)
                   for s in ids}
@@ -84,10 +94,19 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
         moments = global_moments(torch.tensor([reward[s] for s in mine], dtype=torch.float64),
                                  torch.tensor([s // g for s in mine], dtype=torch.long),
                                  n // g, unbiased=True)
-        return {s: grpo_advantage(reward[s], (s % n) // g, samples[s].loss_mask, moments)
-                for s in ids}
-    returns = {s: token_returns(samples[s].token_rewards, samples[s].loss_mask, cfg.gamma,
-                                kl[s] if coef else None, coef) for s in ids}
+        group = {s: (s % n) // g for s in ids}
+        if cfg.estimator == "grpo":
+            return {s: grpo_advantage(reward[s], group[s], samples[s].loss_mask, moments,
+                                      scale=cfg.norm_by_std) for s in ids}
+        if cfg.estimator == "rloo":
+            return {s: rloo_advantage(reward[s], group[s], samples[s].loss_mask, moments)
+                    for s in ids}
+        # reinforce_pp_baseline: r - mean_g on the policy tokens, normalised as REINFORCE++'s
+        returns = {s: baselined_reward(reward[s], group[s], moments) * samples[s].loss_mask
+                   for s in ids}
+    else:
+        returns = {s: token_returns(samples[s].token_rewards, samples[s].loss_mask, cfg.gamma,
+                                    kl[s] if coef else None, coef) for s in ids}
     parts = [returns[s].double()[samples[s].loss_mask.bool()] for s in ids] if owner else []
     vals = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     moments = global_moments(vals, torch.zeros(vals.numel(), dtype=torch.long), 1,
@@ -98,11 +117,12 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
 def advantage_check(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samples: dict,
                     adv: dict, num_episodes: int) -> dict[str, float]:
     """The estimator's defining property, measured on the advantages the step trains on (a
-    check that the normalisation ran on global statistics): REINFORCE++ ``advantage_mean``, the
-    mean per policy token (0); GRPO ``advantage_group_mean_max``, the largest |mean| over
-    groups of the episodes' advantages (0)."""
+    check that the normalisation ran on global statistics): REINFORCE++ (and its baseline
+    variant) ``advantage_mean``, the mean per policy token (0); GRPO and RLOO
+    ``advantage_group_mean_max``, the largest |mean| over groups of the episodes' advantages
+    (0)."""
     owner = owns_samples(policy)
-    if cfg.estimator == "grpo":
+    if cfg.estimator in ("grpo", "rloo"):
         g = cfg.group_size
         acc = torch.zeros(2, num_episodes // g, dtype=torch.float64)
         for s in ids if owner else []:
@@ -119,3 +139,66 @@ def advantage_check(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int],
         acc += torch.stack([adv[s].double().sum(), samples[s].loss_mask.double().sum()])
     acc = global_sum(acc)
     return {"advantage_mean": acc[0].item() / max(acc[1].item(), 1.0)}
+
+
+def loss_weights(mode: str, policy: ModelOnLayout, ids: list[int], samples: dict,
+                 norm_tokens: Optional[int]) -> Optional[dict[int, float]]:
+    """Each sample's aggregation weight (rl/losses.aggregation_weights) from the GLOBAL batch's
+    policy tokens and samples (counted by the replicas' owners); None for token_mean, whose
+    weights are all 1 (the loss reads no weight tensor then)."""
+    if mode == "token_mean":
+        return None
+    tokens = {s: float(samples[s].loss_mask.sum()) for s in ids}
+    acc = torch.zeros(2, dtype=torch.float64)
+    if owns_samples(policy):
+        acc += torch.tensor([sum(tokens.values()), sum(1 for n in tokens.values() if n)],
+                            dtype=torch.float64)
+    acc = global_sum(acc)
+    return aggregation_weights(mode, tokens, acc[0].item(), acc[1].item(), norm_tokens)
+
+
+TRUNCATED = ("max_turns", "max_context")
+"""The finish reasons of an episode cut off before its end (rollout/agent_loop.py)."""
+
+
+def shaped_overlong(episodes: list, max_tokens: Optional[int], buffer: int, penalty: float
+                    ) -> tuple[list, list[float]]:
+    """DAPO's soft overlong punishment on each episode's reward (and its last turn's, so the
+    turn rewards still add up): (episodes, the penalty of each). Unchanged when ``buffer`` is
+    0."""
+    if not buffer:
+        return episodes, [0.0] * len(episodes)
+    out, pens = [], []
+    for e in episodes:
+        p = overlong_penalty(len(e.token_ids), max_tokens, buffer, penalty)
+        if p:
+            turns = tuple(e.turn_rewards[:-1]) + (e.turn_rewards[-1] + p,) \
+                if e.turn_rewards else ()
+            e = dataclasses.replace(e, reward=e.reward + p, turn_rewards=turns)
+        out.append(e)
+        pens.append(p)
+    return out, pens
+
+
+def overlong_filtered(samples: dict, ids: list[int], episodes: list) -> tuple[dict, list[int]]:
+    """DAPO's overlong filtering: the truncated episodes' samples with their loss mask zeroed
+    (they train nothing; their group statistics were taken before), and their sample ids."""
+    cut = [s for s, e in zip(ids, episodes) if e.finish_reason in TRUNCATED]
+    out = dict(samples)
+    for s in cut:
+        out[s] = dataclasses.replace(out[s], loss_mask=torch.zeros_like(out[s].loss_mask))
+    return out, cut
+
+
+def overlong_metrics(policy: ModelOnLayout, ids: list[int], filtered: list[int],
+                     penalties: list[float], num_episodes: int) -> dict[str, float]:
+    """Global counts: ``overlong_filtered`` (samples masked out), ``overlong_penalized`` and
+    ``overlong_penalty_mean`` (over the episodes' first rows)."""
+    acc = torch.zeros(3, dtype=torch.float64)
+    if owns_samples(policy):
+        firsts = [p for s, p in zip(ids, penalties) if s < num_episodes]
+        acc += torch.tensor([len(filtered), sum(1 for p in firsts if p), sum(firsts)],
+                            dtype=torch.float64)
+    acc = global_sum(acc)
+    return {"overlong_filtered": acc[0].item(), "overlong_penalized": acc[1].item(),
+            "overlong_penalty_mean": acc[2].item() / max(num_episodes, 1)}

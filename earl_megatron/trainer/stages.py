@@ -30,7 +30,8 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.batching import MicroBatchPlan, plan_micro_batches
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
-from earl_megatron.rl.losses import PolicyLossConfig, masked_sums, policy_loss, ratio_sums
+from earl_megatron.rl.losses import (PolicyLossConfig, masked_sums, policy_loss, ratio_sums,
+                                     sequence_sums, sequence_terms)
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.dispatcher import SampleMeta, dispatch
@@ -185,21 +186,28 @@ def _ref_logp(mb: dict, logp: torch.Tensor) -> Optional[torch.Tensor]:
 
 def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
              advantages: dict, plan: MicroBatchPlan, loss: PolicyLossConfig, epochs: int,
-             routes: Optional[dict[int, torch.Tensor]] = None) -> TrainStageResult:
+             routes: Optional[dict[int, torch.Tensor]] = None,
+             weights: Optional[dict[int, float]] = None) -> TrainStageResult:
     """The TRAIN stage: dispatch this rank's samples to the train layout and run ``epochs``
     optimizer steps on them. ``plan`` (``micro_batch_plan`` of the train layout) fixes which
     samples train together; ``samples`` were built with its lengths. The reference logprobs
-    travel only when the loss reads them (kl_coef > 0); the entropy bonus takes the logits path
-    (one V/tp-wide fp32 buffer more per micro-batch), so only when entropy_coef > 0."""
+    travel only when the loss reads them (kl_coef > 0), each sample's aggregation weight only
+    when given (``weights``: algorithm.loss_agg other than token_mean); the entropy bonus takes
+    the logits path (one V/tp-wide fp32 buffer more per micro-batch), so only when
+    entropy_coef > 0."""
     from earl_megatron.runtime.step import train_step, train_step_logprobs
 
-    tensors = train_tensors(with_ref=loss.kl_coef > 0)
+    tensors = train_tensors(with_ref=loss.kl_coef > 0, with_weights=weights is not None)
     local = {spec.name: {} for spec in tensors}
     for s in ids:
         t = samples[s]
         for spec in tensors:
-            local[spec.name][s] = advantages[s] if spec.name == "advantages" \
-                else getattr(t, spec.name)
+            if spec.name == "advantages":
+                local[spec.name][s] = advantages[s]
+            elif spec.name == "loss_weights":
+                local[spec.name][s] = torch.full_like(t.loss_mask, weights[s])
+            else:
+                local[spec.name][s] = getattr(t, spec.name)
     tensors = with_routes(policy, tensors, local, ids, routes, plan)
     batches, _, received = dispatched_microbatches(policy, producer, ids, local, plan, tensors)
     kwargs = dict(seq_len=plan.longest, micro_batch_size=plan.max_rows)
@@ -236,14 +244,31 @@ def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
     return global_sum(acc)
 
 
+def _sequence(cfg: PolicyLossConfig, logp: torch.Tensor, mb: dict):
+    """GSPO's per-row terms of this micro-batch over whole episodes: each row's sums added over
+    its cp chunks (every cp rank of the last pp_stage runs this micro-batch's loss together,
+    so the all-reduce pairs up); None for the token-level losses."""
+    if not cfg.sequence_level:
+        return None
+    import torch.distributed as dist
+
+    sums = sequence_sums(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"])
+    cp = groups.cp_group()
+    if dist.get_world_size(cp) > 1:
+        dist.all_reduce(sums, group=cp)
+    return sequence_terms(sums)
+
+
 def _loss_fn(cfg: PolicyLossConfig, ratios: list):
     """Per-token loss on Megatron's cross-entropy output (the labels path: no entropy).
     Appends each micro-batch's ``rl.losses.ratio_sums`` to ``ratios``."""
     def loss_fn(output: torch.Tensor, mb: dict) -> torch.Tensor:
         logp = -output.float()  # Megatron returns the vocab-parallel cross entropy per token
-        ratios.append(ratio_sums(logp, mb["old_logprobs"], mb["loss_mask"], cfg))
+        seq = _sequence(cfg, logp, mb)
+        ratios.append(ratio_sums(logp, mb["old_logprobs"], mb["loss_mask"], cfg, seq))
         return policy_loss(logp, mb["old_logprobs"], mb["advantages"], cfg,
-                           ref_logp=_ref_logp(mb, logp))
+                           ref_logp=_ref_logp(mb, logp), seq=seq,
+                           weights=mb.get("loss_weights"))
     return loss_fn
 
 
@@ -252,8 +277,10 @@ def _entropy_loss_fn(cfg: PolicyLossConfig, entropies: list, ratios: list):
     each micro-batch's (masked entropy sum, policy tokens) to ``entropies`` and its
     ``rl.losses.ratio_sums`` to ``ratios``."""
     def loss_fn(tl, mb: dict) -> torch.Tensor:
+        seq = _sequence(cfg, tl.logp, mb)
         entropies.append(masked_sums(tl.entropy, mb["loss_mask"]))
-        ratios.append(ratio_sums(tl.logp, mb["old_logprobs"], mb["loss_mask"], cfg))
+        ratios.append(ratio_sums(tl.logp, mb["old_logprobs"], mb["loss_mask"], cfg, seq))
         return policy_loss(tl.logp, mb["old_logprobs"], mb["advantages"], cfg,
-                           ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy)
+                           ref_logp=_ref_logp(mb, tl.logp), entropy=tl.entropy, seq=seq,
+                           weights=mb.get("loss_weights"))
     return loss_fn

@@ -14,7 +14,7 @@ each TrainConfig section to where its value is USED, not to where it is handed o
   ``self.x``; one passed to a package function (resolved by its unique name) is forwarded to the
   parameter, used only where the function's body refers to it;
 - anything else is a USE (a comparison, arithmetic, a call of torch or the standard library, a
-  return); validation (any ``__post_init__`` of config/) is not.
+  return); validation (any ``__post_init__`` or ``_check*`` method of config/) is not.
 
 So a field copied into another dataclass whose field nothing reads counts as unread (the
 negative control below plants exactly that and sees the check fail). The modes in which a field
@@ -233,7 +233,7 @@ class _Package:
 
     def _validation(self, node) -> bool:
         fn = self._enclosing(node, (ast.FunctionDef,))
-        return (fn is not None and fn.name == "__post_init__"
+        return (fn is not None and (fn.name == "__post_init__" or fn.name.startswith("_check"))
                 and Path(node._earl_path).parent.name == "config")
 
     def used(self, cls: str, field: str, seen: Optional[set] = None) -> bool:

@@ -100,7 +100,7 @@ BAD = [  # (overrides, the whole message)
      "without a critic over several epochs is algorithm.name=reinforce_pp with "
      "algorithm.epochs=2 (the recipe algorithm=reinforce_pp_multi_epoch)"),
     ({"algorithm": {"name": "grpo", "group_size": 4, "gamma": 0.9}},
-     "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (GRPO scores whole episodes, "
+     "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (it scores whole episodes, "
      "no per-turn returns): drop it, or use algorithm.name=reinforce_pp"),
     ({"cluster": {"inter_node_gbps": 100.0}},
      "cluster.inter_node_gbps=100.0 does nothing under cluster.preset=cpu (one host, no network "

@@ -73,7 +73,7 @@ def test_reinforce_pp_gamma_half(owner):
 
 def test_reinforce_pp_kl_in_reward(owner):
     samples = _episodes(kl=True)
-    kl, metrics = kl_to_reference(owner, [0, 1], samples, in_reward=True)
+    kl, metrics = kl_to_reference(owner, [0, 1], samples, "k1")
     assert _on_policy(kl, samples) == {0: pytest.approx([0.2, 0.4, 1.0]), 1: [0.0, 0.0]}
     assert metrics["kl"] == pytest.approx(1.6 / 5) and metrics["ref_log_ratio_max"] == 1.0
     adv = advantages(AdvantageConfig("reinforce_pp", kl_coef=0.1), owner, [0, 1], samples, 2,
@@ -101,7 +101,7 @@ def test_grpo_kl_in_reward(owner):
     third = episode_tensors(range(7), [0, 1, 1, 0, 0, 0, 0], [0, -1, -1, 0, 0, 0, 0], 0.5, 6,
                             ref_logprobs=torch.tensor([-1.0, -1.0, 0, 0, 0, 0]))
     samples = {0: base[0], 1: base[1], 2: third}
-    kl, _ = kl_to_reference(owner, [0, 1, 2], samples, in_reward=True)
+    kl, _ = kl_to_reference(owner, [0, 1, 2], samples, "k1")
     adv = advantages(AdvantageConfig("grpo", group_size=3, kl_coef=0.1), owner, [0, 1, 2],
                      samples, 3, kl=kl)
     # summed k1: 1.6, 0, 0 -> rewards 1 - .16, 0, .5; mean 1.34 / 3; unbiased std
