@@ -140,7 +140,7 @@ class Trainer:
         self.pool = None
         """Asynchronous RL (algorithm.max_staleness >= 1): the episodes in flight between
         rollout stages (trainer/episode_pool.py); None: the synchronous loop."""
-        if a.max_staleness:
+        if a.max_staleness or a.dynamic_sampling:   # dynamic sampling: the pool at k = 0 too
             from earl_megatron.trainer.agent_pool import AgentPool
             from earl_megatron.trainer.episode_pool import EpisodePool
             from earl_megatron.trainer.rollout import loop_config
@@ -149,7 +149,9 @@ class Trainer:
                                    loop_config(self.rollout.spec, r.temperature, 0),
                                    batch=r.episodes_per_iteration, group_size=a.group_size,
                                    max_staleness=a.max_staleness, run_seed=cfg.run.seed,
-                                   env_concurrency=r.env_concurrency)
+                                   env_concurrency=r.env_concurrency,
+                                   **({"dynamic_rounds": a.dynamic_sampling_rounds}
+                                      if a.dynamic_sampling else {}))
 
     def make_rollout(self, engine: str, **pool):
         """The rollout of ``engine`` for this run (trainer/rollout_engines.py); ``pool``: split
