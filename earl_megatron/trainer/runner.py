@@ -201,6 +201,9 @@ class Trainer:
         against the budget, not planned: trainer/split.py)."""
         cfg, plan, ref = self.cfg, self.planner, models.reference
         n = cfg.rollout.episodes_per_iteration
+        if pool_metrics.get("dynamic_groups_trained") == 0:   # the same on every rank
+            return self.recorder.skipped(it, layouts, t.total(), pool_metrics,
+                                         "dynamic sampling kept no group with signal")
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         engine_metrics, tis = {"rollout_engine": cfg.rollout.engine, **pool_metrics}, {}
