@@ -13,11 +13,12 @@ from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 G, BATCH = 2, 4
-CASES = {"k0": (0, 2), "k1": (1, 2), "k0-no-rounds": (0, 0)}
-"""(max_staleness, dynamic_sampling_rounds): no extra rounds leaves batches partial or empty."""
+CASES = {"k0": (0, 2, 0), "k1": (1, 2, 0), "k0-no-rounds": (0, 0, 1)}
+"""(max_staleness, dynamic_sampling_rounds, run.seed): without extra rounds a batch can end
+with no group with signal (seed 1: iterations 0 and 1), whose train step is skipped."""
 
 
-def _cfg(out, k, rounds=2):
+def _cfg(out, k, rounds=2, seed=0):
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "dp2", "logprob": "tp2", "train": "tp2"},
@@ -28,7 +29,7 @@ def _cfg(out, k, rounds=2):
         "algorithm": {"name": "grpo", "group_size": G, "micro_batch_size": 2,
                       "dynamic_sampling": True, "dynamic_sampling_rounds": rounds,
                       "max_staleness": k},
-        "run": {"iterations": 3, "output_dir": out, "checkpoint_every": 0, "eval_episodes": 2,
+        "run": {"iterations": 3, "output_dir": out, "seed": seed, "checkpoint_every": 0, "eval_episodes": 2,
                 "live_view": False},
     })
 
@@ -36,9 +37,9 @@ def _cfg(out, k, rounds=2):
 def _both(root):
     from earl_megatron.train import run
 
-    for case, (k, rounds) in CASES.items():
+    for case, (k, rounds, seed) in CASES.items():
         os.environ["EARL_SPLIT_AUDIT"] = f"{root}/audit-{case}"
-        run(_cfg(f"{root}/{case}", k, rounds))
+        run(_cfg(f"{root}/{case}", k, rounds, seed))
     return True
 
 
@@ -56,7 +57,7 @@ def _trained(audit_dir):
 def test_dynamic_sampling_drops_flat_groups_and_counts_them(tmp_path):
     run_distributed(_both, 2, str(tmp_path), timeout=900)
     totals = defaultdict(int)
-    for k, (staleness, rounds) in CASES.items():
+    for k, (staleness, rounds, _) in CASES.items():
         lines = [json.loads(x) for x in (tmp_path / k / "metrics.jsonl")
                  .read_text().splitlines()]
         print(k, [[r[f"dynamic_{x}"] for x in ("groups_played", "groups_dropped",
