@@ -18,8 +18,9 @@ share one on purpose). A resumed run draws the same seeds: each is a pure functi
 Sampling seeds (the random numbers of token sampling) are other streams: ``rollout_sample_seed``
 per RL iteration and ``EVAL_SAMPLE_SEED`` for every evaluation (the same draws before and after
 training, so evaluations compare policies, not luck), ``turn_sample_seed`` per turn of an agent
-loop call, and ``row_sample_seed`` per prompt row of the embedded engine, so a row's samples
-depend neither on its batch mates nor on the dp split.
+loop call (``round_sample_seed``: per extra round of dynamic sampling), and ``row_sample_seed``
+per prompt row of the embedded engine, so a row's samples depend neither on its batch mates nor
+on the dp split.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def expert_seeds(run_seed: int, count: int) -> list[int]:
 def rollout_sample_seed(run_seed: int, iteration: int) -> int:
     """The sampling seed of RL iteration ``iteration``'s rollout."""
     return run_seed * 7919 + iteration
+
+
+ROUND_STRIDE = 10**7
+"""Above every ``rollout_sample_seed`` (run_seed < MAX_RUN_SEED, iteration < MAX_ITERATIONS)."""
+
+
+def round_sample_seed(call_seed: int, rnd: int) -> int:
+    """The sampling seed of extra round ``rnd`` of dynamic sampling in a stage seeded
+    ``call_seed`` (round 0: ``call_seed`` itself). A new round's episodes must not replay the
+    draws of the round whose groups it replaces."""
+    return call_seed + rnd * ROUND_STRIDE
 
 
 def turn_sample_seed(call_seed: int, turn: int) -> int:

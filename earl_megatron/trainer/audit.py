@@ -52,6 +52,7 @@ class RunAudit:
         if side == "train" and model.coords.tp == 0 and model.coords.pp == 0:
             row["digests"] = sorted(_digest(e) for e in episodes)
             row["ids"] = list(ids)
+            row["rewards"] = [float(e.reward) for e in episodes]   # beside ids
         self._write(row)
 
     def sent(self, pool, j: int, out) -> None:

@@ -14,6 +14,13 @@ The rules are plan/staleness.py's; this module moves the episodes. Every rank ru
                 batch (sample ids group-aligned: group j of the batch holds ids j*g .. j*g+g-1)
     keep        the rest (unfinished, finished and waiting) stay in this replica's pool
 
+Dynamic sampling (algorithm.dynamic_sampling; plan/dynamic_sampling.py, trainer/dynamic_pool.py):
+``play`` counts only finished groups whose rewards vary; a finished group whose rewards are all
+equal is dropped from the pool (counted, never trained), and a round that ends with no episode
+live and too few groups refills the freed slots (new groups, new sampling seed) and plays again,
+at most algorithm.dynamic_sampling_rounds times; the block then trains with what it has. k = 0
+with dynamic sampling runs through this pool too (one batch admitted, played to the end).
+
 Every rank of a replica plays the same episodes in lockstep (the embedded engine decodes on all
 of them), so every rank of a replica holds the same pool; only the leader's copy travels. With
 SGLang the replica's leader alone plays, through its server, and holds the pool; the other
@@ -39,13 +46,15 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from earl_megatron.envs import make_env
+from earl_megatron.plan.dynamic_sampling import extra_group_index, has_signal, refill
 from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, must_finish,
                                           pick_trained, replica_quotas, too_stale)
 from earl_megatron.rollout import routing_replay
 from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, LiveEpisode,
                                               play_turns, replay_env, start_episode)
 from earl_megatron.runtime import groups
-from earl_megatron.seeds import episode_seeds
+from earl_megatron.seeds import ITERATION_STRIDE, episode_seeds, round_sample_seed
+from earl_megatron.trainer.dynamic_pool import drop_flat, group_rewards
 
 
 @dataclass
@@ -81,16 +90,22 @@ class StageOutcome:
     metrics: dict = field(default_factory=dict)
     keys: list[tuple[int, int]] = field(default_factory=list)
     """The pool key (iteration started, index) of each episode, beside ``ids``."""
+    dynamic: Optional[list] = None
+    """Dynamic sampling: this replica's counts (plan/dynamic_sampling.py ``DynamicCounts``
+    ``as_list``), summed over the world by trainer/dynamic_pool.py ``world_counts``."""
 
 
 class EpisodePool:
     def __init__(self, env: str, env_kwargs: dict, tokenizer, loop: AgentLoopConfig, *,
                  batch: int, group_size: int, max_staleness: int, run_seed: int,
-                 env_concurrency: int):
+                 env_concurrency: int, dynamic_rounds: Optional[int] = None):
         self.env, self.env_kwargs, self.tok, self.loop = env, dict(env_kwargs), tokenizer, loop
         self.batch, self.g, self.k = batch, group_size, max_staleness
         # self.k, the bound: auto placement sets it to 0 while its plan is colocated (trainer/auto.py)
         self.run_seed, self.env_concurrency = run_seed, env_concurrency
+        self.dynamic_rounds = dynamic_rounds
+        """algorithm.dynamic_sampling_rounds when dynamic sampling is on (finished groups with
+        equal rewards drop, extra rounds refill: plan/dynamic_sampling.py); None: off."""
         self.entries: list[Entry] = []
         """This replica's pool after the last stage (the same on every rank of the replica)."""
         self.layout = None
@@ -202,46 +217,54 @@ class EpisodePool:
             for d in sorted(groups[gkey], key=lambda d: d["key"]):
                 local = mine_before.get(d["key"]) if same else None
                 entries.append(local if local is not None else self._rebuild(d))
-        seeds = episode_seeds(self.run_seed, it, new * self.g, self.g)
         for j, rep in enumerate(placed):
-            if rep != r:
-                continue
-            for m in range(self.g):
-                i = j * self.g + m
-                started = start_episode(make_env(self.env, **self.env_kwargs), seeds[i],
-                                        self.tok, self.loop, key=(it, i))
-                e = Entry((it, i), seeds[i], self.g)
-                if isinstance(started, Episode):
-                    e.episode = started
-                else:
-                    e.live = started
-                entries.append(e)
+            if rep == r:
+                entries += self._start_group(it, j)
         quota = quotas[r]
+        dyn = self.dynamic_rounds is not None
 
-        def complete(extra: list) -> list[GroupState]:
-            done = {e.key for e in entries if e.episode is not None} | {k for k, _ in extra}
-            out = {}
-            for e in entries:
-                out.setdefault(e.group, []).append(e.key in done)
-            return [GroupState(gk, len(v), None, True) for gk, v in out.items() if all(v)]
+        def complete(extra: list, signal: bool = dyn) -> list[GroupState]:
+            """The replica's finished groups (``signal``: those whose rewards vary)."""
+            ends = group_rewards(entries, extra)
+            return [GroupState(gk, len(v), None, True) for gk, v in ends.items()
+                    if None not in v and (not signal or has_signal(v))]
 
         def enough(extra: list) -> bool:
-            """The replica's quota of groups finished, and no live group left that could not
-            continue into the next stage."""
-            done_groups = complete(extra)
-            if len(done_groups) < quota:
+            """The replica's quota of groups finished (dynamic sampling: with signal), and no
+            live group left that could not continue into the next stage."""
+            if len(complete(extra)) < quota:
                 return False
-            finished = {gs.key for gs in done_groups}
+            finished = {gs.key for gs in complete(extra, signal=False)}
             return not any(must_finish(_group_oldest(entries, gk), it, self.k)
                            for gk in {e.group for e in entries} - finished)
 
-        lives = [e.live for e in entries if e.live is not None]
-        loop = AgentLoopConfig(**{**self.loop.__dict__, "seed": sample_seed})
-        finished, _ = play_turns(engine, lives, self.tok, loop, version=version,
-                                 should_stop=should_stop,
-                                 enough=enough,
-                                 env_concurrency=self.env_concurrency)
-        self._keep(lay, r, entries, finished, leader)
+        rnd, dropped_groups, played = 0, 0, len({e.group for e in entries})
+        while True:   # one round; dynamic sampling: more while groups without signal drop
+            lives = [e.live for e in entries if e.live is not None]
+            loop = AgentLoopConfig(**{**self.loop.__dict__,
+                                      "seed": round_sample_seed(sample_seed, rnd)})
+            finished, _ = play_turns(engine, lives, self.tok, loop, version=version,
+                                     should_stop=should_stop, enough=enough,
+                                     env_concurrency=self.env_concurrency)
+            self._keep(lay, r, entries, finished, leader)
+            if not dyn:
+                break
+            entries, gone = drop_flat(entries)
+            dropped_groups += gone
+            self.entries = entries
+            live = any(e.live is not None for e in entries)
+            held_groups = len({e.group for e in entries})
+            more = 0 if live else refill(quota, len(complete([])), held_groups,
+                                         (self.k - (it - version) + 1) * quota, rnd,
+                                         self.dynamic_rounds)
+            if not more:
+                break
+            rnd += 1
+            span = (self.k + 1) * (self.batch // self.g)
+            for j in range(more):
+                entries += self._start_group(it, extra_group_index(
+                    rnd, r, lay.dp, span, j, ITERATION_STRIDE))
+            played += more
 
         done = [GroupState(gk, self.g, _group_oldest(self.entries, gk), True)
                 for gk in {s.key for s in complete([])}]
@@ -256,8 +279,28 @@ class EpisodePool:
                 keys.append(e.key)
         trained = set(keys)
         self.entries = [e for e in self.entries if e.key not in trained]
+        counts = None
+        if dyn:
+            carried = len({e.group for e in self.entries})
+            counts = [played, dropped_groups, len(chosen), carried, rnd]
         return StageOutcome(ids, episodes, {"pool_carried": held, "pool_admitted": new * self.g,
-                                            "pool_dropped": dropped}, keys)
+                                            "pool_dropped": dropped}, keys, counts)
+
+    def _start_group(self, it: int, j: int) -> list[Entry]:
+        """The episodes of group ``j`` of iteration ``it``, started (keys (it, j*g + m))."""
+        out = []
+        seed = episode_seeds(self.run_seed, it, (j + 1) * self.g, self.g)[-1]
+        for m in range(self.g):
+            i = j * self.g + m
+            started = start_episode(make_env(self.env, **self.env_kwargs), seed,
+                                    self.tok, self.loop, key=(it, i))
+            e = Entry((it, i), seed, self.g)
+            if isinstance(started, Episode):
+                e.episode = started
+            else:
+                e.live = started
+            out.append(e)
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _keep(self, lay, r: int, entries: list[Entry], finished: list,

@@ -138,6 +138,18 @@ class Recorder:
         self.history.append(rec)
         return rec
 
+    def skipped(self, it: int, layouts: dict, seconds: dict, metrics: dict, why: str) -> dict:
+        """An iteration that trained nothing (dynamic sampling kept no group with signal):
+        its line holds the stage's metrics and ``skipped``, no loss; every rank calls it."""
+        rec = {"iteration": it, "layouts": {k: str(v) for k, v in layouts.items()},
+               **metrics, "skipped": why, "seconds": seconds}
+        if self.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.view.update(rec)
+        self.history.append(rec)
+        return rec
+
     def finish(self) -> None:
         if self.rank != 0:
             return

@@ -31,10 +31,12 @@ from earl_megatron.envs import make_env
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.specs import PREFILL_TOKENS
 from earl_megatron.agents.server import ServerLimits
-from earl_megatron.rollout.agent_loop import AgentLoopConfig, Episode, run_episodes
+from earl_megatron.rollout.agent_loop import (AgentLoopConfig, Episode, RolloutAbandoned,
+                                              run_episodes)
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.trainer.agent_rollout import AgentPlayer, AgentSpec, play_agents
+from earl_megatron.trainer.dynamic_pool import world_counts
 
 
 @dataclass(frozen=True)
@@ -210,8 +212,14 @@ class EmbeddedRollout:
             out = pool.stage(policy, timed if time_decode else engine, iteration,
                              sample_seed=sample_seed, should_stop=should_stop, version=version,
                              **agents)
+        except RolloutAbandoned:
+            if getattr(pool, "dynamic_rounds", None) is not None:
+                world_counts(pool, None)   # the replicas that did not stop wait on it
+            raise
         finally:
             engine.close()
+        if getattr(pool, "dynamic_rounds", None) is not None:
+            out.metrics.update(world_counts(pool, out))
         if time_decode:
             out.metrics["rollout_decode_s"] = timed.seconds
         return out

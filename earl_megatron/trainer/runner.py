@@ -148,7 +148,7 @@ class Trainer:
         self.pool = None
         """Asynchronous RL (algorithm.max_staleness >= 1): the episodes in flight between
         rollout stages (trainer/episode_pool.py); None: the synchronous loop."""
-        if a.max_staleness:
+        if a.max_staleness or a.dynamic_sampling:   # dynamic sampling: the pool at k = 0 too
             from earl_megatron.trainer.agent_pool import AgentPool
             from earl_megatron.trainer.episode_pool import EpisodePool
             from earl_megatron.trainer.rollout import loop_config
@@ -157,7 +157,9 @@ class Trainer:
                                    loop_config(self.rollout.spec, r.temperature, 0),
                                    batch=r.episodes_per_iteration, group_size=a.group_size,
                                    max_staleness=a.max_staleness, run_seed=cfg.run.seed,
-                                   env_concurrency=r.env_concurrency)
+                                   env_concurrency=r.env_concurrency,
+                                   **({"dynamic_rounds": a.dynamic_sampling_rounds}
+                                      if a.dynamic_sampling else {}))
 
     def make_rollout(self, engine: str, **pool):
         """The rollout of ``engine`` for this run (trainer/rollout_engines.py); ``pool``: split
@@ -207,6 +209,9 @@ class Trainer:
         against the budget, not planned: trainer/split.py)."""
         cfg, plan, ref = self.cfg, self.planner, models.reference
         n = cfg.rollout.episodes_per_iteration
+        if pool_metrics.get("dynamic_groups_trained") == 0:   # the same on every rank
+            return self.recorder.skipped(it, layouts, t.total(), pool_metrics,
+                                         "dynamic sampling kept no group with signal")
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
         lengths = [tokens[s] for s in sorted(tokens)]
         engine_metrics, tis = {"rollout_engine": cfg.rollout.engine, **pool_metrics}, {}

@@ -57,6 +57,7 @@ from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.engine import split_evenly
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.trainer.agent_rollout import AgentPlayer, play_agents
+from earl_megatron.trainer.dynamic_pool import world_counts
 from earl_megatron.trainer.rollout import (EpisodeSpec, _TimedEngine, play_episodes,
                                            weight_sync_metrics)
 from earl_megatron.trainer.sglang_servers import SGLangServers
@@ -245,6 +246,8 @@ class SGLangRollout:
         else:
             pool.follow(policy.layout)
         self._after_stage(out)
+        if getattr(pool, "dynamic_rounds", None) is not None:   # every rank holds the outcome now
+            out[0].metrics.update(world_counts(pool, out[0]))
         return out[0]
 
     def _after_stage(self, out: list) -> None:
