@@ -11,7 +11,7 @@ Every recipe of recipes/algorithm/ trains on two workloads, each a real
   reward 1 for the right answer) for ``--calc-iterations`` iterations, every recipe starting
   from ONE supervised warm start (the recipe's 1,200 steps, run once and shared through
   ``run.init``: a tiny model from scratch has no reward to learn from); the number is the end
-  evaluation's sampled accuracy (mean reward) on held-out questions.
+  evaluation's sampled accuracy (mean reward) on ``--calc-eval-episodes`` held-out questions.
 
 Each (recipe, workload) runs with each ``--seeds`` value as ``run.seed``; the table prints the
 end numbers of every seed and the wall time of each run (the runs share one machine one after
@@ -39,14 +39,15 @@ sys.path.insert(0, str(ROOT))   # `python benchmarks/NAME.py`: this checkout's e
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml"))
 
 
-def train(args, out: Path, overrides: list[str], config: str = "config") -> float:
+def train(args, out: Path, overrides: list[str], config: str = "config",
+          eval_episodes: int = 64) -> float:
     """One fresh run (``run.resume=false`` refuses a folder holding an earlier one); seconds."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
            f"--nproc-per-node={args.nproc}", "-m", "earl_megatron.train",
            f"--config-name={config}", f"run.output_dir={out}", "run.resume=false",
            "run.live_view=false", "run.eval_every=0", "run.samples_per_iteration=0",
-           f"run.eval_episodes={args.eval_episodes}", *overrides]
+           f"run.eval_episodes={eval_episodes}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +80,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--c4-iterations", type=int, default=20)
-    ap.add_argument("--calc-iterations", type=int, default=30)
+    ap.add_argument("--calc-iterations", type=int, default=80)
     ap.add_argument("--sft-steps", type=int, default=1200)
     ap.add_argument("--eval-episodes", type=int, default=64)
+    ap.add_argument("--calc-eval-episodes", type=int, default=128)
     ap.add_argument("--workloads", default="connect_four,calculator")
     ap.add_argument("--out", default="runs/bench_algorithms")
     args = ap.parse_args()
@@ -99,7 +101,8 @@ def main() -> None:
             common = [f"algorithm={recipe}", f"run.seed={seed}", "run.checkpoint_every=0"]
             if "connect_four" in workloads:
                 out = root / f"c4_{recipe}_s{seed}"
-                wall = train(args, out, common + [f"run.iterations={args.c4_iterations}"])
+                wall = train(args, out, common + [f"run.iterations={args.c4_iterations}"],
+                             eval_episodes=args.eval_episodes)
                 row.setdefault("c4", []).append(
                     (end_value(out, "random/sampled", "win_rate"), wall))
             if "calculator" in workloads:
@@ -107,7 +110,7 @@ def main() -> None:
                 wall = train(args, out, common + [f"run.iterations={args.calc_iterations}",
                                                   f"run.init={init}", "sft.steps=0",
                                                   "rollout.tokenizer=tool"],
-                             config="tool_use")
+                             config="tool_use", eval_episodes=args.calc_eval_episodes)
                 row.setdefault("calc", []).append(
                     (end_value(out, "calculator/sampled", "mean_reward"), wall))
             print(f"{recipe} seed {seed}: {row}", flush=True)
