@@ -181,10 +181,6 @@ class TrainConfig:
             raise ConfigError(
                 f"rollout.episodes_per_iteration={r.episodes_per_iteration} must be a "
                 f"multiple of algorithm.group_size={a.group_size}")
-        if a.dynamic_sampling and self.env.name == "agent":
-            raise ConfigError("algorithm.dynamic_sampling=true is not supported with env.name="
-                              "agent yet (the agent pools start whole batches of programs and "
-                              "cannot refill a dropped group): set dynamic_sampling=false")
         if a.overlong_buffer and r.max_context_tokens is None:
             raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} shapes rewards "
                               "toward the context limit, and rollout.max_context_tokens is not "

@@ -87,6 +87,9 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
     if kind == "plain":
         r = client.chat.completions.create(model=model, messages=msgs)
         return {"reward": 1.0, "info": {"finish": r.choices[0].finish_reason}}
+    if kind == "parity":   # a reward that varies with what was sampled: 1 for an even length
+        r = client.chat.completions.create(model=model, messages=msgs)
+        return float(len(r.choices[0].message.content or "") % 2 == 0)
     if kind == "post":
         client.chat.completions.create(model=model, messages=msgs)
         httpx.post(base_url.removesuffix("/v1") + "/reward", json={"reward": 0.5},

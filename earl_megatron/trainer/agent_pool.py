@@ -46,11 +46,12 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from earl_megatron.agents.broker import ReplicaDriver
+from earl_megatron.plan.dynamic_sampling import extra_group_index, has_signal, refill
 from earl_megatron.plan.staleness import (GroupState, admissible, assign_groups, must_finish,
                                           pick_trained, replica_quotas, too_stale)
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime import groups
-from earl_megatron.seeds import episode_seeds, turn_sample_seed
+from earl_megatron.seeds import ITERATION_STRIDE, episode_seeds, turn_sample_seed
 from earl_megatron.trainer.agent_rollout import from_leader, outcome_rows
 from earl_megatron.trainer.episode_pool import StageOutcome
 
@@ -92,8 +93,14 @@ class AgentPool:
     ``restore``) for agent programs; ``end`` stops every program (the run is over)."""
 
     def __init__(self, env: str, env_kwargs: dict, tokenizer, loop, *, batch: int,
-                 group_size: int, max_staleness: int, run_seed: int, env_concurrency: int = 1):
+                 group_size: int, max_staleness: int, run_seed: int, env_concurrency: int = 1,
+                 dynamic_rounds: Optional[int] = None):
         self.tok, self.batch, self.g, self.k = tokenizer, batch, group_size, max_staleness
+        self.dynamic_rounds = dynamic_rounds
+        """algorithm.dynamic_sampling_rounds when dynamic sampling is on (None: off): finished
+        groups whose rewards are all equal drop, extra rounds start new programs (``_enough``)."""
+        self._dyn: Optional[dict] = None
+        """This stage's dynamic-sampling state on the leader (rounds, counts, where to start)."""
         self.run_seed, self.temperature = run_seed, loop.temperature
         self.entries: list[AgentEntry] = []
         """The leader's episodes after the last stage ([] on the replica's other ranks)."""
@@ -226,6 +233,11 @@ class AgentPool:
                                    for m in range(self.g))
         self.entries, self.layout, self.replica, self.leader = entries, lay, r, is_leader
 
+        if self.dynamic_rounds is not None:
+            self._dyn = {"it": it, "replica": r, "replicas": lay.dp, "rounds": 0, "dropped": 0,
+                         "played": len({e.group for e in entries}),
+                         "target": (self.k - (it - version) + 1) * quota,
+                         "span": (self.k + 1) * (self.batch // self.g)}
         driver = ReplicaDriver(engine, group, should_stop=should_stop, version=version)
         got = None
         if is_leader:
@@ -235,9 +247,14 @@ class AgentPool:
         else:
             driver.follow()
         ids, rows, keys = from_leader(got, group)
+        counts = None
+        if self._dyn is not None and is_leader:
+            d = self._dyn
+            counts = [d["played"], d["dropped"], len({(k[0], k[1] // self.g) for k in keys}),
+                      len({e.group for e in self.entries}), d["rounds"]]
         return StageOutcome(ids, rows, {"pool_carried": held, "pool_admitted": new * self.g,
                                         "pool_dropped": dropped, "agent_restarted": restarted},
-                            keys)
+                            keys, counts)
 
     # ------------------------------------------------------------------ helpers
     def _start(self, key: tuple[int, int], seed: int) -> AgentEntry:
@@ -260,17 +277,63 @@ class AgentPool:
             out.setdefault(e.group, []).append(e.future.done())
         return {gk for gk, v in out.items() if all(v)}
 
+    def _reward(self, e: AgentEntry) -> float:
+        """A finished program's reward as trained (a lost episode's: 0)."""
+        out = e.future.result()
+        return 0.0 if out.lost else out.reward
+
     def _enough(self, it: int, quota: int) -> bool:
-        """The quota of groups finished, and no live group that could not continue."""
+        """The quota of groups finished, and no live group that could not continue. Dynamic
+        sampling: finished groups without signal drop first, and when nothing is live and too
+        few groups have signal, an extra round starts new programs (plan/dynamic_sampling.py
+        ``refill``; the stage goes on)."""
         done = self._complete()
+        if self._dyn is not None:
+            done = self._drop_flat(done)
+            if len(done) < quota:
+                return not self._refill(quota, len(done))
         if len(done) < quota:
             return False
         return not any(must_finish(_group_oldest(self.entries, gk), it, self.k)
                        for gk in {e.group for e in self.entries} - done)
 
+    def _drop_flat(self, done: set) -> set:
+        """Finished groups whose rewards are all equal leave the pool (counted); the rest."""
+        rewards: dict = {}
+        for e in self.entries:
+            if e.group in done:
+                rewards.setdefault(e.group, []).append(self._reward(e))
+        flat = {gk for gk, r in rewards.items() if not has_signal(r)}
+        if flat:
+            self.entries = [e for e in self.entries if e.group not in flat]
+            self._dyn["dropped"] += len(flat)
+        return done - flat
+
+    def _refill(self, quota: int, signal: int) -> bool:
+        """Start an extra round's groups when no program is live; whether any started."""
+        if any(not e.future.done() for e in self.entries):
+            return True     # programs still running: wait for them
+        d = self._dyn
+        more = refill(quota, signal, len({e.group for e in self.entries}), d["target"],
+                      d["rounds"], self.dynamic_rounds)
+        if not more:
+            return False    # the cap: the block trains with the groups it has
+        d["rounds"] += 1
+        for j in range(more):
+            index = extra_group_index(d["rounds"], d["replica"], d["replicas"], d["span"], j,
+                                      ITERATION_STRIDE)
+            seed = episode_seeds(self.run_seed, d["it"], (index + 1) * self.g, self.g)[-1]
+            self.entries += [self._start((d["it"], index * self.g + m), seed)
+                             for m in range(self.g)]
+        d["played"] += more
+        return True
+
     def _pick(self, quota: int, offset: int) -> tuple[list, list, list]:
+        complete = self._complete()
+        if self._dyn is not None:   # a group may have finished since the last _enough
+            complete = self._drop_flat(complete)
         done = [GroupState(gk, self.g, _group_oldest(self.entries, gk), True)
-                for gk in self._complete()]
+                for gk in complete]
         ids, rows, keys = [], [], []
         for pos, gk in enumerate(pick_trained(done, quota)):
             members = sorted((e for e in self.entries if e.group == gk), key=lambda e: e.key)

@@ -9,7 +9,6 @@ from typing import Optional
 
 import pytest
 
-from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.plan.dynamic_sampling import (DynamicCounts, extra_group_index, has_signal,
                                                  refill)
 from earl_megatron.seeds import ITERATION_STRIDE, rollout_sample_seed, round_sample_seed
@@ -115,11 +114,3 @@ def test_counts_add_up_or_refuse():
     assert c.metrics()["dynamic_groups_played"] == 9
     with pytest.raises(ValueError, match="do not add up"):
         DynamicCounts(played=3, dropped=1, trained=1, carried=0)
-
-
-def test_agent_programs_refuse_dynamic_sampling():
-    with pytest.raises(ConfigError, match="dynamic_sampling"):
-        TrainConfig.from_dict({"env": {"name": "agent", "kwargs": {"program": "x.py"}},
-                               "rollout": {"episodes_per_iteration": 4},
-                               "algorithm": {"name": "grpo", "group_size": 2,
-                                             "dynamic_sampling": True}})
