@@ -10,7 +10,8 @@ Every recipe of recipes/algorithm/ trains on two workloads, each a real
 - **The calculator** (recipes/tool_use.yaml: the tool tokenizer, 64 episodes per iteration,
   reward 1 for the right answer) for ``--calc-iterations`` iterations, every recipe starting
   from ONE supervised warm start (the recipe's 1,200 steps, run once and shared through
-  ``run.init``: a tiny model from scratch has no reward to learn from); the number is the end
+  ``run.init``, on ``--warm-nproc`` ranks: a tiny model from scratch has no reward to learn
+  from); the number is the end
   evaluation's sampled accuracy (mean reward) on ``--calc-eval-episodes`` held-out questions.
 
 Each (recipe, workload) runs with each ``--seeds`` value as ``run.seed``; the table prints the
@@ -40,14 +41,20 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml")
 
 
 def train(args, out: Path, overrides: list[str], config: str = "config",
-          eval_episodes: int = 64) -> float:
-    """One fresh run (``run.resume=false`` refuses a folder holding an earlier one); seconds."""
-    shutil.rmtree(out, ignore_errors=True)
+          eval_episodes: int = 64, nproc: int = 0) -> float:
+    """One fresh run (``run.resume=false`` refuses a folder holding an earlier one); seconds.
+    A finished run of the same command in ``out`` (its bench.json) is reused, not rerun, so an
+    interrupted table continues where it stopped."""
+    nproc = nproc or args.nproc
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
-           f"--nproc-per-node={args.nproc}", "-m", "earl_megatron.train",
+           f"--nproc-per-node={nproc}", "-m", "earl_megatron.train",
            f"--config-name={config}", f"run.output_dir={out}", "run.resume=false",
            "run.live_view=false", "run.eval_every=0", "run.samples_per_iteration=0",
            f"run.eval_episodes={eval_episodes}", *overrides]
+    done = out / "bench.json"
+    if done.exists() and json.loads(done.read_text())["cmd"] == cmd[1:]:
+        return json.loads(done.read_text())["seconds"]
+    shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +63,9 @@ def train(args, out: Path, overrides: list[str], config: str = "config",
                             stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"run {out.name} failed (exit {rc}); see {out.with_suffix('.log')}")
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    done.write_text(json.dumps({"cmd": cmd[1:], "seconds": seconds}))
+    return seconds
 
 
 def end_value(out: Path, key: str, field: str) -> float:
@@ -67,10 +76,11 @@ def end_value(out: Path, key: str, field: str) -> float:
 def warm_start(args, root: Path) -> Path:
     """The calculator's warm start, once: its last checkpoint's folder (``run.init``)."""
     out = root / "calculator_warm"
-    if not list((out / "checkpoints" / "sft").glob("iter_*")):
+    if not (out / "bench.json").exists():
         print(f"calculator warm start ({args.sft_steps} steps) ...", flush=True)
         train(args, out, ["run.iterations=0", f"sft.steps={args.sft_steps}",
-                          f"run.checkpoint_every={args.sft_steps}"], config="tool_use")
+                          f"run.checkpoint_every={args.sft_steps}"], config="tool_use",
+              nproc=args.warm_nproc)
     return sorted((out / "checkpoints" / "sft").glob("iter_*"))[-1]
 
 
@@ -82,6 +92,8 @@ def main() -> None:
     ap.add_argument("--c4-iterations", type=int, default=20)
     ap.add_argument("--calc-iterations", type=int, default=80)
     ap.add_argument("--sft-steps", type=int, default=1200)
+    ap.add_argument("--warm-nproc", type=int, default=4,
+                    help="ranks of the calculator's warm start (the recipe's 4)")
     ap.add_argument("--eval-episodes", type=int, default=64)
     ap.add_argument("--calc-eval-episodes", type=int, default=128)
     ap.add_argument("--workloads", default="connect_four,calculator")
