@@ -29,15 +29,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from earl_megatron.config.checks import ConfigError
 
-LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
-           "trackio": "trackio", "swanlab": "swanlab"}
-"""run.loggers name -> the module its library installs (the extra is named as the logger)."""
+LOGGERS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",),
+           "mlflow": ("mlflow", "sqlalchemy", "alembic"), "trackio": ("trackio",),
+           "swanlab": ("swanlab",)}
+"""run.loggers name -> the modules its extra installs (the extra is named as the logger;
+MLflow's SQLite store, its offline default, needs SQLAlchemy and alembic)."""
 
 ENV = {"tensorboard": (),
        "wandb": ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"),
@@ -67,10 +70,11 @@ def check_names(loggers: Iterable[str]) -> None:
 def check_installed(loggers: Iterable[str]) -> None:
     """ConfigError naming the extra for the first tracker whose package is not importable."""
     for name in loggers:
-        if importlib.util.find_spec(LOGGERS[name]) is None:
-            raise ConfigError(f"run.loggers={name}: the {LOGGERS[name]} package is not "
-                              f"installed; pip install earl_megatron[{name}] (or drop {name} "
-                              "from run.loggers)")
+        for module in LOGGERS[name]:
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"run.loggers={name}: the {module} package is not "
+                                  f"installed; pip install earl_megatron[{name}] (or drop "
+                                  f"{name} from run.loggers)")
 
 
 def configured_by_env(name: str) -> bool:
@@ -158,6 +162,7 @@ class Trackers:
                     tracker.finish()
 
     def start(self, config: dict) -> None:
+        config = json.loads(json.dumps(config))   # as resolved.json holds it: lists, no tuples
         run_name = self.out_dir.resolve().name
         for name in self.names:
             try:

@@ -2,7 +2,9 @@
 tracking server ``MLFLOW_TRACKING_URI``; without it, the file store ``<output_dir>/mlruns``
 (``mlflow ui --backend-store-uri file:<output_dir>/mlruns``).
 
-The configuration is logged as the run's parameters (nested keys joined with '.', values as
+MLflow allows letters, digits and ``_-. :/`` in a metric's name: any other character becomes
+'_' (``seconds/plan+switch`` is ``seconds/plan_switch`` there). The configuration is logged as
+the run's parameters (nested keys joined with '.', values as
 text). The run's id is kept in <output_dir>/trackers/mlflow_run_id: a resumed segment logs
 into the same run.
 """
@@ -10,12 +12,18 @@ into the same run.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from earl_megatron.trackers import PROJECT, Tracker, configured_by_env
 
 MAX_PARAM = 6000
 """MLflow's longest parameter value (characters); a longer value is cut."""
+
+
+def metric_key(key: str) -> str:
+    """``key`` as MLflow takes it (module docstring)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def params(config: dict, prefix: str = "") -> dict[str, str]:
@@ -60,7 +68,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, v, now, step) for k, v in metrics.items()]
+        items = [Metric(metric_key(k), v, now, step) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):       # and 1000 metrics
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
 

@@ -21,7 +21,8 @@ class TensorBoardTracker(Tracker):
         path = self.out_dir / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(path), flush_secs=30,
                                     purge_step=self.start_iteration or None)
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```",
+                             self.start_iteration)
         return f"event files in {path} (tensorboard --logdir {path})"
 
     def log(self, metrics: dict[str, float], step: int) -> None:

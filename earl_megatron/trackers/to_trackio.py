@@ -31,7 +31,7 @@ class TrackioTracker(Tracker):
             self.run = trackio.init(project=project, name=self.run_name, config=config,
                                     resume="allow", space_id=os.environ.get("TRACKIO_SPACE_ID"),
                                     server_url=os.environ.get("TRACKIO_SERVER_URL"),
-                                    embed=False, auto_log_gpu=False, auto_log_cpu=False)
+                                    embed=False)
         where = os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL") \
             or TRACKIO_DIR
         return f"run {self.run_name!r} of project {project!r} in {where}"
