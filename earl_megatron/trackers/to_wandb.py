@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 from earl_megatron.trackers import PROJECT, Tracker, configured_by_env
 
@@ -33,7 +34,7 @@ class WandbTracker(Tracker):
                               name=self.run_name, id=run_id, resume="allow", config=config,
                               settings=wandb.Settings(console="off", silent=True),
                               reinit="create_new", **kwargs)
-        return f"run {run_id} ({self.run.settings.mode}) in {self.run.dir}"
+        return f"run {run_id} ({self.run.settings.mode}) in {Path(self.run.dir).parent}"
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
