@@ -113,6 +113,8 @@ def check_config(trainer_args: Sequence[str], world: Optional[int], local: Optio
         print(f"configuration error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2)
     cfg = reporting_errors(configure, d, overrides)
+    from earl_megatron.trackers import check_installed
+    reporting_errors(check_installed, cfg.run.loggers)   # before any rank starts
     if world is not None:
         before = os.environ.get("LOCAL_WORLD_SIZE")
         os.environ["LOCAL_WORLD_SIZE"] = str(local)

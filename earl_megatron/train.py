@@ -113,6 +113,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
         from earl_megatron.rollout.sglang_launch import check_sglang_python
         check_sglang_python(cfg.rollout.sglang_python)
     _check_inputs(cfg)
+    from earl_megatron.trackers import check_installed
+    check_installed(cfg.run.loggers)   # a tracker's package: refused before any rank starts
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     per_node = cfg.cluster.devices_per_node
     if per_node is not None and per_node != local:

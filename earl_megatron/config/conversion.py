@@ -55,6 +55,8 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
 REPLACED = {
     "algorithm.tis_cap": "use algorithm.off_policy=tis algorithm.off_policy_cap=<cap> (with "
                          "algorithm.old_logprobs=recompute), or off_policy=decoupled",
+    "run.tensorboard": "use run.loggers=[tensorboard] (with any of wandb, mlflow, trackio, "
+                       "swanlab beside it)",
 }
 """Keys an earlier version read, and what says the same now."""
 

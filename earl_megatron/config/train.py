@@ -121,8 +121,12 @@ class RunConfig:
     """Episodes of each evaluation, per opponent and mode (greedy, sampled)."""
     live_view: bool = True
     """rich live display on rank 0 when stdout is a terminal (plain lines otherwise or when off)."""
-    tensorboard: bool = False
-    """Mirror the metrics to <output_dir>/tensorboard (needs the tensorboard package)."""
+    loggers: tuple = ()
+    """Trackers the metrics, the evaluations and this configuration are mirrored to, on rank 0
+    (earl_megatron/trackers): any of tensorboard, wandb, mlflow, trackio, swanlab, e.g.
+    run.loggers=[tensorboard,wandb]; each writes offline under output_dir unless its own
+    environment variables point it at a server (docs/running.md, "Trackers"). Each needs its
+    package: pip install earl_megatron[NAME]."""
     init: Optional[str] = None
     """HF directory or converted checkpoint to start from; None: random init from the seed. On
     the command line it is the model: its config.json (a converted checkpoint's model config)
@@ -135,6 +139,8 @@ class RunConfig:
         _at_least(self, "run", 1, "eval_episodes")
         _at_least(self, "run", 0, "iterations", "checkpoint_every", "eval_every",
                   "samples_per_iteration")
+        from earl_megatron.trackers import check_names
+        check_names(self.loggers)
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(f"run.keep_last={self.keep_last} would keep no checkpoint: use "
                               ">= 1, or null to keep every checkpoint")

@@ -1,7 +1,6 @@
-"""What a person watching a training run sees while it runs (rank 0), and TensorBoard scalars.
+"""What a person watching a training run sees while it runs (rank 0).
 
-    view = LiveView(total=cfg.run.iterations, start=start, out_dir=out,
-                    enabled=rank == 0, tensorboard=cfg.run.tensorboard)
+    view = LiveView(total=cfg.run.iterations, start=start, enabled=rank == 0)
     with view:                      # start() ... close()
         view.message("resumed from ...")
         for it in range(start, total):
@@ -16,19 +15,18 @@ its seconds and its predicted memory in GiB (auto layouts only); context mean/ma
 win rate; illegal and unparsable rates; what the update did (``TRAIN_COLUMNS``: gradient norm
 before clipping, policy entropy, KL to the reference, fraction of policy tokens whose ratio was
 clipped, mean policy ratio pi/pi_old: a normalised policy-gradient loss is ~0 by construction and
-says nothing, so it is in metrics.jsonl and TensorBoard only); seconds per iteration; ETA.
+says nothing, so it is in metrics.jsonl and the trackers only); seconds per iteration; ETA.
 On a terminal the latest sample (trainer/samples.py: one episode decoded, as the model saw it)
 shows under the table: its reward, finish reason and flags, then the end of its text
 (``SAMPLE_LINES`` lines at most, each cut to the console's width). Off a terminal the samples are
 in <output_dir>/samples only (the plain lines stay one per iteration).
 
 Invariants:
-- metrics.jsonl stays the record; this module only displays it (and mirrors it to TensorBoard).
+- metrics.jsonl stays the record; this module only displays it (the trackers of run.loggers,
+  TensorBoard among them, are earl_megatron/trackers).
 - enabled=False makes every method a no-op (ranks other than 0 construct it that way).
-- The constructor has no side effects; start() picks the console, starts the display and opens
-  the TensorBoard writer; close() stops and flushes them and is safe to call twice.
-- TensorBoard is opt-in and optional: without the `tensorboard` package (`pip install
-  earl_megatron[tensorboard]`) one message says so and the run goes on.
+- The constructor has no side effects; start() picks the console and starts the display;
+  close() stops it and is safe to call twice.
 - Rendering is cheap: the table is rebuilt once per update(), the display refreshes once a
   second, and ETA is wall-clock mean seconds per iteration since start() times what is left.
 """
@@ -37,7 +35,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 from typing import Optional
 
 from earl_megatron.stages import STAGE_NAMES
@@ -120,46 +117,21 @@ def _cut(line: str, width: int) -> str:
     return line if len(line) <= width else line[:max(width - 3, 0)] + "..."
 
 
-def scalars(rec: dict) -> dict[str, float]:
-    """The TensorBoard scalars of one record: tag -> value (numbers only, missing keys skipped)."""
-    out: dict[str, float] = {}
-    for key, tag in (("reward", "reward"), ("win_rate", "win_rate"),
-                     ("illegal_rate", "illegal_rate"), ("unparsable_rate", "unparsable_rate"),
-                     ("mean_context", "context/mean"), ("max_context", "context/max"),
-                     ("loss", "loss"), ("dispatch_bytes", "dispatch_bytes"), ("kl", "kl"),
-                     ("ref_log_ratio_max", "ref_log_ratio_max"), ("entropy", "entropy"),
-                     ("grad_norm", "grad_norm"), ("clip_fraction", "clip_fraction"),
-                     ("ratio_mean", "ratio_mean")):
-        v = rec.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[tag] = float(v)
-    for group in ("seconds", "predicted_memory_gb"):
-        for k, v in (rec.get(group) or {}).items():
-            if isinstance(v, (int, float)):
-                out[f"{group}/{k}"] = float(v)
-    return out
-
-
 # ---------------------------------------------------------------------------- the view
 class LiveView:
-    """Progress display for rank 0 (rich Live on a terminal, plain lines otherwise) + TensorBoard.
+    """Progress display for rank 0 (rich Live on a terminal, plain lines otherwise).
 
     total: iterations of the whole run (cfg.run.iterations); start: first iteration of this
-    process (> 0 after a resume); out_dir: run output directory (TensorBoard under
-    out_dir/tensorboard); enabled: False -> silent no-op; tensorboard: opt in to event files;
-    live: False -> plain lines even on a terminal; console: a rich Console to draw on (default:
-    stdout, chosen in start()).
+    process (> 0 after a resume); enabled: False -> silent no-op; live: False -> plain lines
+    even on a terminal; console: a rich Console to draw on (default: stdout, chosen in start()).
     """
 
-    def __init__(self, total: int, start: int = 0, out_dir: Optional[Path] = None, *,
-                 enabled: bool = True, tensorboard: bool = False, live: bool = True,
+    def __init__(self, total: int, start: int = 0, *, enabled: bool = True, live: bool = True,
                  console=None) -> None:
         self.total, self.start_iteration = total, start
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.enabled, self.want_tensorboard, self.want_live = enabled, tensorboard, live
+        self.enabled, self.want_live = enabled, live
         self._console = console
         self._live = None           # rich.live.Live while the display runs
-        self._writer = None         # torch.utils.tensorboard.SummaryWriter when opted in
         self._rows: deque = deque(maxlen=ROWS)
         self._table = None
         self._stages: Optional[list[str]] = None   # columns of the last plain header
@@ -182,8 +154,6 @@ class LiveView:
             self._live = Live(console=self._console, get_renderable=self._render,
                               refresh_per_second=1, transient=False)
             self._live.start()
-        if self.want_tensorboard:
-            self._open_writer()
         return self
 
     def close(self) -> None:
@@ -191,9 +161,6 @@ class LiveView:
             self._live.refresh()
             self._live.stop()
             self._live = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
     def __enter__(self) -> "LiveView":
         return self.start()
@@ -220,8 +187,6 @@ class LiveView:
                 self._stages = stages
                 self._write("  ".join(header_cells(stages)))
             self._write("  ".join(row_cells(rec, stages, eta)))
-        if self._writer is not None:
-            self._log_tensorboard(rec)
 
     def sample(self, sample: dict) -> None:
         """The latest decoded episode (trainer/samples.py), shown under the live table; off a
@@ -289,25 +254,3 @@ class LiveView:
             lines = sample_lines(self._sample, width)
             parts.append(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"))
         return parts[0] if len(parts) == 1 else Group(*parts)
-
-    def _open_writer(self) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            self.message("tensorboard: package not installed (pip install tensorboard); "
-                         "metrics.jsonl only")
-            return
-        if self.out_dir is None:
-            self.message("tensorboard: no output directory; metrics.jsonl only")
-            return
-        # a resumed segment drops the events of iterations after its checkpoint (a run killed
-        # between its metrics line and its checkpoint replays them): no step appears twice
-        self._writer = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), flush_secs=30,
-                                     purge_step=self.start_iteration or None)
-
-    def _log_tensorboard(self, rec: dict) -> None:
-        step = rec.get("iteration", self._done - 1)
-        for tag, value in scalars(rec).items():
-            self._writer.add_scalar(tag, value, step)
-        for stage, layout in rec.get("layouts", {}).items():
-            self._writer.add_text(f"layout/{stage}", str(layout), step)

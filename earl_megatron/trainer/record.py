@@ -1,7 +1,9 @@
 """What the trainer records: stage timers, one metrics line per iteration, the evaluations.
 
 Every rank calls ``Recorder.record`` (it gathers episode outcomes); rank 0 appends the line to
-``metrics.jsonl`` and shows it in the live view. Invariant: metrics.jsonl holds exactly one
+``metrics.jsonl``, shows it in the live view and hands it and each evaluation to the trackers of
+run.loggers (earl_megatron/trackers: the iteration is the step, an evaluation's step the
+iterations done when it ran). Invariant: metrics.jsonl holds exactly one
 line per iteration the run's history knows: ``start`` rewrites it from the (checkpointed)
 history, so a run killed between its metrics line and its checkpoint never leaves a repeated
 or stale iteration (the resumed run replays the dropped ones). A new run (run.resume=false)
@@ -24,6 +26,7 @@ from earl_megatron.envs.tool_env import tool_metrics
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.runtime import groups
+from earl_megatron.trackers import eval_step
 from earl_megatron.trainer import segments
 
 
@@ -75,8 +78,9 @@ def gather_by_sample(ids: list[int], values: list) -> dict:
 
 
 class Recorder:
-    def __init__(self, out: Path, history: list[dict], view, rank: int):
+    def __init__(self, out: Path, history: list[dict], view, rank: int, trackers=None):
         self.out, self.history, self.view, self.rank = out, history, view, rank
+        self.trackers = trackers   # earl_megatron.trackers.Trackers (rank 0's), or None
 
     def start(self, first_iteration: int = 0) -> list[str]:
         """``first_iteration`` > 0: a resumed segment; the earlier segments' evaluations stay.
@@ -103,6 +107,8 @@ class Recorder:
         self.evals[when] = result
         if self.rank == 0:
             segments.write_evals(self.out, self.merged_evals())
+            if self.trackers is not None:
+                self.trackers.log_eval(result, eval_step(when, self.history, self.first))
 
     def merged_evals(self) -> dict:
         return segments.merge_evals(self.evals_before, self.first, self.evals)
@@ -134,6 +140,8 @@ class Recorder:
         if self.rank == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(rec)
         self.view.update(rec)
         self.history.append(rec)
         return rec
@@ -146,6 +154,8 @@ class Recorder:
         if self.rank == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(rec)
         self.view.update(rec)
         self.history.append(rec)
         return rec

@@ -298,19 +298,22 @@ class Trainer:
         """Run ``loop()`` from iteration ``start`` inside the live view, with the recorder,
         the sample writer and the stop control in place; the history."""
         from earl_megatron.config.train import config_notes
+        from earl_megatron.trackers import Trackers
         from earl_megatron.trainer.live import LiveView
 
         cfg = self.cfg
-        view = LiveView(cfg.run.iterations, start, self.out, enabled=self.rank == 0,
-                        tensorboard=cfg.run.tensorboard, live=cfg.run.live_view)
-        self.recorder = Recorder(self.out, self.history, view, self.rank)
+        view = LiveView(cfg.run.iterations, start, enabled=self.rank == 0,
+                        live=cfg.run.live_view)
+        trackers = Trackers(cfg.run.loggers, self.out, start, enabled=self.rank == 0,
+                            say=view.message)   # run.loggers, rank 0
+        self.recorder = Recorder(self.out, self.history, view, self.rank, trackers)
         self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
                                           view, enabled=self.rank == 0)
         messages[:0] = config_notes(cfg)  # first: what the configuration chose for the user
         messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()
         try:
-            with view:
+            with view, trackers.started(cfg.to_dict()):
                 for line in messages:
                     view.message(line)
                 if start >= cfg.run.iterations and start:

@@ -1,4 +1,4 @@
-"""LiveView (plain lines off a terminal, rich Live on one, TensorBoard) and the report PNG."""
+"""LiveView (plain lines off a terminal, rich Live on one) and the report PNG."""
 
 import io
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from rich.console import Console
 
-from earl_megatron.trainer.live import LiveView, row_cells, scalars
+from earl_megatron.trainer.live import LiveView, row_cells
 from earl_megatron.trainer.report import eval_x, write_report
 
 ANSI = re.compile(r"\x1b[\[\]()]")
@@ -91,46 +91,6 @@ def test_rich_live_renders_on_a_terminal():
     assert "TP2xCP2" in text and "TP4" in text and "111/301" in text
 
 
-def test_tensorboard_scalars():
-    got = scalars(record(2, logprob="TP2xCP2"))
-    assert got["reward"] == 0.0 and got["win_rate"] == pytest.approx(0.2)
-    assert got["context/mean"] == pytest.approx(112.4) and got["context/max"] == 302
-    assert got["seconds/logprob"] == 1.5 and got["seconds/total"] == 17.4
-    assert got["predicted_memory_gb/train"] == 3.25 and got["dispatch_bytes"] == 3 * 2**20
-    assert "iteration" not in got and not any(k.startswith("layouts") for k in got)
-
-
-def test_tensorboard_missing_says_so_once(tmp_path, monkeypatch):
-    # tensorboard is in the dev extra: make its import fail as it does where it is absent
-    # (a None entry in sys.modules makes ``import`` raise ImportError)
-    import sys
-    for name in ("tensorboard", "torch.utils.tensorboard"):
-        monkeypatch.setitem(sys.modules, name, None)
-    buf = io.StringIO()
-    with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
-                  console=Console(file=buf)) as view:
-        view.update(record(0))
-        view.update(record(1))
-    lines = buf.getvalue().splitlines()
-    assert sum("tensorboard" in l for l in lines) == 1 and len(lines) == 4
-
-
-def test_tensorboard_writes_event_files(tmp_path):
-    # the dev extra installs tensorboard: read the event files back with its own reader
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    with LiveView(total=2, out_dir=tmp_path, tensorboard=True,
-                  console=Console(file=io.StringIO())) as view:
-        view.update(record(0))
-        view.update(record(1))
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
-    acc.Reload()
-    reward = [(e.step, e.value) for e in acc.Scalars("reward")]
-    assert reward == [(0, -0.5), (1, -0.25)]
-    assert [e.value for e in acc.Scalars("context/max")] == [300, 301]
-
-
 def test_eval_positions():
     hist = [record(i) for i in range(3)]
     assert [eval_x(w, hist) for w in ("start", "iter2", "end", "odd")] == [-1, 1, 2, None]
@@ -151,22 +111,6 @@ def test_write_report_png(tmp_path, history):
     assert path == tmp_path / "report.png"
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-
-
-def test_tensorboard_resumed_segment_purges_later_steps(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    with LiveView(total=3, out_dir=tmp_path, tensorboard=True,
-                  console=Console(file=io.StringIO())) as view:
-        for it in range(3):       # iteration 2 was recorded, then the run died before its
-            view.update(record(it))   # checkpoint: the next segment starts at 2 again
-    with LiveView(total=4, start=2, out_dir=tmp_path, tensorboard=True,
-                  console=Console(file=io.StringIO())) as view:
-        view.update(record(2))
-        view.update(record(3))
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("reward")] == [0, 1, 2, 3]
 
 
 def test_write_report_tool_run_with_warm_start(tmp_path):
