@@ -2,7 +2,7 @@
 to, the refusals (an unknown name, a package that is not installed, run.tensorboard), a tracker
 that fails at runtime dropped with one message while the others go on, TensorBoard's resumed
 segment. The full run with every tracker, read back by each one's reader, is
-tests/distributed/test_trackers.py."""
+tests/distributed/test_tracker_runs.py."""
 
 import io
 
