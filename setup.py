@@ -19,6 +19,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["earl_megatron", "earl_megatron.*"]),
+    # earl view's page (HTML, CSS, JS), served from the installed package
+    package_data={"earl_megatron.viewer": ["static/*"]},
     install_requires=[
         # Unpinned: the Makefile installs torch==2.13.0 first so CPU-only machines take the CPU
         # wheel; GPU clusters bring their own CUDA build.
