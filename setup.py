@@ -40,7 +40,8 @@ setup(
         # tensorboard: so the test environment exercises run.tensorboard=true (trainer/live.py)
         # the agent extras too: the tests drive the endpoint with real clients and frameworks
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis", "tensorboard", *AGENTS,
-                *AGENT_FRAMEWORKS, "pyarrow"],   # pyarrow: parquet task files
+                *AGENT_FRAMEWORKS, "pyarrow",   # pyarrow: parquet task files
+                "selenium"],   # earl view's browser test (Debian's chromium: make browser)
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # docs/running.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
