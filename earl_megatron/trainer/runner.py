@@ -280,7 +280,8 @@ class Trainer:
                        dispatch_bytes=res.bytes_received + moved_lp)
         if res.entropy is not None:
             metrics["entropy"] = res.entropy
-        self.sample_writer.write(it, ids, episodes)  # rank 0: a few decoded, <run>/samples
+        self.sample_writer.write(it, ids, episodes,  # a few decoded, <run>/samples
+                                 (policy.coords.dp, policy.layout.dp, owns_samples(policy)))
         return self.recorder.record(it, layouts, ids, episodes, lengths, t.total(), metrics,
                                     plan)
 
@@ -308,7 +309,8 @@ class Trainer:
                             say=view.message)   # run.loggers, rank 0
         self.recorder = Recorder(self.out, self.history, view, self.rank, trackers)
         self.sample_writer = SampleWriter(self.out, cfg.run.samples_per_iteration, self.tok,
-                                          view, enabled=self.rank == 0)
+                                          view, enabled=self.rank == 0,
+                                          all_replicas=cfg.run.samples_all_replicas)
         messages[:0] = config_notes(cfg)  # first: what the configuration chose for the user
         messages += self.recorder.start(start)  # a line when recorded iterations are replayed
         self.stop.install()

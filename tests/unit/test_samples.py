@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from earl_megatron.rollout.agent_loop import Episode
 from earl_megatron.rollout.tokenizer import tool_tokenizer
 from earl_megatron.trainer.live import LiveView, sample_lines
@@ -118,3 +120,27 @@ def test_live_view_shows_the_end_of_the_latest_sample():
     with LiveView(10, console=Console(file=plain, force_terminal=False)) as view:
         view.sample(row)
     assert plain.getvalue() == ""
+
+
+def test_every_replica_leader_writes_its_own_file(tmp_path):
+    """run.samples_all_replicas: each leader writes iter_N.r<replica>.jsonl of its own block,
+    the other ranks of its replica nothing; replica 0's writer removes what a resume with the
+    other setting or more replicas left, so no sample is ever in two files."""
+    tok = tool_tokenizer()
+    eps = [_episode(tok, seed=s)[0] for s in range(4)]
+    SampleWriter(tmp_path, 1, tok).write(2, [0, 1], eps[:2])            # rank 0 alone, earlier
+    w = SampleWriter(tmp_path, 2, tok, all_replicas=True)
+    for d in range(3):   # a layout of three replicas, before a resume on two
+        w.write(2, [10 * d, 10 * d + 1], eps[:2], (d, 3, True))
+    assert w.write(2, [0, 1], eps[:2], (0, 2, False)) is None          # not the leader
+    w.write(2, [20, 21], eps[2:], (1, 2, True))
+    w.write(2, [0, 1], eps[:2], (0, 2, True))
+    names = sorted(p.name for p in (tmp_path / "samples").iterdir())
+    assert names == ["iter_000002.r0.jsonl", "iter_000002.r1.jsonl"]
+    assert [r["sample"] for r in read_samples(tmp_path, 2, 1)] == [20, 21]
+    assert [r["seed"] for r in read_samples(tmp_path, 2, 1)] == [2, 3]
+    # back to rank 0 alone: its write removes the replica files of that iteration
+    SampleWriter(tmp_path, 1, tok).write(2, [0, 1], eps[:2], (0, 2, True))
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["iter_000002.jsonl"]
+    with pytest.raises(ValueError, match="needs replica"):
+        w.write(3, [0], eps[:1])
