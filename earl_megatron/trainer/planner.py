@@ -88,6 +88,9 @@ class StagePlanner:
         self.profile = ProfileTable()
         self.state = SelectorState()
         self.predicted_memory: dict[str, int] = {}
+        self.predicted_seconds: dict[str, float] = {}
+        """Each auto-planned stage's predicted seconds (the selector's time model, without the
+        switch, which the record times apart), beside the measured ones in the record."""
         self.reasons: dict[str, str] = {}
         self.recompute: dict[str, str] = {}
         """The TRAIN stage's recompute mode of the last plan ({"train": "full"})."""
@@ -124,6 +127,7 @@ class StagePlanner:
         plan, self.state = self.selector.plan(wl, current=current, state=self.state,
                                               resident_bytes=resident_bytes)
         self.predicted_memory[stage] = plan.predicted_memory_bytes
+        self.predicted_seconds[stage] = plan.predicted_seconds
         self.reasons[stage] = plan.reason
         if stage == "train":
             self.recompute[stage] = plan.recompute.value

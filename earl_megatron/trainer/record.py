@@ -51,19 +51,35 @@ def _recorded(f: Path) -> list[int]:
 
 
 class StageTimer:
-    """Wall seconds per named stage of one iteration, in the order they ran."""
+    """Wall seconds per named stage of one iteration, in the order they ran; on a GPU also each
+    stage's peak allocated device memory (torch's allocator, this rank), the measured beside the
+    selector's predicted memory (``peaks_gb``; a CPU run records none: its process memory is
+    mostly the Python runtime, not what the memory model predicts)."""
 
     def __init__(self):
         self.t0 = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+            if cuda:
+                self.peaks[stage] = max(self.peaks.get(stage, 0),
+                                        torch.cuda.max_memory_allocated())
+
+    def peaks_gb(self) -> dict[str, float]:
+        """{stage: peak allocated GiB} (empty without a GPU)."""
+        return {k: v / 2**30 for k, v in self.peaks.items()}
 
     def total(self) -> dict[str, float]:
         return {**self.seconds, "total": time.perf_counter() - self.t0}
@@ -133,6 +149,8 @@ class Recorder:
                "mean_context": sum(lengths) / len(lengths), "max_context": max(lengths),
                **metrics, "seconds": seconds}
         rec["predicted_memory_gb"] = {k: v / 2**30 for k, v in planner.predicted_memory.items()}
+        if planner.predicted_seconds:
+            rec["predicted_seconds"] = dict(planner.predicted_seconds)
         if planner.reasons:
             rec["layout_reasons"] = dict(planner.reasons)
         if planner.recompute:

@@ -280,6 +280,8 @@ class Trainer:
                        dispatch_bytes=res.bytes_received + moved_lp)
         if res.entropy is not None:
             metrics["entropy"] = res.entropy
+        if t.peaks:   # a GPU: each stage's peak device memory beside the predicted
+            metrics["measured_memory_gb"] = t.peaks_gb()
         self.sample_writer.write(it, ids, episodes,  # a few decoded, <run>/samples
                                  (policy.coords.dp, policy.layout.dp, owns_samples(policy)))
         return self.recorder.record(it, layouts, ids, episodes, lengths, t.total(), metrics,

@@ -53,6 +53,8 @@ def test_every_recipe_trains_three_iterations_on_two_ranks(tmp_path):
                 assert abs(h["advantage_mean"]) < 1e-6, (name, h)
             assert ("kl" in h) == (resolved["kl_mode"] != "off"), name
             assert h["staleness_max"] <= resolved["max_staleness"], (name, h)
+            # the selector's predicted seconds per planned stage, beside the measured ones
+            assert {"rollout", "train"} <= set(h["predicted_seconds"]) <= set(h["seconds"]), h
     # the recipes' own knobs reach the runs
     algo = {n: json.loads((tmp_path / n / "resolved.json").read_text())["algorithm"]
             for n in RECIPES}
