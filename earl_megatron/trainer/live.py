@@ -23,7 +23,7 @@ in <output_dir>/samples only (the plain lines stay one per iteration).
 
 A long step between iterations reports its progress with ``progress(title, done, total, unit,
 detail)``: the warm start (steps) and each evaluation (rank 0's replica's episodes, the opponent
-and mode in ``detail``). On a terminal it is a bar above the iterations' line with its own
+and mode in ``detail``). On a terminal it is a bar under the iteration line, with its own
 elapsed time and ETA (cleared by the next iteration's record); off a terminal a line when the
 step or its detail changes and at each quarter of ``total`` (``progress_line``), so a log gets
 a handful of lines per step, never one per call.
