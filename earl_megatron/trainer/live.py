@@ -21,6 +21,13 @@ shows under the table: its reward, finish reason and flags, then the end of its 
 (``SAMPLE_LINES`` lines at most, each cut to the console's width). Off a terminal the samples are
 in <output_dir>/samples only (the plain lines stay one per iteration).
 
+A long step between iterations reports its progress with ``progress(title, done, total, unit,
+detail)``: the warm start (steps) and each evaluation (rank 0's replica's episodes, the opponent
+and mode in ``detail``). On a terminal it is a bar under the iteration line, with its own
+elapsed time and ETA (cleared by the next iteration's record); off a terminal a line when the
+step or its detail changes and at each quarter of ``total`` (``progress_line``), so a log gets
+a handful of lines per step, never one per call.
+
 Invariants:
 - metrics.jsonl stays the record; this module only displays it (the trackers of run.loggers,
   TensorBoard among them, are earl_megatron/trackers).
@@ -29,6 +36,8 @@ Invariants:
   close() stops it and is safe to call twice.
 - Rendering is cheap: the table is rebuilt once per update(), the display refreshes once a
   second, and ETA is wall-clock mean seconds per iteration since start() times what is left.
+  progress() only stores a few numbers (on a terminal) or compares a quarter (off one); a
+  step's ETA is its mean seconds per unit since its first report times what is left.
 """
 
 from __future__ import annotations
@@ -113,6 +122,26 @@ def sample_lines(sample: dict, width: int = 100, lines: int = SAMPLE_LINES) -> l
     return [_cut(line, width) for line in [head, *body]]
 
 
+def progress_line(task: dict, now: float) -> str:
+    """'warm start: 50/200 steps (25%), elapsed 00:30, eta 01:30' (``detail`` after the title;
+    a total of 0 is unknown: no percentage, no ETA)."""
+    done, total = task["done"], task["total"]
+    count = (f"{done}/{total} {task['unit']} ({100 * done // total}%)" if total
+             else f"{done} {task['unit']}")
+    head = task["title"] + (f" ({task['detail']})" if task["detail"] else "")
+    return (f"{head}: {count}, elapsed {fmt_duration(now - task['t0'])}, "
+            f"eta {fmt_duration(task_eta(task, now))}")
+
+
+def task_eta(task: dict, now: float) -> Optional[float]:
+    """Seconds left of a step: its mean seconds per unit since its first report times what is
+    left; None before a unit is done or when the total is unknown."""
+    ran = task["done"] - task["done0"]
+    if not task["total"] or ran <= 0:
+        return None
+    return (now - task["t0"]) / ran * max(task["total"] - task["done"], 0)
+
+
 def _cut(line: str, width: int) -> str:
     return line if len(line) <= width else line[:max(width - 3, 0)] + "..."
 
@@ -137,6 +166,7 @@ class LiveView:
         self._stages: Optional[list[str]] = None   # columns of the last plain header
         self._done = start
         self._sample: Optional[dict] = None         # the latest sample, shown on a terminal
+        self._task: Optional[dict] = None           # the long step in progress (progress())
         self._t0: Optional[float] = None
         self._started = False
 
@@ -176,6 +206,7 @@ class LiveView:
         if not self._started:
             self.start()
         self._done = rec.get("iteration", self._done) + 1
+        self._task = None           # the step before this record is over
         eta = self.eta()
         stages = stages_of(rec)
         if self._live is not None:
@@ -208,6 +239,31 @@ class LiveView:
             self._live.console.print(Text(text))
         else:
             self._write(text)
+
+    def progress(self, title: str, done: int, total: int, unit: str = "",
+                 detail: str = "") -> None:
+        """A long step outside the iterations: ``done`` of ``total`` ``unit`` (total 0:
+        unknown). A new ``title``, or ``done`` going back, starts a new step (its clock and
+        ETA); ``detail`` says what it is doing now (an evaluation's opponent and mode)."""
+        if not self.enabled:
+            return
+        if not self._started:
+            self.start()
+        now = time.perf_counter()
+        task = self._task
+        if task is None or task["title"] != title or done < task["done"]:
+            task = self._task = {"title": title, "t0": now, "done0": done, "printed": None}
+        task.update(done=done, total=total, unit=unit, detail=detail)
+        if self._live is not None:
+            return          # drawn by _render at the display's next refresh
+        mark = (detail, 4 * done // total if total else 0)
+        if mark != task["printed"]:
+            task["printed"] = mark
+            self._write(progress_line(task, now))
+
+    def progress_eta(self) -> Optional[float]:
+        """Seconds left of the long step in progress (None: none, or not known yet)."""
+        return None if self._task is None else task_eta(self._task, time.perf_counter())
 
     def eta(self) -> Optional[float]:
         """Seconds left: wall-clock mean per iteration since start() times iterations left."""
@@ -247,6 +303,15 @@ class LiveView:
         head.add_row(f"iteration {self._done}/{self.total}",
                      ProgressBar(total=max(self.total, 1), completed=self._done, width=40),
                      f"elapsed {fmt_duration(elapsed)}", f"eta {fmt_duration(self.eta())}")
+        task = self._task
+        if task is not None:
+            now = time.perf_counter()
+            count = f"{task['done']}/{task['total']}" if task["total"] else f"{task['done']}"
+            head.add_row(f"{task['title']} {count} {task['unit']}".rstrip(),
+                         ProgressBar(total=max(task["total"], 1), completed=task["done"],
+                                     width=40),
+                         f"elapsed {fmt_duration(now - task['t0'])}",
+                         f"eta {fmt_duration(task_eta(task, now))}", task["detail"])
         parts = [head] + ([] if self._table is None else [self._table])
         if self._sample is not None:
             from rich.text import Text

@@ -73,14 +73,17 @@ class Rollout(Protocol):
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0,
+             progress: Optional[Callable[[int, int], None]] = None
              ) -> tuple[list[int], list[Episode]]:
         """This replica's (sample ids, episodes) of the episodes of ``seeds``. ``should_stop``
         is called by every rank of the replica before every turn; True raises
         rollout.agent_loop.RolloutAbandoned (a preempted trainer stops mid-rollout).
         ``evaluation``: an evaluation's play (``opponent`` in place of the environment's own,
         or None), which plays on the engine as it stands. ``version``: the policy's version
-        (train steps behind it), recorded on every sampled token (Episode.versions)."""
+        (train steps behind it), recorded on every sampled token (Episode.versions).
+        ``progress``: (episodes of the replica ended, the replica's episodes) after every turn
+        on the ranks that run the agent loop (a display; agent programs report none)."""
 
     def play_pool(self, policy, pool, iteration: int, *, sample_seed: int,
                   should_stop: Optional[Callable[[], bool]] = None,
@@ -135,18 +138,20 @@ def loop_config(spec: EpisodeSpec, temperature: float, sample_seed: int) -> Agen
 
 def play_episodes(spec: EpisodeSpec, engine, seeds: Sequence[int], tokenizer, *,
                   temperature: float, sample_seed: int, opponent: Optional[str] = None,
-                  should_stop: Optional[Callable[[], bool]] = None, version: int = 0
-                  ) -> list[Episode]:
+                  should_stop: Optional[Callable[[], bool]] = None, version: int = 0,
+                  progress: Optional[Callable[[int, int], None]] = None) -> list[Episode]:
     """The agent loop over ``seeds`` on ``engine``, one environment each (``opponent`` in place
     of the environment's own), within the spec's bounds: every rollout's episodes come from
-    here, whichever engine decodes them."""
+    here, whichever engine decodes them. ``progress``: (episodes ended, episodes) after every
+    turn, on this rank (rollout/agent_loop.py ``run_episodes``)."""
     kwargs = dict(spec.env_kwargs)
     if opponent is not None:
         kwargs["opponent"] = opponent
     envs = [make_env(spec.env, **kwargs) for _ in seeds]
     loop = loop_config(spec, temperature, sample_seed)
     return run_episodes(engine, envs, list(seeds), tokenizer, loop, should_stop=should_stop,
-                        env_concurrency=spec.env_concurrency, version=version)
+                        env_concurrency=spec.env_concurrency, version=version,
+                        progress=progress)
 
 
 class EmbeddedRollout:
@@ -164,7 +169,8 @@ class EmbeddedRollout:
 
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0,
+             progress: Optional[Callable[[int, int], None]] = None
              ) -> tuple[list[int], list[Episode]]:
         from earl_megatron.rollout.embedded_engine import EmbeddedEngine
 
@@ -182,7 +188,7 @@ class EmbeddedRollout:
             episodes = play_episodes(sp, engine, [seeds[i] for i in block], self.tok,
                                      temperature=temperature, sample_seed=sample_seed,
                                      opponent=opponent, should_stop=should_stop,
-                                     version=version)
+                                     version=version, progress=progress)
         finally:
             engine.close()
         return list(block), episodes

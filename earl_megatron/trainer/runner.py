@@ -331,7 +331,10 @@ class Trainer:
         return self.history
 
     def evaluate_into(self, when: str, models: ModelPair) -> None:
-        res = evaluate(self.cfg, self.rollout, self.stop, models, self.record_server_starts)
+        view = self.recorder.view   # rank 0's replica's episodes (trainer/evaluation.py)
+        res = evaluate(self.cfg, self.rollout, self.stop, models, self.record_server_starts,
+                       lambda what, done, total: view.progress(f"evaluation {when}", done,
+                                                               total, "episodes", what))
         if res is not None:  # None: told to stop meanwhile, nothing recorded
             self.recorder.evaluation(when, res)
 
@@ -351,7 +354,9 @@ class Trainer:
                          max_tokens=cfg.model.max_position_embeddings, out=self.out,
                          checkpoint_every=cfg.run.checkpoint_every, rank=self.rank,
                          log=self.recorder.view.message, start_step=self.sft_start,
-                         history=self.sft_history, keep_last=cfg.run.keep_last)
+                         history=self.sft_history, keep_last=cfg.run.keep_last,
+                         progress=lambda done, total: self.recorder.view.progress(
+                             "warm start", done, total, "steps"))
         return warm.run(models, planner or self.planner, self.stop.world_should_stop)
 
     def warmed_reference(self, reference) -> None:

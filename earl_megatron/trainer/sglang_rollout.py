@@ -195,7 +195,8 @@ class SGLangRollout:
     # ------------------------------------------------------------------ Rollout
     def play(self, policy: ModelOnLayout, seeds: Sequence[int], *, temperature: float,
              sample_seed: int, opponent: Optional[str] = None, evaluation: bool = False,
-             should_stop: Optional[Callable[[], bool]] = None, version: int = 0
+             should_stop: Optional[Callable[[], bool]] = None, version: int = 0,
+             progress: Optional[Callable[[int, int], None]] = None
              ) -> tuple[list[int], list[Episode]]:
         del should_stop   # honoured at the stage's end (module docstring)
         s = self.servers
@@ -216,7 +217,7 @@ class SGLangRollout:
                 out[0] = (block, play_episodes(
                     self.spec, engine, [seeds[i] for i in block], self.tok,
                     temperature=temperature, sample_seed=sample_seed, opponent=opponent,
-                    version=version))
+                    version=version, progress=progress))
             s.release()
         self._after_stage(out)
         ids, played = out[0]

@@ -7,6 +7,7 @@
         loss = sft_step(...)                                   (trainer/sft.py: dispatcher,
                                                                 Megatron's train_step)
         every sft.log_every steps: a line in sft.jsonl and in the live view
+        every step: progress(steps done, sft.steps) (the live view's bar and ETA)
         checkpoint every run.checkpoint_every steps and at the last (SIGTERM: now, then exit)
     optimizer back at algorithm.lr; RL iteration 0 starts from the warmed policy
 
@@ -115,7 +116,8 @@ class WarmStart:
     def __init__(self, scfg: SFTConfig, source: TraceSource, tokenizer, *, batch: BatchShape,
                  rl_lr: float, max_tokens: int, out: Path, checkpoint_every: int, rank: int,
                  log: Callable[[str], None], start_step: int = 0,
-                 history: Optional[list] = None, keep_last: Optional[int] = None):
+                 history: Optional[list] = None, keep_last: Optional[int] = None,
+                 progress: Optional[Callable[[int, int], None]] = None):
         self.scfg, self.source, self.tok, self.batch = scfg, source, tokenizer, batch
         self.steps, self.batch_size, self.log_every = scfg.steps, scfg.batch_size, scfg.log_every
         self.data = scfg.data
@@ -125,6 +127,9 @@ class WarmStart:
         self.keep_last = keep_last
         """Warm-start checkpoints kept (run.keep_last; None: all)."""
         self.start = start_step
+        self.progress = progress or (lambda done, total: None)
+        """Called with (steps done, sft.steps) before the first step and after each (rank 0's
+        live view: trainer/live.py ``progress``); local, no collective."""
         self.history: list[dict] = list(history or [])
 
     def run(self, models, planner, stop: Callable[[], bool]) -> bool:
@@ -143,6 +148,7 @@ class WarmStart:
         self.log(f"warm start: {len(samples)} traces "
                  f"({'expert' if self.data is None else self.data}), steps {self.start}.."
                  f"{self.steps - 1}, batch {self.batch_size}, lr {self.lr:g}")
+        self.progress(self.start, self.steps)
         for step in range(self.start, self.steps):
             t1 = time.perf_counter()
             batch = step_batch(len(samples), self.batch_size, self.source.seed, step)
@@ -163,6 +169,7 @@ class WarmStart:
                         f.write(json.dumps(rec) + "\n")
                 self.log(f"warm start step {step}: loss {res.loss:.3f} per agent token, "
                          f"{lay}, {time.perf_counter() - t0:.0f} s")
+            self.progress(step + 1, self.steps)
             stopping = stop()
             if stopping or last or (self.every and (step + 1) % self.every == 0):
                 self.checkpoint(policy, step)

@@ -20,7 +20,9 @@ How memory stays near one part, not the model (``part_bytes``, default 256 MiB):
 Keys and shapes come from a GPTModel built on the meta device (no weights allocated). Converting
 back reads up to ``part_bytes`` of layer regions at a time (``read_regions``: torch DCP's load with
 a planner that asks for one layer of a stacked key) and streams HF shards out (hf_io.HFWriter).
-Conversions run in one process on CPU.
+Conversions run in one process on CPU. ``progress=True`` (the tools' default) shows the bytes
+converted of the model's total: a rich bar on a terminal, a line per tenth otherwise, then
+"done: N bytes" (earl_megatron/progress.py).
 
 Invariant: HF -> Megatron-Core -> HF returns every tensor bit-exact (dtype kept, no casts).
 """
@@ -41,6 +43,7 @@ import torch.distributed as dist
 
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.progress import ByteProgress
 from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
@@ -135,15 +138,6 @@ def _check_shape(entry, tensor: torch.Tensor, name: str) -> None:
                          f"implies {expect}; the weights and config do not belong together")
 
 
-def _progress(enabled: bool, what: str):
-    """A rich progress bar in bytes (disabled: a no-op with the same interface)."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
-    return Progress("[bold]" + what, BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), disable=not enabled, transient=True)
-
-
 # ----------------------------------------------------------------------------- HF -> Megatron
 def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         part_bytes: int = 256 << 20, progress: bool = False) -> ConversionStats:
@@ -190,9 +184,7 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
             del sd
             release_freed_memory()
 
-        prog = _progress(progress, "HF -> Megatron-Core")
-        with prog:
-            task = prog.add_task("convert", total=total)
+        with ByteProgress("HF -> Megatron-Core", total, enabled=progress) as prog:
             for rule in rules:
                 full = hfm.combine(rule, cfg, [ckpt.read(s) for s in hfm.sources(rule, cfg)])
                 if rule.name not in template:
@@ -208,12 +200,13 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
                 pending_bytes += nbytes
                 done += nbytes
                 n_tensors += 1
-                prog.update(task, completed=done)
+                prog.update(done)
                 if pending_bytes >= part_bytes and dcp.closes_boxes(pending):
                     flush()
             if pending or objects:
                 flush()
-    dcp.merge_parts(part_dirs, shifts, cfg.num_layers, out, cfg.num_experts)
+            prog.phase(f"merging {len(part_dirs)} part(s) into one checkpoint")
+            dcp.merge_parts(part_dirs, shifts, cfg.num_layers, out, cfg.num_experts)
     shutil.rmtree(tmp)
     (out / CONFIG_JSON).write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     (out / HF_SUBDIR).mkdir()
@@ -265,9 +258,8 @@ def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writ
     rules = hfm.rules(cfg)
     by_name = {r.name: r for r in rules}
     n_parts = done = 0
-    prog = _progress(progress, "Megatron-Core -> HF")
-    with prog:
-        task = prog.add_task("convert", total=sum(_nbytes(template[r.name]) for r in rules))
+    total = sum(_nbytes(template[r.name]) for r in rules)
+    with ByteProgress("Megatron-Core -> HF", total, enabled=progress) as prog:
         i = 0
         while i < len(rules):
             requests: dict[str, tuple[str, tuple[int, ...], torch.Tensor]] = {}
@@ -284,7 +276,7 @@ def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writ
                 for hf_name, t in hfm.split(by_name[name], cfg, full).items():
                     writer.add(hf_name, t)
                 done += _nbytes(template[name])
-                prog.update(task, completed=done)
+                prog.update(done)
             del requests, full
             release_freed_memory()
     return n_parts

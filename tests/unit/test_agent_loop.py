@@ -112,6 +112,32 @@ def test_mixed_batch_mask_logprobs_and_replay(biased):
     assert (calc.reward, calc.info["unparsable"], calc.turns) == (-1.0, True, 1)
 
 
+def test_progress_counts_the_episodes_ended_after_every_turn(biased, always_three):
+    """An evaluation's live view (trainer/evaluation.py) reads these counts: (episodes ended,
+    episodes) before the first turn and after each, here episodes of different lengths."""
+    cfg = AgentLoopConfig(max_turns=8, max_context_tokens=1024, max_action_tokens=3, seed=4)
+    envs = [make_env("connect_four") for _ in range(6)] + [make_env("calculator")]
+    seen = []
+    episodes = run_episodes(HFEngine(biased), envs, list(range(7)), TOK, cfg,
+                            progress=lambda done, total: seen.append((done, total)))
+    turns = max(e.turns for e in episodes)
+    assert len({e.turns for e in episodes}) > 1          # they do end at different turns
+    assert seen == [(sum(e.turns <= t for e in episodes), 7) for t in range(turns + 1)]
+    seen.clear()   # both cut by max_turns after their second turn
+    run_episodes(HFEngine(always_three), [make_env("connect_four") for _ in range(2)], [0, 1],
+                 TOK, AgentLoopConfig(max_turns=2, max_action_tokens=3, temperature=0.0),
+                 progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 2), (0, 2), (2, 2)]
+    # an episode with no room for a turn has ended before the first one
+    env = make_env("connect_four")
+    prompt = len(render_prompt(TOK, env.system_prompt, env.reset(0)))
+    seen.clear()
+    run_episodes(HFEngine(always_three), [env], [0], TOK,
+                 AgentLoopConfig(max_context_tokens=prompt + 2, max_action_tokens=3),
+                 progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]
+
+
 def test_garbage_model_is_penalised_without_crashing():
     model = tiny_llama(3)
     envs = [make_env("connect_four", invalid_penalty=-0.5) for _ in range(8)]

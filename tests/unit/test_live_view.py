@@ -125,3 +125,53 @@ def test_write_report_tool_run_with_warm_start(tmp_path):
     plain = mpimg.imread(write_report(tmp_path, history, evals))
     wide = mpimg.imread(write_report(tmp_path, history, evals, sft=sft))
     assert wide.shape[1] > plain.shape[1] * 1.2 and wide.shape[0] == plain.shape[0]
+
+
+def test_progress_plain_lines_at_each_quarter_and_detail():
+    """Off a terminal a long step prints when it starts, when its detail changes and at each
+    quarter of its total, never once per call; the next iteration's record ends it."""
+    buf = io.StringIO()
+    with LiveView(total=2, console=Console(file=buf)) as view:
+        for done in range(0, 9):
+            view.progress("warm start", done, 8, "steps")
+        view.progress("evaluation start", 0, 0, "episodes", "random/greedy, play 1/2")
+        for done in range(0, 5):
+            view.progress("evaluation start", done, 8, "episodes", "random/greedy, play 1/2")
+        for done in range(4, 9):
+            view.progress("evaluation start", done, 8, "episodes", "random/sampled, play 2/2")
+        view.update(record(0))
+    lines = buf.getvalue().splitlines()
+    assert not ANSI.search(buf.getvalue())
+    counts = [l.split(": ", 1)[1].split(",")[0] for l in lines[:-2]]
+    assert counts == ["0/8 steps (0%)", "2/8 steps (25%)", "4/8 steps (50%)", "6/8 steps (75%)",
+                      "8/8 steps (100%)",
+                      "0 episodes", "2/8 episodes (25%)", "4/8 episodes (50%)",
+                      "4/8 episodes (50%)", "6/8 episodes (75%)", "8/8 episodes (100%)"]
+    assert lines[0].startswith("warm start: 0/8 steps") and lines[0].endswith("eta --:--")
+    assert lines[4].startswith("warm start: 8/8 steps") and lines[4].endswith("eta 00:00")
+    assert lines[5].startswith("evaluation start (random/greedy, play 1/2): 0 episodes")
+    assert lines[8].startswith("evaluation start (random/sampled, play 2/2): 4/8 episodes")
+    assert lines[-2].split()[:3] == ["iter", "rollout", "train"]   # the iterations go on
+
+
+def test_progress_on_a_terminal_is_a_bar_until_the_next_record():
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=200)
+    with LiveView(total=5, console=console) as view:
+        view.progress("warm start", 0, 40, "steps")
+        view.progress("warm start", 30, 40, "steps")
+        assert view.progress_eta() is not None
+        view._live.refresh()
+        view.update(record(0))
+        assert view.progress_eta() is None
+    text = ANSI.sub("", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue()))
+    assert "warm start 30/40 steps" in text
+    last = text[text.rindex("iteration 1/5"):]
+    assert "warm start" not in last             # gone once iteration 0 is recorded
+
+
+def test_progress_disabled_is_silent():
+    buf = io.StringIO()
+    with LiveView(total=3, console=Console(file=buf), enabled=False) as view:
+        view.progress("warm start", 1, 3, "steps")
+    assert buf.getvalue() == ""
