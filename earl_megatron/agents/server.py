@@ -1,12 +1,12 @@
 """OpenAI's chat completions API over the rollout engine, one URL prefix per RL episode.
 
-    POST {base}/v1/chat/completions     messages, tools, tool_choice, temperature, top_p,
-                                        max_tokens | max_completion_tokens, stop, seed, n=1,
-                                        stream (server-sent events)
+    POST {base}/v1/chat/completions     messages, tools, tool_choice (auto | none), temperature,
+                                        top_p, max_tokens | max_completion_tokens, stop, seed,
+                                        n, logprobs, stream (server-sent events)
     GET  {base}/v1/models               the one model served
     POST {base}/reward                  {"reward": float, "info": {...}}: the agent's own score
-    base = http://<host>:<port>/episodes/<id>          (training: one unguessable id an episode)
-    base = http://<host>:<port>                        (``serve``: each request stands alone)
+    base = <public URL>/episodes/<id>   (training: one unguessable id an episode)
+    base = <public URL>                 (``serve``: each request stands alone)
 
 Built on FastAPI and uvicorn (the pair SGLang and vLLM serve this API with), in a daemon thread
 of the replica's leader rank; the handlers run on uvicorn's event loop and never block it: a
@@ -19,11 +19,15 @@ sampled ids (content and ``tool_calls`` parsed in the model's own format, ``fini
 ``choices[0].token_ids`` (streaming too: the server keeps them either way).
 
 Refusals, in OpenAI's error shape ``{"error": {"message", "type", "code"}}``: a missing or wrong
-key 401; an unknown episode 404, a finished one 410; malformed JSON or fields 400; a prompt that
-leaves no room for one token under ``max_context_tokens`` 400 ``context_length_exceeded``; the
-call after ``max_turns`` 400 ``max_turns_exceeded`` (the episode ends, finish reason
-"max_turns"); while the trainer swaps weights (``pause``) 503 with Retry-After. Invariants: a
-refused request changes no episode; a finished episode's rows never change again.
+key 401; an unknown episode 404, a finished one 410 (also a call whose completion arrives after
+its episode closed: checked under ``AgentEpisode.guard``, nothing recorded); a body over
+``max_body_bytes`` 413; malformed JSON or fields, or what cannot be honoured (agents/requests.py)
+400; a prompt (plus max_tokens) over ``max_context_tokens`` 400 ``context_length_exceeded``;
+max_tokens over training's per-call cap 400 ``max_tokens_exceeded``; the call after
+``max_turns`` 400 ``max_turns_exceeded`` (the episode ends, finish reason "max_turns"); while
+the trainer swaps weights (``pause``) 503 with Retry-After. Invariants: a refused request changes
+no episode; a finished episode's rows never change again. The template and the tokenizer run in
+worker threads, never on the event loop.
 """
 
 # no "from __future__ import annotations": FastAPI reads the handlers' annotations (Request)
