@@ -69,8 +69,8 @@ class ServerLimits:
 
 @dataclass
 class AgentEpisode:
-    """One episode's state on the server (mutated on the server's loop thread only, read by
-    the trainer after ``close_episode``)."""
+    """One episode's state on the server (mutated by its calls one at a time, under ``lock``,
+    completions recorded under ``guard``; read by the trainer after ``close_episode``)."""
 
     id: str
     task: dict
