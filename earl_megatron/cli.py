@@ -4,6 +4,7 @@
     earl plan --model qwen2.5-72b --nodes 16 ...          (tools/plan_layouts.py)
     earl convert hf-to-mcore HF_DIR OUT | mcore-to-hf CKPT OUT    (tools/convert_*.py)
     earl view RUN_DIR [--port P] [--host H]               a web page of a run (viewer/)
+    earl serve run.init=DIR [overrides]                   OpenAI's API over a checkpoint (serve.py)
 
 ``earl train`` composes the trainer's configuration in this process (config/compose.py, the
 same composition the trainer's ``@hydra.main`` makes) and runs everything ``train.validate``
@@ -40,7 +41,24 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 TRAINER_MODULE = "earl_megatron.train"
 CONVERSIONS = {"hf-to-mcore": "convert_hf_to_mcore.py", "mcore-to-hf": "convert_mcore_to_hf.py"}
 USAGE = ("usage: earl train [torchrun options] [overrides] | earl plan [options] | "
-         "earl convert {hf-to-mcore,mcore-to-hf} SRC OUT | earl view RUN_DIR [--port P]")
+         "earl convert {hf-to-mcore,mcore-to-hf} SRC OUT | earl view RUN_DIR [--port P] | "
+         "earl serve run.init=DIR [overrides]")
+
+SERVE_PORT = 8000
+"""``earl serve``'s port unless rollout.agent_port is given (a chat client's usual one)."""
+
+
+def serve(argv: Sequence[str]) -> int:
+    """``python -m earl_megatron.serve`` with the overrides, on port ``SERVE_PORT`` unless
+    rollout.agent_port is among them (Hydra parses ``sys.argv``)."""
+    from earl_megatron import serve as serving
+
+    args = list(argv)
+    if not any(a.lstrip("+").startswith("rollout.agent_port=") for a in args):
+        args.append(f"rollout.agent_port={SERVE_PORT}")
+    sys.argv = [serving.__file__, *args]
+    serving.main()
+    return 0
 
 
 def _flag_arity() -> dict[str, bool]:
@@ -239,6 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return train(rest)
     if command == "plan":
         return _tool("plan_layouts.py", rest)
+    if command == "serve":
+        return serve(rest)
     if command == "view":
         from earl_megatron.viewer.server import main as view
         return view(rest)

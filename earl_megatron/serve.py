@@ -1,16 +1,21 @@
 """Serve a checkpoint over OpenAI's chat completions API, to try a policy with any client.
 
-    python -m earl_megatron.serve run.init=DIR [rollout.agent_port=8000] [rollout.agent_host=..]
+    earl serve run.init=DIR [rollout.agent_port=8000] [rollout.agent_host=..]
+    python -m earl_megatron.serve run.init=DIR (the same, the port from the config: 0, any)
     -> serving runs/x/.../hf at http://127.0.0.1:8000/v1 (model "policy", api key earl-...)
 
 ``run.init`` is any checkpoint the trainer starts from (an HF directory, a converted one, a
 trainer checkpoint's iteration folder: give that one the run's ``rollout.tokenizer``, it holds
 no tokenizer); the recipes and overrides are the trainer's (Hydra), so
-the tokenizer, ``rollout.max_action_tokens`` (tokens a call samples at most),
-``rollout.max_context_tokens`` and ``rollout.temperature``/``top_p`` (the defaults of a request
-that names none) mean what they mean in training. The endpoint is the training one
-(agents/server.py) with each request standing alone (no episode, nothing recorded) and the
-request's own temperature, top_p and seed honoured. ``EARL_API_KEY`` sets the key (default: a
+the tokenizer, ``rollout.max_context_tokens`` and ``rollout.temperature``/``top_p`` (the
+defaults of a request that names none) mean what they mean in training. The endpoint is the
+training one (agents/server.py) with each request standing alone (no episode, nothing
+recorded), the request's own temperature, top_p and seed honoured, and no per-call cap: a
+request's max_tokens is honoured up to the context, and one without samples up to the context
+(or the model's end of turn), as OpenAI's API does (training's ``rollout.max_action_tokens`` is
+not used here). ``rollout.agent_public_url``, ``agent_max_body_mb`` and ``agent_max_batch`` are
+the training endpoint's. ``earl serve`` runs this with ``rollout.agent_port=8000`` unless a port
+is given. ``EARL_API_KEY`` sets the key (default: a
 fresh one, printed). One process, the embedded engine on one rank (world 1); Ctrl-C stops it.
 """
 
@@ -41,16 +46,6 @@ def _serve(cfg, *, ready=None, stop: threading.Event | None = None) -> None:
     quiet_known_warnings()
     import torch
 
-    if torch.cuda.is_available():
-        return _serve(cfg, ready, stop)
-    from earl_megatron.runtime.cpu_backend import cpu_backend
-    with cpu_backend():   # Megatron-Core on a host without CUDA (as the trainer runs)
-        return _serve(cfg, ready, stop)
-
-
-def _serve(cfg, ready, stop) -> None:
-    import torch
-
     from earl_megatron.agents.broker import Broker, ReplicaDriver
     from earl_megatron.agents.server import AgentServer, ServerLimits
     from earl_megatron.plan.layout import ParallelLayout
@@ -72,12 +67,14 @@ def _serve(cfg, ready, stop) -> None:
     r = cfg.rollout
     limits = ServerLimits(max_context_tokens=r.max_context_tokens or
                           cfg.model.max_position_embeddings,
-                          max_action_tokens=r.max_action_tokens, max_turns=2**31 - 1,
+                          max_action_tokens=None, max_turns=2**31 - 1,
                           temperature=r.temperature, top_p=r.top_p, honour_sampling=True)
-    broker = Broker()
+    broker = Broker(max_batch=r.agent_max_batch)
     broker.open_episodes = 1   # each request stands alone: send it at once
     server = AgentServer(tok, broker, limits, host=r.agent_host, port=r.agent_port,
-                         api_key=os.environ.get("EARL_API_KEY"), per_request_episodes=True)
+                         api_key=os.environ.get("EARL_API_KEY"), per_request_episodes=True,
+                         public_url=r.agent_public_url,
+                         max_body_bytes=int(r.agent_max_body_mb * 2**20))
     url = server.start()
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

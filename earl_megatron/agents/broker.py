@@ -5,7 +5,7 @@ each and await its future; the replica's leader thread takes batches with ``take
 them. A batch holds requests of equal sampling parameters (one ``generate`` call takes one
 ``SamplingParams``); it is dispatched as soon as every open episode has a request waiting
 (nothing more can come), or ``window_s`` after its first request arrived (an agent busy in a
-tool does not hold the others).
+tool does not hold the others), and holds at most ``max_batch`` requests.
 
 The embedded engine decodes on every rank of a replica in lockstep (tp and pp ranks run the
 same forwards), so ``ReplicaDriver`` carries each batch from the leader, which serves HTTP, to
@@ -54,8 +54,13 @@ class _Request:
 class Broker:
     """Thread-safe queue of decode requests (see the module docstring)."""
 
-    def __init__(self, window_s: float = 0.02):
+    def __init__(self, window_s: float = 0.02, max_batch: int = 64):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1 (rollout.agent_max_batch)")
         self.window_s = float(window_s)
+        self.max_batch = int(max_batch)
+        """Requests one ``generate`` call takes at most (rollout.agent_max_batch); the rest wait
+        for the next batch. A call's ``n`` choices are requests of their own, so n <= it."""
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self.open_episodes = 0
@@ -91,10 +96,12 @@ class Broker:
                 now = time.monotonic()
                 if self._pending:
                     first = self._pending[0]
-                    full = len(self._pending) >= max(self.open_episodes, 1)
+                    full = len(self._pending) >= min(max(self.open_episodes, 1), self.max_batch)
                     if full or now >= first.arrived + self.window_s:
-                        batch = [r for r in self._pending if r.params == first.params]
-                        self._pending = [r for r in self._pending if r.params != first.params]
+                        batch = [r for r in self._pending
+                                 if r.params == first.params][:self.max_batch]
+                        taken = {id(r) for r in batch}
+                        self._pending = [r for r in self._pending if id(r) not in taken]
                         return batch
                     wait = min(first.arrived + self.window_s, deadline) - now
                 else:

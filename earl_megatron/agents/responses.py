@@ -16,37 +16,38 @@ import time
 from typing import Iterator, Sequence
 
 
-def completion_body(cid: str, model: str, message: dict, finish: str, ids: Sequence[int],
-                    usage: dict) -> dict:
+def completion_body(cid: str, model: str, choices: Sequence[dict], usage: dict) -> dict:
+    """``choices``: dicts of message, finish, ids and logprobs (OpenAI's object or None)."""
     return {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": None, "token_ids": list(ids)}],
+            "choices": [{"index": i, "message": c["message"], "finish_reason": c["finish"],
+                         "logprobs": c["logprobs"], "token_ids": list(c["ids"])}
+                        for i, c in enumerate(choices)],
             "usage": usage}
 
 
-def stream_body(cid: str, model: str, message: dict, finish: str, ids: Sequence[int],
-                usage: dict, include_usage: bool) -> Iterator[str]:
+def stream_body(cid: str, model: str, choices: Sequence[dict], usage: dict,
+                include_usage: bool) -> Iterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason=None, **extra) -> str:
+    def chunk(i: int, delta: dict, finish_reason=None, logprobs=None, **extra) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created,
                 "model": model, "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                             "logprobs": None, **extra}]}
+                "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason,
+                             "logprobs": logprobs, **extra}]}
         if include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]}, token_ids=list(ids))
-    else:
-        yield chunk({}, token_ids=list(ids))
-    for k, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                     "function": dict(call["function"])}]})
-    yield chunk({}, finish)
+    for i, c in enumerate(choices):
+        message = c["message"]
+        yield chunk(i, {"role": "assistant", "content": ""})
+        delta = {"content": message["content"]} if message.get("content") else {}
+        yield chunk(i, delta, logprobs=c["logprobs"], token_ids=list(c["ids"]))
+        for k, call in enumerate(message.get("tool_calls") or []):
+            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": dict(call["function"])}]})
+        yield chunk(i, {}, c["finish"])
     if include_usage:
         yield f"data: {json.dumps({'id': cid, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"

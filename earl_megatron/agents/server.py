@@ -1,12 +1,12 @@
 """OpenAI's chat completions API over the rollout engine, one URL prefix per RL episode.
 
-    POST {base}/v1/chat/completions     messages, tools, tool_choice, temperature, top_p,
-                                        max_tokens | max_completion_tokens, stop, seed, n=1,
-                                        stream (server-sent events)
+    POST {base}/v1/chat/completions     messages, tools, tool_choice (auto | none), temperature,
+                                        top_p, max_tokens | max_completion_tokens, stop, seed,
+                                        n, logprobs, stream (server-sent events)
     GET  {base}/v1/models               the one model served
     POST {base}/reward                  {"reward": float, "info": {...}}: the agent's own score
-    base = http://<host>:<port>/episodes/<id>          (training: one unguessable id an episode)
-    base = http://<host>:<port>                        (``serve``: each request stands alone)
+    base = <public URL>/episodes/<id>   (training: one unguessable id an episode)
+    base = <public URL>                 (``serve``: each request stands alone)
 
 Built on FastAPI and uvicorn (the pair SGLang and vLLM serve this API with), in a daemon thread
 of the replica's leader rank; the handlers run on uvicorn's event loop and never block it: a
@@ -19,11 +19,15 @@ sampled ids (content and ``tool_calls`` parsed in the model's own format, ``fini
 ``choices[0].token_ids`` (streaming too: the server keeps them either way).
 
 Refusals, in OpenAI's error shape ``{"error": {"message", "type", "code"}}``: a missing or wrong
-key 401; an unknown episode 404, a finished one 410; malformed JSON or fields 400; a prompt that
-leaves no room for one token under ``max_context_tokens`` 400 ``context_length_exceeded``; the
-call after ``max_turns`` 400 ``max_turns_exceeded`` (the episode ends, finish reason
-"max_turns"); while the trainer swaps weights (``pause``) 503 with Retry-After. Invariants: a
-refused request changes no episode; a finished episode's rows never change again.
+key 401; an unknown episode 404, a finished one 410 (also a call whose completion arrives after
+its episode closed: checked under ``AgentEpisode.guard``, nothing recorded); a body over
+``max_body_bytes`` 413; malformed JSON or fields, or what cannot be honoured (agents/requests.py)
+400; a prompt (plus max_tokens) over ``max_context_tokens`` 400 ``context_length_exceeded``;
+max_tokens over training's per-call cap 400 ``max_tokens_exceeded``; the call after
+``max_turns`` 400 ``max_turns_exceeded`` (the episode ends, finish reason "max_turns"); while
+the trainer swaps weights (``pause``) 503 with Retry-After. Invariants: a refused request changes
+no episode; a finished episode's rows never change again. The template and the tokenizer run in
+worker threads, never on the event loop.
 """
 
 # no "from __future__ import annotations": FastAPI reads the handlers' annotations (Request)
@@ -39,6 +43,8 @@ from typing import Any, Optional
 
 from earl_megatron.agents.broker import Broker
 from earl_megatron.agents.chat import ChatRenderer, ChatRequestError
+from earl_megatron.agents.requests import (completion_budget, logprobs_body, parse_request,
+                                           stop_cut)
 from earl_megatron.agents.trajectory import EpisodeTokens
 from earl_megatron.rollout.engine import SamplingParams
 
@@ -48,8 +54,10 @@ AGENTS_EXTRA = "pip install 'earl_megatron[agents]' (FastAPI, uvicorn, the opena
 @dataclass(frozen=True)
 class ServerLimits:
     max_context_tokens: int
-    max_action_tokens: int
-    """Tokens a call samples at most (a request's max_tokens is capped by it)."""
+    max_action_tokens: Optional[int]
+    """Training's per-call cap (rollout.max_action_tokens): a call without max_tokens samples
+    up to it, one asking for more is refused (agents/requests.py); None (``serve``): the
+    context is the only bound."""
     max_turns: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -61,8 +69,8 @@ class ServerLimits:
 
 @dataclass
 class AgentEpisode:
-    """One episode's state on the server (mutated on the server's loop thread only, read by
-    the trainer after ``close_episode``)."""
+    """One episode's state on the server (mutated by its calls one at a time, under ``lock``,
+    completions recorded under ``guard``; read by the trainer after ``close_episode``)."""
 
     id: str
     task: dict
@@ -79,6 +87,9 @@ class AgentEpisode:
     last_messages: list = field(default_factory=list)
     """The latest request's messages plus the reply: the conversation as the agent saw it."""
     closed: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a completion is recorded and while the episode closes: a completion that
+    arrives after ``close_episode`` is refused (410), never recorded."""
     oldest: Optional[int] = None
     """The oldest version among its sampled tokens (None before one): trainer/agent_pool.py."""
 
@@ -97,7 +108,8 @@ class AgentServer:
 
     def __init__(self, tokenizer, broker: Broker, limits: ServerLimits, *,
                  host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
-                 model_name: str = "policy", per_request_episodes: bool = False):
+                 model_name: str = "policy", per_request_episodes: bool = False,
+                 public_url: Optional[str] = None, max_body_bytes: int = 16 << 20):
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401
@@ -110,6 +122,9 @@ class AgentServer:
         self.api_key = api_key or "earl-" + secrets.token_hex(16)
         self.model_name = model_name
         self.per_request = per_request_episodes
+        self.public_url = public_url
+        self.max_body_bytes = int(max_body_bytes)
+        """A larger request body is refused with 413 (rollout.agent_max_body_mb)."""
         self.episodes: dict[str, AgentEpisode] = {}
         self.finished: set[str] = set()
         self.paused = False
@@ -142,8 +157,7 @@ class AgentServer:
                 raise RuntimeError(f"the agent endpoint did not start on {self.host}:"
                                    f"{self.port}")
             time.sleep(0.01)
-        shown = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        self.url = f"http://{shown}:{self.port}"
+        self.url = base_url(self.host, self.port, self.public_url)
         return self.url
 
     def stop(self) -> None:
@@ -170,12 +184,12 @@ class AgentServer:
         return ep
 
     def close_episode(self, ep: AgentEpisode) -> None:
-        if ep.id in self.episodes:
-            del self.episodes[ep.id]
+        with ep.guard:
+            ep.closed = True
+        if self.episodes.pop(ep.id, None) is not None:
             self.finished.add(ep.id)
             self.broker.open_episodes -= 1
             self.broker.poke()
-        ep.closed = True
 
     # ------------------------------------------------------------------ the app
     def app(self):
@@ -213,6 +227,8 @@ class AgentServer:
                               "weights_updating", "server_error", {"Retry-After": "1"})
             ep = self.episodes[eid]
             async with ep.lock:
+                if ep.closed:   # it closed while this call waited for the one before it
+                    return self._gone(eid)
                 return await self._chat(ep, request)
 
         @app.post("/episodes/{eid}/reward")
@@ -220,7 +236,9 @@ class AgentServer:
             refused = self._episode(eid, request)
             if refused:
                 return refused
-            body = await self._json(request)
+            body, refused = await self._json(request)
+            if refused:
+                return refused
             if not isinstance(body, dict) or not isinstance(body.get("reward"), (int, float)) \
                     or isinstance(body.get("reward"), bool):
                 return _error(400, 'post {"reward": <number>, "info": {...}}', "invalid_reward")
@@ -247,43 +265,57 @@ class AgentServer:
         if refused:
             return refused
         if eid in self.finished:
-            return _error(410, f"episode {eid} has finished; its agent may not call again",
-                          "episode_finished")
+            return self._gone(eid)
         if eid not in self.episodes:
             return _error(404, f"no episode {eid} on this server", "episode_not_found")
         return None
 
     @staticmethod
-    async def _json(request):
+    def _gone(eid: str):
+        return _error(410, f"episode {eid} has finished; its agent may not call again",
+                      "episode_finished")
+
+    async def _json(self, request):
+        """(the body's JSON or a ChatRequestError, None), or (None, a 413 response) past
+        ``max_body_bytes`` (read no further than that)."""
+        limit = self.max_body_bytes
+        too_big = None, _error(413, f"the request body is over {limit} bytes "
+                               "(rollout.agent_max_body_mb)", "request_too_large")
+        if int(request.headers.get("content-length") or 0) > limit:
+            return too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                return too_big
         try:
-            return json.loads(await request.body())
+            return json.loads(bytes(raw)), None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return ChatRequestError(f"the request body is not JSON ({e})")
+            return ChatRequestError(f"the request body is not JSON ({e})"), None
 
     async def _chat(self, ep: AgentEpisode, request):
         from earl_megatron.agents.responses import completion_body, stream_body
 
-        body = await self._json(request)
+        body, refused = await self._json(request)
+        if refused:
+            return refused
+        lim = self.limits
         try:
-            req = parse_request(body, self.model_name)
+            req = parse_request(body, self.model_name, self.broker.max_batch)
         except ChatRequestError as e:
             return _error(400, str(e), "invalid_request")
-        lim = self.limits
         if ep.calls >= lim.max_turns:
             ep.finish_reason = "max_turns"
             if ep.id in self.episodes:
                 self.close_episode(ep)
             return _error(400, f"the episode used its {lim.max_turns} calls "
                           "(rollout.max_turns); it has ended", "max_turns_exceeded")
-        try:
-            prompt = ep.tokens.prompt(req["messages"], req["tools"])
+        try:   # the template and the tokenizer run off the event loop
+            prompt = await asyncio.to_thread(ep.tokens.prompt, req["messages"], req["tools"])
+            max_new = completion_budget(req["max_tokens"], len(prompt.ids),
+                                        lim.max_context_tokens, lim.max_action_tokens)
         except ChatRequestError as e:
-            return _error(400, str(e), "invalid_request")
-        room = lim.max_context_tokens - len(prompt.ids)
-        if room < 1:
-            return _error(400, f"the prompt is {len(prompt.ids)} tokens; this model's context "
-                          f"is {lim.max_context_tokens} (rollout.max_context_tokens)",
-                          "context_length_exceeded")
+            return _error(400, str(e), getattr(e, "code", "invalid_request"))
         if lim.honour_sampling:
             temperature, top_p = req["temperature"], req["top_p"]
             temperature = lim.temperature if temperature is None else temperature
@@ -293,107 +325,72 @@ class AgentServer:
             if req["temperature"] not in (None, lim.temperature) or \
                     req["top_p"] not in (None, lim.top_p):
                 ep.sampling_overrides += 1
-        max_new = min(req["max_tokens"] or lim.max_action_tokens, lim.max_action_tokens, room)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
                                 stop_token_ids=self.renderer.fmt.stop_token_ids,
                                 seed=req["seed"] if lim.honour_sampling else None)
-        fut = self.broker.submit(prompt.ids, params)
+        futs = [self.broker.submit(prompt.ids, params) for _ in range(req["n"])]
         try:
-            gen = await asyncio.wrap_future(fut)
+            gens = [await asyncio.wrap_future(f) for f in futs]
         except Exception as e:  # noqa: BLE001 - the rollout ended under this request
             return _error(503, f"the rollout engine did not answer ({type(e).__name__}: {e})",
                           "engine_unavailable", "server_error", {"Retry-After": "1"})
-        ids, logprobs, finish, cut = cut_at_stop(self.renderer, gen, req["stop"])
-        version = fut.version   # the policy version that sampled them (broker.Answer)
-        reply = ep.tokens.complete(prompt, ids, logprobs, finish, cut, version)
-        if ids and version >= 0:
-            ep.oldest = version if ep.oldest is None else min(ep.oldest, version)
-        ep.calls += 1
-        ep.tool_calls += len(reply.tool_calls)
-        ep.malformed += reply.malformed
-        finish = "tool_calls" if reply.tool_calls else finish
-        message = {"role": "assistant", "content": reply.content}
-        if reply.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in reply.tool_calls]
-        ep.last_messages = list(req["messages"]) + [message]
-        usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": len(ids),
-                 "total_tokens": len(prompt.ids) + len(ids)}
+        choices = await asyncio.to_thread(self._record, ep, prompt, req, futs, gens)
+        if choices is None:   # the episode closed while the engine decoded: nothing recorded
+            return self._gone(ep.id)
+        n_out = sum(len(c["ids"]) for c in choices)
+        usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": n_out,
+                 "total_tokens": len(prompt.ids) + n_out}
         cid = f"chatcmpl-{secrets.token_hex(12)}"
         if req["stream"]:
             from fastapi.responses import StreamingResponse
 
-            return StreamingResponse(stream_body(cid, self.model_name, message, finish, ids,
-                                                 usage, req["include_usage"]),
+            return StreamingResponse(stream_body(cid, self.model_name, choices, usage,
+                                                 req["include_usage"]),
                                      media_type="text/event-stream")
-        return completion_body(cid, self.model_name, message, finish, ids, usage)
+        return completion_body(cid, self.model_name, choices, usage)
+
+    def _record(self, ep: AgentEpisode, prompt, req: dict, futs, gens) -> Optional[list]:
+        """Each choice cut at its stop string and recorded on the episode (in a worker thread,
+        under ``ep.guard``); None, recording nothing, when the episode has closed."""
+        tok, choices, messages = self.renderer.tokenizer, [], []
+        with ep.guard:
+            if ep.closed:
+                return None
+            for fut, gen in zip(futs, gens, strict=True):
+                ids, lps, finish = list(gen.token_ids), list(gen.logprobs), gen.finish_reason
+                cut = 0
+                found = stop_cut(tok, ids, req["stop"])
+                if found:
+                    k, cut = found
+                    ids, lps, finish = ids[:k], lps[:k], "stop"
+                version = fut.version   # the policy version that sampled them (broker.Answer)
+                reply = ep.tokens.complete(prompt, ids, lps, finish, cut, version,
+                                           parse_tools=req["tool_choice"] != "none")
+                if ids and version >= 0:
+                    ep.oldest = version if ep.oldest is None else min(ep.oldest, version)
+                ep.tool_calls += len(reply.tool_calls)
+                ep.malformed += reply.malformed
+                message = {"role": "assistant", "content": reply.content}
+                if reply.tool_calls:
+                    message["tool_calls"] = [
+                        {"id": c.id, "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in reply.tool_calls]
+                messages.append(message)
+                choices.append({"message": message, "ids": ids,
+                                "finish": "tool_calls" if reply.tool_calls else finish,
+                                "logprobs": logprobs_body(tok, ids, lps) if req["logprobs"]
+                                else None})
+            ep.calls += 1
+            ep.last_messages = list(req["messages"]) + messages[:1]
+        return choices
 
 
-def parse_request(body: Any, default_model: str) -> dict:
-    """The fields of a chat completions request this server reads, checked (ChatRequestError
-    names the field and the fix)."""
-    if isinstance(body, ChatRequestError):
-        raise body
-    if not isinstance(body, dict):
-        raise ChatRequestError("the request body must be a JSON object")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ChatRequestError("'messages' must be a non-empty list of chat messages")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ChatRequestError("'tools' must be a list of {\"type\": \"function\", "
-                               "\"function\": {...}} objects")
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ChatRequestError(f"n={n}: this endpoint samples one choice per call (n=1); call "
-                               "again for another sample")
-
-    def number(key, lo, hi):
-        v = body.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ChatRequestError(f"'{key}'={v!r} must be a number in [{lo}, {hi}]")
-        return float(v)
-
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ChatRequestError(f"max_tokens={max_tokens!r} must be an integer >= 1")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise ChatRequestError("'stop' is a string or a list of up to 4 non-empty strings")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ChatRequestError(f"seed={seed!r} must be an integer")
-    tool_choice = body.get("tool_choice", "auto")
-    if isinstance(tool_choice, dict):
-        tool_choice = "function"
-    if tool_choice not in ("auto", "none", "required", "function"):
-        raise ChatRequestError(f"tool_choice={tool_choice!r}: use auto, none, required or "
-                               "{\"type\": \"function\", ...}")
-    opts = body.get("stream_options") or {}
-    top_p = number("top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise ChatRequestError("'top_p' must be in (0, 1]")
-    return {"messages": msgs, "tools": tools or None, "temperature": number("temperature", 0, 2),
-            "top_p": top_p, "max_tokens": max_tokens, "stop": stop, "seed": seed,
-            "tool_choice": tool_choice, "stream": bool(body.get("stream", False)),
-            "include_usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
-            "model": body.get("model") or default_model}
-
-
-def cut_at_stop(renderer: ChatRenderer, gen, stops: list[str]):
-    """(ids, logprobs, finish_reason, characters cut) of a generation cut after the first
-    token whose text completes a ``stop`` string (OpenAI's ``stop``): the tokens after it were
-    never shown to the client; the row keeps the ones up to it (they were sampled), the reply's
-    text ends before the stop string."""
-    ids, lps = list(gen.token_ids), list(gen.logprobs)
-    if stops:
-        for k in range(1, len(ids) + 1):
-            text = renderer.tokenizer.decode(ids[:k], skip_special_tokens=True)
-            at = [text.find(s) for s in stops if s in text]
-            if at:
-                return ids[:k], lps[:k], "stop", len(text) - min(at)
-    return ids, lps, gen.finish_reason, 0
+def base_url(host: str, port: int, public_url: Optional[str]) -> str:
+    """The URL agents are handed: ``public_url`` (rollout.agent_public_url, its ``{port}``
+    replaced by the bound port) when given; else the host it listens on, and for a wildcard
+    host (0.0.0.0, "") this machine's name, which other machines can resolve."""
+    if public_url:
+        return public_url.replace("{port}", str(port)).rstrip("/")
+    shown = socket.getfqdn() if host in ("0.0.0.0", "", "::") else host
+    return f"http://{shown}:{port}"

@@ -241,12 +241,14 @@ class EpisodeTokens:
     # --- completions ----------------------------------------------------------------------------
 
     def complete(self, prompt: Prompt, token_ids: Sequence[int], logprobs: Sequence[float],
-                 finish_reason: str, stop_text_cut: int = 0, version: int = -1) -> Reply:
+                 finish_reason: str, stop_text_cut: int = 0, version: int = -1,
+                 parse_tools: bool = True) -> Reply:
         """Record the engine's sampled ids for ``prompt`` and parse them into a Reply.
 
         ``stop_text_cut``: characters the server cut from the end of the decoded text (a client
         stop string); the reply omits them, the row keeps every sampled id. ``version``: the
-        policy version that sampled them (the row's ``versions``; -1: not known)."""
+        policy version that sampled them (the row's ``versions``; -1: not known).
+        ``parse_tools`` False (``tool_choice`` "none"): the reply is the text, no call parsed."""
         token_ids, logprobs = list(token_ids), list(logprobs)
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} sampled ids but {len(logprobs)} logprobs; the "
@@ -266,8 +268,9 @@ class EpisodeTokens:
             row = self._branch(prompt)
         row.append(prompt.ids[prompt.start:], 0)
         row.append(token_ids, 1, logprobs, version)
-        reply = self.renderer.parser.parse(text[:len(text) - stop_text_cut],
-                                           f"{self.id_tag}{self.calls}")
+        shown = text[:len(text) - stop_text_cut]
+        reply = self.renderer.parser.parse(shown, f"{self.id_tag}{self.calls}") if parse_tools \
+            else Reply(shown.strip(), (), 0)
         index = len(self._completions)
         key = _key(reply.content, [(c.name, c.arguments) for c in reply.tool_calls])
         self._completions.append(_Completion(raw, reply, key, len(prompt.messages)))

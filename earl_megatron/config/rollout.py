@@ -119,6 +119,16 @@ class RolloutConfig:
     agent_port: int = 0
     """env.name=agent: the endpoint's port (0: any free one; each replica leader binds its
     own)."""
+    agent_public_url: Optional[str] = None
+    """env.name=agent and ``earl serve``: the base URL agents are handed, e.g.
+    ``http://node7:{port}`` (``{port}``: the port bound) or a proxy's URL. None: the listening
+    host, and for a wildcard agent_host (0.0.0.0) this machine's fully qualified name."""
+    agent_max_body_mb: float = 16.0
+    """env.name=agent and ``earl serve``: a request body over this many MiB is refused with
+    413 (request_too_large), read no further."""
+    agent_max_batch: int = 64
+    """env.name=agent and ``earl serve``: requests one ``generate`` call of the endpoint takes
+    at most (the rest wait for the next); also the largest ``n`` a call may ask for."""
     placement: str = "colocated"
     """"colocated": every rank plays, then every rank trains (the stages in turn). "split":
     the last ``pool_ranks`` ranks are a rollout pool that plays while the first ranks, the
@@ -145,7 +155,14 @@ class RolloutConfig:
         if not self.sglang_restart_s >= 0:
             raise ConfigError(f"rollout.sglang_restart_s={self.sglang_restart_s} must be >= 0")
         _at_least(self, "rollout", 1, "episodes_per_iteration", "max_turns", "max_action_tokens",
-                  "prefill_tokens", "agent_concurrency", "env_concurrency", "pool_ranks")
+                  "prefill_tokens", "agent_concurrency", "env_concurrency", "pool_ranks",
+                  "agent_max_batch")
+        if not self.agent_max_body_mb > 0:
+            raise ConfigError(f"rollout.agent_max_body_mb={self.agent_max_body_mb} must be > 0")
+        if self.agent_public_url is not None and \
+                not self.agent_public_url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.agent_public_url={self.agent_public_url!r}: give a URL "
+                              "such as http://HOST:{port} (or null)")
         if self.placement not in ("colocated", "split", "auto"):
             raise ConfigError(f"rollout.placement={self.placement!r}: use 'colocated', 'split' "
                               "or 'auto'")

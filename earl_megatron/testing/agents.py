@@ -38,8 +38,9 @@ import threading
 
 import httpx
 
-SEEN_OK = {"wrong_key": 401, "unknown_episode": 404, "not_json": 400, "n2": 400,
-           "too_long": 400, "max_turns": 400, "finished": 410}
+SEEN_OK = {"wrong_key": 401, "unknown_episode": 404, "not_json": 400, "n_over_cap": 400,
+           "too_long": 400, "over_cap": 400, "tool_required": 400, "max_turns": 400,
+           "finished": 410}
 
 
 def _post(url: str, key: str, body, raw: bool = False):
@@ -108,7 +109,9 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
             "unknown_episode": _post(url.replace("/episodes/", "/episodes/x"), api_key,
                                      {"messages": msgs}),
             "not_json": _post(url, api_key, b"{not json", raw=True),
-            "n2": _post(url, api_key, {"messages": msgs, "n": 2}),
+            "n_over_cap": _post(url, api_key, {"messages": msgs, "n": 10_000}),
+            "over_cap": _post(url, api_key, {"messages": msgs, "max_tokens": 10_000}),
+            "tool_required": _post(url, api_key, {"messages": msgs, "tool_choice": "required"}),
             "too_long": _post(url, api_key, {"messages": [{"role": "user",
                                                             "content": "x" * 100_000}]})}
     for _ in range(task["max_turns"]):
@@ -367,16 +370,18 @@ async def calculator_client(task: dict, base_url: str, api_key: str, model: str)
             "info": {"client": client, "tool_calls_fired": calc.fired, "final": text[:200]}}
 
 
-def serve_process(*overrides: str, key: str = "test-key", timeout_s: float = 300.0):
-    """``python -m earl_megatron.serve *overrides`` started as a user starts it, and the URL it
-    printed once listening: (process, base_url). The caller ends the process."""
+def serve_process(*overrides: str, key: str = "test-key", timeout_s: float = 300.0,
+                  module: tuple = ("earl_megatron.serve",)):
+    """``python -m earl_megatron.serve *overrides`` started as a user starts it (``module``
+    ("earl_megatron.cli", "serve"): ``earl serve``), and the URL it printed once listening:
+    (process, base_url). The caller ends the process."""
     import re
     import subprocess
     import sys
     import time
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", EARL_API_KEY=key)
-    proc = subprocess.Popen([sys.executable, "-m", "earl_megatron.serve", *overrides], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", *module, *overrides], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, deadline = [], time.monotonic() + timeout_s
     while True:

@@ -52,10 +52,13 @@ class AgentSpec:
     timeout_s: float
     host: str = "127.0.0.1"
     port: int = 0
+    public_url: Optional[str] = None
+    max_body_mb: float = 16.0
+    max_batch: int = 64
 
     @classmethod
     def from_env_kwargs(cls, kwargs: dict, *, concurrency: int, timeout_s: float, host: str,
-                        port: int) -> "AgentSpec":
+                        port: int, **server) -> "AgentSpec":
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         unknown = set(kwargs) - {"entry", "tasks", "reward"}
         if unknown:
@@ -69,7 +72,7 @@ class AgentSpec:
                              "agent, which needs env.kwargs.reward=package.module:function to "
                              "score its answers")
         return cls(kwargs.get("entry"), str(kwargs["tasks"]), kwargs.get("reward"),
-                   int(concurrency), float(timeout_s), host, int(port))
+                   int(concurrency), float(timeout_s), host, int(port), **server)
 
 
 class AgentPlayer:
@@ -80,9 +83,10 @@ class AgentPlayer:
         self.tasks = load_tasks(spec.tasks)
         self.agent = resolve(spec.entry, "entry") if spec.entry else builtin_agent
         self.reward = resolve(spec.reward, "reward") if spec.reward else None
-        self.broker = Broker()
+        self.broker = Broker(max_batch=spec.max_batch)
         self.server = AgentServer(tokenizer, self.broker, limits, host=spec.host,
-                                  port=spec.port)
+                                  port=spec.port, public_url=spec.public_url,
+                                  max_body_bytes=int(spec.max_body_mb * 2**20))
         self.server.start()
 
     def play(self, driver: ReplicaDriver, seeds: Sequence[int], sample_seed: int,

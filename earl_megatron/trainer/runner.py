@@ -83,7 +83,9 @@ def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
     r = cfg.rollout
     return AgentSpec.from_env_kwargs(dict(cfg.env.kwargs), concurrency=r.agent_concurrency,
                                      timeout_s=r.agent_timeout_s, host=r.agent_host,
-                                     port=r.agent_port)
+                                     port=r.agent_port, public_url=r.agent_public_url,
+                                     max_body_mb=r.agent_max_body_mb,
+                                     max_batch=r.agent_max_batch)
 
 
 def agent_programs_on_moe(cfg: TrainConfig) -> bool:

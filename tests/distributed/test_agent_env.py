@@ -109,6 +109,7 @@ def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path
         assert {k: v[0] for k, v in seen.items()} == SEEN_OK, seen
         assert seen["too_long"][1] == "context_length_exceeded"
         assert seen["max_turns"][1] == "max_turns_exceeded"
+        assert seen["over_cap"][1] == "max_tokens_exceeded"
         assert firsts["refusals"]["reward"] == 1.0
         assert firsts["post"]["reward"] == 0.5
         assert firsts["builtin"]["reward"] == 0.25                   # env.kwargs.reward scored it
@@ -138,7 +139,8 @@ def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path
                               "rollout.tokenizer=ascii", f"run.output_dir={tmp_path / 'serve'}")
     try:
         reply = OpenAI(base_url=url, api_key="test-key", max_retries=0).chat.completions.create(
-            model="policy", messages=[{"role": "user", "content": "say hi"}], temperature=0)
+            model="policy", messages=[{"role": "user", "content": "say hi"}], temperature=0,
+            max_tokens=8)
         assert reply.choices[0].model_extra["token_ids"]
     finally:
         proc.kill()

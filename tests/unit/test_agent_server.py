@@ -15,8 +15,10 @@ import pytest
 from earl_megatron.agents.broker import Broker
 from earl_megatron.agents.chat import ChatRequestError
 from earl_megatron.agents.programs import (AgentConfigError, load_tasks, resolve, run_agents)
+from earl_megatron.agents.requests import (completion_budget, logprobs_body, parse_request,
+                                           stop_cut, token_texts)
 from earl_megatron.agents.responses import completion_body, stream_body
-from earl_megatron.agents.server import AgentServer, ServerLimits, parse_request
+from earl_megatron.agents.server import AgentServer, ServerLimits, base_url
 from earl_megatron.rollout.engine import Generation, SamplingParams
 from earl_megatron.rollout.tokenizer import char_tokenizer
 
@@ -58,13 +60,20 @@ def test_broker_fail_all_answers_every_waiting_request():
 
 @pytest.mark.parametrize("body,match", [
     ([], "JSON object"), ({}, "messages"), ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n=3"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n=3.*agent_max_batch"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "does not constrain decoding"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "'f'.*constrain"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+     "sampled token's logprob only"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n=0"),
 ])
 def test_parse_request_names_the_bad_field(body, match):
     with pytest.raises(ChatRequestError, match=match):
@@ -130,11 +139,13 @@ def test_response_shapes_parse_with_the_openai_package():
         {"id": "call_a_0", "type": "function",
          "function": {"name": "calculator", "arguments": "{\"expression\": \"1+2\"}"}}]}
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    c = ChatCompletion.model_validate(completion_body("c1", "policy", msg, "tool_calls",
-                                                      [7, 8, 9], usage))
+    lps = logprobs_body(char_tokenizer(), [40, 41, 42], [-0.5, -1.0, -2.0])
+    choice = {"message": msg, "finish": "tool_calls", "ids": [7, 8, 9], "logprobs": lps}
+    c = ChatCompletion.model_validate(completion_body("c1", "policy", [choice], usage))
     assert c.choices[0].message.tool_calls[0].function.name == "calculator"
     assert c.choices[0].model_extra["token_ids"] == [7, 8, 9]
-    events = list(stream_body("c1", "policy", msg, "tool_calls", [7, 8, 9], usage, True))
+    assert [t.logprob for t in c.choices[0].logprobs.content] == [-0.5, -1.0, -2.0]
+    events = list(stream_body("c1", "policy", [choice], usage, True))
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [ChatCompletionChunk.model_validate(json.loads(e[6:])) for e in events[:-1]]
     assert chunks[-1].usage.total_tokens == 8
@@ -233,3 +244,87 @@ def test_broker_wake_returns_take_at_once_and_driver_names_the_version():
     done = iter([False, True])
     assert ReplicaDriver(Echo(), version=4).lead(b, lambda: next(done), lambda k: k)
     assert fut.result(timeout=1).token_ids == (7, 8) and fut.version == 4
+
+
+# ------------------------------------------------------------------ what a request asks for
+def test_max_tokens_is_honoured_up_to_the_context_and_the_cap_is_named():
+    assert completion_budget(20, 10, 100, None) == 20           # serve: no per-call cap
+    assert completion_budget(None, 10, 100, None) == 90         # none asked: up to the context
+    assert completion_budget(None, 10, 100, 4) == 4             # training: the cap
+    assert completion_budget(3, 10, 100, 4) == 3
+    assert completion_budget(None, 98, 100, 4) == 2             # the context bounds the cap
+    with pytest.raises(ChatRequestError, match="rollout.max_action_tokens") as e:
+        completion_budget(20, 10, 100, 4)
+    assert e.value.code == "max_tokens_exceeded"
+    with pytest.raises(ChatRequestError, match="at most 90") as e:
+        completion_budget(91, 10, 100, None)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(ChatRequestError, match="context is 100") as e:
+        completion_budget(None, 100, 100, None)
+
+
+@pytest.mark.parametrize("make", ["char", "smollm2"])
+def test_token_texts_join_to_the_decoded_text_and_the_stop_cut_is_the_first(make):
+    if make == "char":
+        tok = char_tokenizer()
+    else:
+        import pathlib
+
+        from transformers import AutoTokenizer
+        path = pathlib.Path("~/.cache/earl-models/SmolLM2-135M-Instruct").expanduser()
+        if not path.is_dir():
+            pytest.skip(f"SmolLM2's tokenizer is not cached at {path}")
+        tok = AutoTokenizer.from_pretrained(path)
+    text = "Hé llo, wörld! 🙂 then STOP here and STOP again"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = token_texts(tok, ids)
+    def decode(some):
+        return tok.decode(some, skip_special_tokens=True)
+
+    assert len(pieces) == len(ids) and "".join(pieces) == decode(ids)
+    k, cut = stop_cut(tok, ids, ["STOP", "never"])
+    shown = decode(ids[:k])
+    assert "STOP" in shown and "STOP" not in decode(ids[:k - 1])   # the first token to
+    assert shown[:len(shown) - cut] == decode(ids).split("STOP")[0]  # complete it
+    assert stop_cut(tok, ids, ["absent"]) is None and stop_cut(tok, ids, []) is None
+
+
+def test_the_base_url_agents_are_handed():
+    assert base_url("127.0.0.1", 5, None) == "http://127.0.0.1:5"
+    assert base_url("0.0.0.0", 5, None) != "http://127.0.0.1:5"      # a name others reach
+    assert base_url("0.0.0.0", 5, "https://proxy.example/{port}/") == \
+        "https://proxy.example/5"
+
+
+def test_body_limit_batch_cap_and_a_completion_after_close(tmp_path):
+    """413 past the body limit (read no further); the broker's batches hold at most max_batch
+    requests; a call waiting on the engine when its episode closes is answered 410 and the
+    episode records nothing. The engine's side is this test answering the broker's futures."""
+    broker = Broker(window_s=0.0, max_batch=2)
+    s = AgentServer(char_tokenizer(), broker, ServerLimits(max_context_tokens=64,
+                                                           max_action_tokens=4, max_turns=5),
+                    max_body_bytes=2000)
+    s.start()
+    try:
+        ep = s.open_episode({})
+        url = ep.base_url + "/v1/chat/completions"
+        big = {"messages": [{"role": "user", "content": "x" * 3000}]}
+        assert _call(url, s.api_key, big)[:2] == (413, "request_too_large")
+        got = {}
+        body = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+        t = threading.Thread(target=lambda: got.update(r=_call(url, s.api_key, body)))
+        t.start()
+        batch = broker.take(30.0)
+        assert len(batch) == 2                               # n=2: two requests, one batch
+        for _ in range(3):
+            broker.submit([1], P1)
+        assert len(broker.take(5.0)) == 2 and len(broker.take(5.0)) == 1   # the cap
+        s.close_episode(ep)                                  # the agent timed out meanwhile
+        for r in batch:
+            r.future.version = 0
+            r.future.set_result(Generation((40, 41), (-0.1, -0.2), "length"))
+        t.join(30)
+        assert got["r"][:2] == (410, "episode_finished")
+        assert ep.tokens.rows() == [] and ep.calls == 0
+    finally:
+        s.stop()
