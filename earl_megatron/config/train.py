@@ -143,7 +143,7 @@ class RunConfig:
         _at_least(self, "run", 1, "eval_episodes")
         _at_least(self, "run", 0, "iterations", "checkpoint_every", "eval_every",
                   "samples_per_iteration")
-        from earl_megatron.trackers import check_names
+        from earl_megatron.config.loggers import check_names
         check_names(self.loggers)
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(f"run.keep_last={self.keep_last} would keep no checkpoint: use "

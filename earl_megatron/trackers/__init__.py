@@ -35,12 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from earl_megatron.config.checks import ConfigError
-
-LOGGERS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",),
-           "mlflow": ("mlflow", "sqlalchemy", "alembic"), "trackio": ("trackio",),
-           "swanlab": ("swanlab",)}
-"""run.loggers name -> the modules its extra installs (the extra is named as the logger;
-MLflow's SQLite store, its offline default, needs SQLAlchemy and alembic)."""
+from earl_megatron.config.loggers import LOGGERS, check_names  # noqa: F401 - re-exported
 
 ENV = {"tensorboard": (),
        "wandb": ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"),
@@ -53,18 +48,6 @@ one set: the adapter leaves the tracker's own defaults alone)."""
 PROJECT = "earl_megatron"
 """The project (wandb, trackio, swanlab) or experiment (mlflow) runs go to when the user's
 environment names none; the run's name is its output directory's name."""
-
-
-def check_names(loggers: Iterable[str]) -> None:
-    """ConfigError for an unknown or repeated name (config/train.py RunConfig)."""
-    seen = set()
-    for name in loggers:
-        if name not in LOGGERS:
-            raise ConfigError(f"run.loggers: unknown tracker {name!r}; choose from "
-                              f"{list(LOGGERS)}, e.g. run.loggers=[tensorboard,wandb]")
-        if name in seen:
-            raise ConfigError(f"run.loggers lists {name!r} twice: list each tracker once")
-        seen.add(name)
 
 
 def check_installed(loggers: Iterable[str]) -> None:

@@ -1,7 +1,7 @@
 """Imports only go down the layers, for EVERY module of the package (function-local ones too).
 
     config, quiet, stages, seeds -> plan -> models, rl, envs -> runtime, progress
-        -> weights, rollout, agents
+        -> weights, rollout, agents, trackers, viewer
         -> trainer -> entry points (train, selfcheck, cli)
 
 A module may import its own layer and the layers before it. ``earl_megatron.testing`` sits above
@@ -16,7 +16,7 @@ import earl_megatron
 PACKAGE = pathlib.Path(earl_megatron.__file__).parent
 LAYERS = {"quiet": 0, "config": 0, "stages": 0, "seeds": 0, "plan": 1, "models": 2, "rl": 2,
           "envs": 2, "runtime": 3, "progress": 3, "weights": 4, "rollout": 4, "agents": 4,
-          "trainer": 5, "train": 6, "reporting": 6, "selfcheck": 6, "cli": 6, "serve": 6, "testing": 7}
+          "trackers": 4, "viewer": 4, "trainer": 5, "train": 6, "reporting": 6, "selfcheck": 6, "cli": 6, "serve": 6, "testing": 7}
 
 
 def _modules():
