@@ -77,6 +77,8 @@ STALENESS = {"max_staleness": 0}
 TIMING_KEYS = frozenset({
     "seconds",          # {stage: wall seconds} of the iteration (record.StageTimer)
     "weight_sync_s",    # the weight sync's wall seconds (trainer/rollout.weight_sync_metrics)
+    "predicted_seconds",  # the selector's stage times, scaled by its profile of measured ones
+    "measured_memory_gb",  # a GPU's peak allocated memory per stage (allocator-dependent)
 })
 """Top-level record keys measured in wall time, left out of the comparison. Every other key of
 a record at 7974335 is a function of the config and the seed (``test_timing_keys_are_known``
