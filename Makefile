@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 ARGS ?=
 
-.PHONY: install demo agent-demo-data selfcheck test test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm browser test-browser gpu-wheels gpu-check bench clean
+.PHONY: install demo agent-demo-data selfcheck test test-agents test-unit test-distributed smollm2 test-real sglang test-sglang test-slurm browser test-browser gpu-wheels gpu-check bench clean
 
 install: $(VENV)/.installed
 
@@ -40,7 +40,13 @@ selfcheck: install
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 # tests/real needs the real model and SGLang: `make test-real` makes both
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real --ignore=tests/browser $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real --ignore=tests/browser --ignore=tests/agents $(PYTEST_ARGS)
+
+# Agent programs end to end on the tiny model (tests/agents: earl train and earl serve through
+# the endpoint with real clients, k = 1, split, dynamic sampling; ~4 minutes): CI runs it after
+# `make test`, which it would push past its 15 minutes
+test-agents: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests/agents $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

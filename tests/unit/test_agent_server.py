@@ -2,7 +2,7 @@
 checks, every refusal the server answers before the engine (a real uvicorn server on loopback,
 real HTTP), the response shapes as the ``openai`` package parses them, and the agent programs'
 rewards, failures and files (agents/programs.py). The engine's side runs in
-tests/distributed/test_agent_env.py (tiny model) and tests/real/test_real_agents.py (SmolLM2)."""
+tests/agents/test_agent_env.py (tiny model) and tests/real/test_real_agents.py (SmolLM2)."""
 
 import asyncio
 import json

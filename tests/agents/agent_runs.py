@@ -1,5 +1,5 @@
 """Agent-program runs at k = 1 as a user starts them (``earl train``), shared by
-tests/distributed/test_agent_async.py (colocated) and test_agent_split.py (split placement).
+tests/agents/test_agent_async.py (colocated) and test_agent_split.py (split placement).
 
 The tasks alternate ``plain`` (one call) and ``span`` (one call, then a second once iteration
 0's samples exist: earl_megatron/testing/agents.py), so some episodes outlive a stage."""
