@@ -43,11 +43,8 @@ from typing import Optional
 
 import torch
 
+from earl_megatron.config.algorithm import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
-POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "cispo")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-             "seq_mean_token_sum_norm")
 GSPO_LOG_RATIO_MAX = 10.0
 """GSPO's sequence log-ratio is clamped above here before exp (verl's bound), so a far-off
 sequence cannot overflow; far above any clip range, so it never changes a clipped loss."""

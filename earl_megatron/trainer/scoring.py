@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from earl_megatron.config.algorithm import GROUPED
 from earl_megatron.rl.advantages import (baselined_reward, grpo_advantage, kl_penalized_reward,
                                          normalize, overlong_penalty, rloo_advantage,
                                          token_returns)
@@ -37,9 +38,6 @@ class AdvantageConfig:
     norm_by_std: bool = True
     """grpo: divide by the group's std (False: Dr. GRPO)."""
 
-
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-"""The estimators whose baseline is the episode's group (each episode's reward, one value)."""
 
 
 def owns_samples(policy: ModelOnLayout) -> bool:
@@ -85,7 +83,7 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
     """
     owner = owns_samples(policy)
     coef = cfg.kl_coef if kl is not None else 0.0
-    if cfg.estimator in GROUP_ESTIMATORS:
+    if cfg.estimator in GROUPED:   # the baseline is the episode's group
         g = cfg.group_size
         reward = {s: kl_penalized_reward(samples[s].reward, kl[s] if coef else None, coef)
                   for s in ids}
