@@ -7,8 +7,8 @@ per policy token is 0) although every rank holds only its replica's samples."""
 import json
 import math
 
-from earl_megatron.config.train import TrainConfig
 from earl_megatron.stages import ITERATION_TIMERS
+from earl_megatron.testing.configs import tiny_connect_four
 from earl_megatron.testing.multiproc import run_distributed
 
 CASES = {"reinforce_pp": {"name": "reinforce_pp"}, "grpo": {"name": "grpo", "group_size": 2},
@@ -17,18 +17,7 @@ KL = [("off", {}), ("loss", {"kl_mode": "loss", "kl_coef": 0.1})]
 
 
 def _cfg(out, algorithm):
-    return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
-        # rollout DP2: each rank plays half the episodes, so the statistics must be all-reduced
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "tp2", "train": "tp2"},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "",
-                                                    "legal_move_reward": 0.1},
-                "eval_opponents": ["random"]},
-        "rollout": {"episodes_per_iteration": 8, "max_turns": 3},
-        "algorithm": {"micro_batch_size": 4, **algorithm},
-        "run": {"iterations": 2, "output_dir": out, "checkpoint_every": 0, "eval_episodes": 2,
-                "live_view": False},
-    })
+    return tiny_connect_four(out, algorithm=algorithm)
 
 
 def _all(root):

@@ -9,7 +9,7 @@ import json
 import os
 from collections import defaultdict
 
-from earl_megatron.config.train import TrainConfig
+from earl_megatron.testing.configs import tiny_connect_four
 from earl_megatron.testing.multiproc import run_distributed
 
 G, BATCH = 2, 4
@@ -19,19 +19,13 @@ with no group with signal (seed 1: iterations 0 and 1), whose train step is skip
 
 
 def _cfg(out, k, rounds=2, seed=0):
-    return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "tp2", "train": "tp2"},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "",
-                                                    "legal_move_reward": 0.1},
-                "eval_opponents": []},
-        "rollout": {"episodes_per_iteration": BATCH, "max_turns": 1},
-        "algorithm": {"name": "grpo", "group_size": G, "micro_batch_size": 2,
-                      "dynamic_sampling": True, "dynamic_sampling_rounds": rounds,
-                      "max_staleness": k},
-        "run": {"iterations": 3, "output_dir": out, "seed": seed, "checkpoint_every": 0, "eval_episodes": 2,
-                "live_view": False},
-    })
+    return tiny_connect_four(
+        out, env={"eval_opponents": []},
+        rollout={"episodes_per_iteration": BATCH, "max_turns": 1},
+        algorithm={"name": "grpo", "group_size": G, "micro_batch_size": 2,
+                   "dynamic_sampling": True, "dynamic_sampling_rounds": rounds,
+                   "max_staleness": k},
+        run={"iterations": 3, "seed": seed})
 
 
 def _both(root):

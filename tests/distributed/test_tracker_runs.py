@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from earl_megatron.config.train import TrainConfig
+from earl_megatron.testing.configs import tiny_connect_four
 from earl_megatron.testing.multiproc import run_distributed
 from earl_megatron.testing.tracker_readers import read
 from earl_megatron.trackers import LOGGERS, flatten
@@ -19,17 +19,8 @@ KEYS = ("loss", "reward", "grad_norm", "seconds/train", "seconds/total", "mean_c
 
 
 def _cfg(out):
-    return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
-        "layout": {"mode": "static", "rollout": "dp2", "logprob": "tp2", "train": "tp2"},
-        "env": {"name": "connect_four", "kwargs": {"system_prompt": "",
-                                                    "legal_move_reward": 0.1},
-                "eval_opponents": ["random"]},
-        "rollout": {"episodes_per_iteration": 8, "max_turns": 3},
-        "algorithm": {"micro_batch_size": 4, "name": "reinforce_pp"},
-        "run": {"iterations": 2, "output_dir": out, "checkpoint_every": 0, "eval_episodes": 2,
-                "eval_every": 1, "live_view": False, "loggers": list(LOGGERS)},
-    })
+    return tiny_connect_four(out, algorithm={"name": "reinforce_pp"},
+                             run={"eval_every": 1, "loggers": list(LOGGERS)})
 
 
 def _run(out):
