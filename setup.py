@@ -15,6 +15,9 @@ TRACKERS = {"tensorboard": ["tensorboard"], "wandb": ["wandb"],
             "mlflow": ["mlflow-skinny", "sqlalchemy", "alembic"], "trackio": ["trackio"],
             "swanlab": ["swanlab"]}
 TRACKERS_ALL = [p for pkgs in TRACKERS.values() for p in pkgs]
+# env=reasoning_gym and env=textarena (earl_megatron/envs/): the libraries' own generators,
+# games and scoring; pinned, since a new version may draw other tasks from the same seed
+ENVS = ["reasoning-gym==0.1.25", "textarena==0.7.4"]
 
 setup(
     name="earl_megatron",
@@ -48,7 +51,7 @@ setup(
         # offline store back (~35 s, ~270 MB on a fresh venv, all five); the agent extras too:
         # the tests drive the endpoint with real clients and frameworks
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis", *TRACKERS_ALL, *AGENTS,
-                *AGENT_FRAMEWORKS, "pyarrow",   # pyarrow: parquet task files
+                *AGENT_FRAMEWORKS, *ENVS, "pyarrow",   # pyarrow: parquet task files
                 "selenium"],   # earl view's browser test (Debian's chromium: make browser)
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
@@ -59,6 +62,7 @@ setup(
         # --no-deps by the fixture (its own deps are a CLI and llama.cpp, which nothing here uses).
         "real": ["gguf", "accelerate"],
         "agents": AGENTS,
+        "envs": ENVS,
         "agent-frameworks": AGENT_FRAMEWORKS,
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],

@@ -24,8 +24,9 @@ def test_cpu_default():
 
 
 @pytest.mark.parametrize("override", ["algorithm=grpo", "algorithm=reinforce_pp_multi_epoch", "env=calculator",
-                                      "layout=static", "rollout=sglang", "cluster=h100",
-                                      "model=qwen2.5-7b", "model=qwen3-8b"])
+                                      "env=reasoning_gym", "env=textarena", "layout=static",
+                                      "rollout=sglang", "cluster=h100", "model=qwen2.5-7b",
+                                      "model=qwen3-8b"])
 def test_every_group_option(override):
     """Each option takes effect: every key of its YAML file has that value in the composed
     TrainConfig (unless config.yaml's own section, composed after it, or the command line sets
