@@ -60,9 +60,8 @@ class TextArenaEnv(Env):
     name = "textarena"
 
     def __init__(self, game: str = "TicTacToe-v0", agent_player: int = 0,
-                 opponent: str | Sequence[str] = "random", num_players: int = 2,
-                 invalid_penalty: float = -1.0):
-        super().__init__(invalid_penalty)
+                 opponent: str | Sequence[str] = "random", num_players: int = 2):
+        super().__init__()   # no invalid_penalty: TextArena's own invalid-move rule decides
         ta = _ta()
         from textarena.envs.registration import ENV_REGISTRY
 
