@@ -64,9 +64,9 @@ switch needs no other rank. Fixed: ``layout.logprob`` / ``layout.train``; planne
 in TRAIN's layout (1e-5).
 
 KL on: the train pool holds the frozen reference in its LOGPROB layout, the one stage that reads
-it (the initial policy, or the warmed one after a warm start). A warm start (``sft.steps``) runs on the
-whole world before the pools split, and its last checkpoint is loaded into the train pool
-(trainer/split_sides.py). tests/distributed/test_split_compose.py.
+it (the initial policy, or the warmed one after a warm start). A warm start (``sft.steps``) runs
+on the whole world before the pools split, and its last checkpoint is loaded into the train
+pool (trainer/split_sides.py). tests/distributed/test_split_compose.py.
 
 ``rollout.engine=sglang``: the rollout pool holds no model (``PoolSeat``); each of its replicas
 leads one SGLang server (trainer/sglang_rollout.py with ``ranks=`` the pool). Step 4 then
@@ -297,7 +297,8 @@ class Split:
         with_timer = time.perf_counter()
         # to the layout of the stage that reads them first: LOGPROB (the policy is in TRAIN's
         # until the handoff below has read its shards)
-        ids, episodes = transfer_episodes(self.logprob, r, packed, group_size=cfg.algorithm.group_size,
+        ids, episodes = transfer_episodes(self.logprob, r, packed,
+                                          group_size=cfg.algorithm.group_size,
                                           sizes=[e["sizes"] for e in everyone])
         transfer_s = time.perf_counter() - with_timer
         self.audit.sent(self.tr.pool, j, out)
