@@ -224,9 +224,6 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
         return ("layout.mode=static: auto placement plans the pools' sizes and their layouts "
                 "together; set layout.mode=auto, or rollout.placement=split with "
                 "rollout.pool_ranks")
-    if r.placement == "split" and lay.mode == "static" and lay.logprob != lay.train:
-        return (f"layout.logprob={lay.logprob}: the train pool re-scores its batch in "
-                f"layout.train={lay.train}; set layout.logprob to the same")
     return None
 
 

@@ -52,10 +52,12 @@ class PoolSeat:
 
 
 def seat_on_layout(cfg: ModelConfig, layout: ParallelLayout, *, seed: int = 1234,
-                   pools: Optional[tuple[ParallelLayout, ...]] = None) -> PoolSeat:
+                   pools: Optional[tuple[ParallelLayout, ...]] = None,
+                   local: bool = False) -> PoolSeat:
     """Make this rank's pool's groups current (``build_on_layout``'s regrouping, every rank
-    passing the same ``pools``) and return its seat in ``layout``, building no model."""
-    pool = groups.build_pool_groups(pools or (layout,), cfg, seed=seed)
+    passing the same ``pools``; ``local``: this pool's ranks only, groups.build_pool_groups)
+    and return its seat in ``layout``, building no model."""
+    pool = groups.build_pool_groups(pools or (layout,), cfg, seed=seed, local=local)
     if pool.layout != layout:
         raise ValueError(f"rank {dist.get_rank()} is in pool {pool.index} ({pool.layout}), "
                          f"not in a {layout} pool; pass its pool's layout")
@@ -78,11 +80,13 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
                     load: Optional[Callable[[Any, Coords], None]] = None, ddp: bool = True,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
                     recompute: Optional[str] = None, init: Optional[bool] = None,
-                    pools: Optional[tuple[ParallelLayout, ...]] = None) -> ModelOnLayout:
+                    pools: Optional[tuple[ParallelLayout, ...]] = None,
+                    local: bool = False) -> ModelOnLayout:
     """Regroup for ``layout`` and build this rank's pp_stage (with DDP and optimizer if asked).
 
     ``pools``: split placement's pools (runtime/groups.py ``build_pool_groups``), every rank
     passing the same; ``layout`` is then this rank's pool's and the model lives on that pool.
+    ``local``: only this pool's ranks call (its new groups made by them alone).
 
     ``load(model, coords)``: fills every parameter of the bare GPTModel pp_stage before DDP
     wraps it (weights/convert.py's ``load_policy`` reads checkpoints this way); exclusive with
@@ -98,7 +102,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
 
     if weights is not None and load is not None:
         raise ValueError("pass either weights= (full tensors) or load= (a loader), not both")
-    coords = seat_on_layout(cfg, layout, seed=seed, pools=pools).coords
+    coords = seat_on_layout(cfg, layout, seed=seed, pools=pools, local=local).coords
     # the pool's groups, handed to Megatron explicitly (the same ones runtime/megatron_globals.py
     # installs for the code of the pinned Megatron-Core that reads parallel_state's globals)
     pgc = groups.current_pg_collection()

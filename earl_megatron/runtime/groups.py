@@ -13,6 +13,10 @@ globals (runtime/megatron_globals.py, the one shim) and handed to GPTModel and D
 the world, at the same time as the other pool's; ``pool_group`` / ``pool_rank`` serve the
 project's own pool-wide calls. ``build_groups(layout)`` is the one-pool case.
 
+A pool switching layouts alone (split's train pool, LOGPROB <-> TRAIN while the rollout pool
+plays) calls ``build_pool_groups(pools, local=True)``: groups made by their members alone
+(pool_grid ``local``), nothing on the world (no world barrier, no world-made group destroyed).
+
     build_pool_groups((DP2, TP2))   ranks 0-1: DP2 groups [0, 1]; ranks 2-3: TP2 groups [2, 3]
 
 RL regroups between the same few layouts every iteration (rollout / logprob / train), and
@@ -39,6 +43,8 @@ Invariants:
   ``max_cached_layouts`` <= 1 is the uncached behaviour: every regroup destroys the old groups
   before creating the new ones. Each cached layout keeps its groups' resources (~20 fds, ~10
   threads a rank on 4 gloo ranks).
+- ``local=True`` calls follow the sequence rule within the pool; their entries hold no group
+  the cache destroys (pool_grid keeps them), and a local call evicts only such entries.
 - Group timeouts are short (``set_group_timeout``, ``cluster.group_timeout_s``, default 600 s,
   below the world's ``cluster.collective_timeout_s``): a mismatched collective fails in minutes.
 - Every group inherits the world's device-mapped backend (runtime/dist.py); beside NCCL groups
@@ -81,6 +87,7 @@ class _LayoutGroups:
     groups: PoolGroups
     pool: Optional[Pool]
     """None: a pool this rank is not in (kept so every rank's cache decides alike)."""
+    local: bool = False   # made by the pool's ranks alone (build_pool_groups(local=True))
 
     @property
     def pgs(self) -> list:
@@ -128,8 +135,7 @@ def group_cache_size() -> int:
 
 
 def cached_layouts() -> list:
-    """Layouts whose groups are cached on this rank, least recently used first; a pool that is
-    not the whole world as (its first rank, its layout)."""
+    """Layouts cached on this rank, least recently used first; a pool as (first rank, layout)."""
     return [lay if off == 0 and lay.world_size == world else (off, lay)
             for off, lay, world, *_ in _CACHE]
 
@@ -167,7 +173,7 @@ _IN_USE: list = []
 
 def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConfig] = None, *,
                       timeout_s: Optional[float] = None, seed: Optional[int] = None,
-                      max_cached_layouts: Optional[int] = None) -> Pool:
+                      max_cached_layouts: Optional[int] = None, local: bool = False) -> Pool:
     """Split placement: the world is ``pools``, consecutive rank ranges (the first pool's ranks
     first), each with its own layout; make this rank's pool's Megatron-Core groups current and
     return its ``Pool``. One pool is ``build_groups``.
@@ -176,7 +182,10 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     so one pool changing its layout leaves the other pool's groups (and its models) alone. A
     pool not cached yet is created on every rank, in pool order (pool_grid.build_pool), as
     torch's ``new_group`` requires; a non-member's cache entry holds no group, so every rank's
-    cache decides alike."""
+    cache decides alike.
+
+    ``local``: only this rank's pool's ranks call (module docstring); the other pools' groups
+    are neither made nor needed."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     global _ACTIVE, _ACTIVE_KEY, _POOL
@@ -202,28 +211,28 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     index = next(i for i, o in enumerate(offsets) if o <= me < o + pools[i].world_size)
     _deactivate()
     if bound <= 1:
-        _evict(keep=0)   # no cache: every regroup, even to the same layout, starts afresh
+        _evict(keep=0, local=local)   # no cache: every regroup starts afresh
     for k in keys:       # the pools asked for now are the most recently used
         if k in _CACHE:
             _CACHE.move_to_end(k)
-    missing = [i for i, k in enumerate(keys) if k not in _CACHE]
+    missing = [i for i, k in enumerate(keys) if k not in _CACHE and (not local or i == index)]
     if missing:
-        _evict(keep=bound - len(missing), spare=keys)  # room first: old groups go first
+        _evict(keep=bound - len(missing), spare=keys, local=local)  # room first
     for i in missing:
         made = build_pool(pools[i], offsets[i], timeout_s=timeout_s, alias=gloo,
-                          # on a CPU-only world the groups are gloo already; with GPUs Megatron's
-                          # gloo side groups (distributed optimizer, checkpoints) are made too
-                          gloo_side=not gloo, pool_group=len(pools) > 1)
+                          # gloo world: gloo already; GPUs: Megatron's gloo side groups too
+                          gloo_side=not gloo, pool_group=len(pools) > 1, local=local)
         _CACHE[keys[i]] = _LayoutGroups(
-            made, Pool(i, offsets[i], pools[i], made.pool) if made.member else None)
+            made, Pool(i, offsets[i], pools[i], made.pool) if made.member else None, local)
     key = keys[index]
     entry = _CACHE[key]
     megatron_globals.install(megatron_globals.state_of(entry.groups))
     for k in keys:      # in pool order: every rank's cache keeps the same order
-        _CACHE.move_to_end(k)
+        if k in _CACHE:
+            _CACHE.move_to_end(k)
     _ACTIVE, _ACTIVE_KEY, _POOL = entry.pool.layout, key, entry.pool
     _IN_USE[:] = keys
-    _evict(keep=bound)   # a per-call bound may be below the number cached
+    _evict(keep=bound, local=local)   # a per-call bound may be below the number cached
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
     return entry.pool
@@ -267,6 +276,16 @@ def _key(offset: int, layout: ParallelLayout, timeout_s: float) -> _CacheKey:
     return (offset, layout, dist.get_world_size(), float(timeout_s), dist.get_backend())
 
 
+def activate_pool(pools: Sequence[ParallelLayout]) -> bool:
+    """This rank's pool of ``pools`` current again from the cache, locally; False: not cached."""
+    me, at = dist.get_rank(), [sum(p.world_size for p in pools[:i]) for i in range(len(pools))]
+    i = next(i for i, o in enumerate(at) if o <= me < o + pools[i].world_size)
+    key = _key(at[i], pools[i], group_timeout_s())
+    if key in _CACHE and _ACTIVE_KEY != key:
+        build_pool_groups(pools, local=True)
+    return key in _CACHE
+
+
 def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bool:
     """Make ``layout``'s cached groups current again (no collective); False if they are not
     cached (evicted, or never built with these options), in which case nothing changes. Models
@@ -308,12 +327,17 @@ def _deactivate() -> None:
         _release_later(untracked)
 
 
-def _evict(keep: int, spare: Sequence = ()) -> None:
+def _evict(keep: int, spare: Sequence = (), local: bool = False) -> None:
     """Destroy the least recently used inactive layouts (pools) until at most ``keep`` remain,
     never one of ``spare`` (the pools being built) or of the pools in use (the same on every
-    rank: the active key alone is each pool's own)."""
-    victims = [k for k in _CACHE if k not in _IN_USE and k not in spare][
-        :max(0, len(_CACHE) - max(keep, 0))]
+    rank: the active key alone is each pool's own). ``local``: only local entries (nothing to
+    destroy, no collective)."""
+    victims = [k for k in _CACHE if k not in _IN_USE and k not in spare
+               and (_CACHE[k].local or not local)][:max(0, len(_CACHE) - max(keep, 0))]
+    if local:   # pool_grid keeps their groups: nothing to destroy, nothing collective
+        for k in victims:
+            _CACHE.pop(k)
+        return
     # one list holds the last references: the popped entries die here, the groups on release
     pgs = [g for k in victims for g in _CACHE.pop(k).pgs]
     if victims:     # on every rank alike, even where the victims held no group (a pool's

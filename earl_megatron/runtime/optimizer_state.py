@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from earl_megatron.plan.state_plan import StateRanges
+from earl_megatron.runtime import groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"
@@ -120,7 +121,8 @@ def optimizer_state(on_layout) -> tuple[FlatState, StateRanges, Optional[torch.T
         state[name] = entry
         ranges[name] = (tuple(params[name].shape), start, stop)
     have = torch.tensor([0 if step is None else 1], dtype=torch.int64)
-    dist.all_reduce(have, op=dist.ReduceOp.MAX)
+    # over this rank's pool (the world, or split's train pool switching alone)
+    dist.all_reduce(have, op=dist.ReduceOp.MAX, group=groups.pool_group())
     if have.item() and step is None and state:
         raise RuntimeError("this rank has no Adam state but others do; every rank must have "
                            "stepped the optimizer the same number of times before a switch")

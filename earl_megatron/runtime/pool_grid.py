@@ -31,6 +31,15 @@ Invariants:
   touches another's.
 - ``gloo_side``: the gloo copies Megatron keeps beside NCCL groups (dp, dp-cp, expert dp: its
   distributed optimizer and checkpoints) are made too, on gloo.
+- ``local`` (split placement's train pool switching layouts while the rollout pool plays): only
+  the pool's ranks call ``build_pool``, and each list is made by its members alone
+  (``new_group(use_local_synchronization=True)``). Such a group is one per distinct (rank list,
+  backend, timeout) for the whole process (``_LOCAL``), shared by every local layout of the
+  pool and never destroyed: torch names a locally made group by a hash of its ranks and the
+  number of groups the rank holds, so a list made again after a destroy can take a dead
+  group's name, whose rendezvous keys are still in the store, and hang (measured: the second
+  ``new_group([0, 1], use_local_synchronization=True)`` after a destroy never returned). A
+  process holds at most one such group per distinct list of its pool's layouts (a handful).
 """
 
 from __future__ import annotations
@@ -95,15 +104,30 @@ class PoolGroups:
         return pgc
 
 
-class _Factory:
-    """Creates the pool's groups, every rank alike; with ``alias`` one per distinct list."""
+_LOCAL: dict = {}
+"""(rank list, backend, timeout) -> the group its members made alone (``local``): never
+destroyed, never made twice in a process (module docstring)."""
 
-    def __init__(self, timeout_s: float, alias: bool):
+
+class _Factory:
+    """Creates the pool's groups, every rank alike; with ``alias`` one per distinct list;
+    ``local``: by each list's members alone, from the process's ``_LOCAL`` groups."""
+
+    def __init__(self, timeout_s: float, alias: bool, local: bool = False):
         self.timeout, self.alias, self.made = timedelta(seconds=timeout_s), alias, {}
         self.created: list = []
+        self.local = local
 
     def __call__(self, ranks: list[int], backend: Optional[str] = None):
         key = (tuple(ranks), backend)
+        if self.local:
+            if dist.get_rank() not in ranks:
+                return None     # made by its members only
+            key = key + (self.timeout,)
+            if key not in _LOCAL:
+                _LOCAL[key] = dist.new_group(list(ranks), timeout=self.timeout,
+                                             backend=backend, use_local_synchronization=True)
+            return _LOCAL[key]   # not in ``created``: the cache never destroys it
         if self.alias and key in self.made:
             return self.made[key]
         g = dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
@@ -114,13 +138,17 @@ class _Factory:
 
 
 def build_pool(layout: ParallelLayout, offset: int, *, timeout_s: float, alias: bool,
-               gloo_side: bool, pool_group: bool) -> PoolGroups:
+               gloo_side: bool, pool_group: bool, local: bool = False) -> PoolGroups:
     """Create every group of the pool ``layout`` at ranks ``offset ..`` on every rank (collective
-    over the world) and return this rank's. ``pool_group``: also the pool's ranks as one group."""
+    over the world) and return this rank's. ``pool_group``: also the pool's ranks as one group.
+    ``local``: called by the pool's ranks only; each group made by its members alone."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     me = dist.get_rank()
-    make = _Factory(timeout_s, alias)
+    if local and not offset <= me < offset + layout.world_size:
+        raise ValueError(f"rank {me} builds the groups of the pool of ranks {offset}.."
+                         f"{offset + layout.world_size - 1} locally: only its ranks may")
+    make = _Factory(timeout_s, alias, local)
     groups, ranks, gloo = {}, {}, {}
 
     def axis(name, grid, dims, side=False):

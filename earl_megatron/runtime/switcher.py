@@ -119,17 +119,28 @@ def plan_params(on_layout: ModelOnLayout) -> tuple[dict[str, str], dict[str, tor
 def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
                   optimizer: Optional[OptimizerSpec] = None,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
-                  stats: Optional[SwitchStats] = None) -> ModelOnLayout:
+                  stats: Optional[SwitchStats] = None,
+                  pools: Optional[tuple[ParallelLayout, ...]] = None) -> ModelOnLayout:
     """Return the model (and optimizer) of ``on_layout`` in ``new_layout``; ``on_layout`` is
     consumed.
 
     ``optimizer``: the spec for the new optimizer; default: the old optimizer's own config.
     With no optimizer on ``on_layout`` only weights move (rollout / logprob stages).
     ``transport``: "auto" (shared memory between the ranks of one gloo host, else batched
-    isend/irecv), "p2p" or "shm" (an error where shared memory does not apply)."""
+    isend/irecv), "p2p" or "shm" (an error where shared memory does not apply).
+    ``pools``: split placement's pools, ``new_layout`` this rank's: the switch runs on the first
+    pool (ranks 0 .., so plan ranks are global ranks) alone, its new groups made by its ranks
+    (runtime/groups.py ``local``), its metadata and transfers on its group, over p2p (shared
+    outboxes fence on the world)."""
     stats = stats if stats is not None else SwitchStats()
     cfg, old = on_layout.cfg, on_layout.layout
-    new_layout.check(dist.get_world_size(), cfg)
+    group = None
+    if pools is not None:
+        if pools[0] != new_layout or dist.get_rank() >= new_layout.world_size:
+            raise ValueError(f"a switch inside a pool runs on the first pool (ranks 0 ..), "
+                             f"here {pools[0]}, not to {new_layout}")
+        group, transport = groups.pool_group(), "p2p"
+    new_layout.check(new_layout.world_size if pools else dist.get_world_size(), cfg)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     t0 = time.perf_counter()
@@ -150,7 +161,8 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
     release_model(on_layout.model)
     on_layout.model = on_layout.optimizer = on_layout.tcfg = None
     # no random init: the transfers below overwrite every element (_check_coverage proves it)
-    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False)
+    new = build_on_layout(cfg, new_layout, weights=None, ddp=ddp, optimizer=spec, init=False,
+                          pools=pools, local=pools is not None)
     new_state, new_ranges = install_optimizer_state(new, step) if new.optimizer is not None \
         else ({}, {})
     names, dst = plan_params(new)
@@ -162,7 +174,7 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
     me = dist.get_rank()
     # ranks finish building at different times; this collective is also the barrier that keeps
     # the first round's wait out of the transfer time
-    meta = _gather_meta(plan, me, src, dst, old_ranges, new_ranges)
+    meta = _gather_meta(plan, me, src, dst, old_ranges, new_ranges, group)
     segments = plan_state_segments(plan, meta["old"], meta["new"]) if kinds else ()
     t3 = time.perf_counter()
 
@@ -199,7 +211,7 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
         on_cpu = all(t.device.type == "cpu" for t in dst.values())
         traffic = Traffic()
         run_rounds(rounds, me, lambda m: views(m, True), lambda m: views(m, False),
-                   open_outboxes(transport, rounds, on_cpu), traffic)
+                   open_outboxes(transport, rounds, on_cpu), traffic, group)
     t4 = time.perf_counter()
     stats.bytes_sent += traffic.bytes_sent
     stats.bytes_received += traffic.bytes_received
@@ -213,7 +225,7 @@ def switch_layout(on_layout: ModelOnLayout, new_layout: ParallelLayout, *,
 
 
 def _gather_meta(plan: ReshardPlan, me: int, src: dict, dst: dict, old_ranges: dict,
-                 new_ranges: dict) -> dict:
+                 new_ranges: dict, group=None) -> dict:
     """Every rank's old and new state ranges and every moved tensor's weight element size
     (bf16 models keep some tensors, the norms, in fp32; a rank sees only its own tensors)."""
     itemsize = {}
@@ -222,8 +234,8 @@ def _gather_meta(plan: ReshardPlan, me: int, src: dict, dst: dict, old_ranges: d
             itemsize[t.name] = src[t.src_local].element_size()
         elif t.dst == me:
             itemsize[t.name] = dst[t.dst_local].element_size()
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (old_ranges, new_ranges, itemsize))
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (old_ranges, new_ranges, itemsize), group=group)
     return {"old": {r: p[0] for r, p in enumerate(parts)},
             "new": {r: p[1] for r, p in enumerate(parts)},
             "itemsize": {n: size for p in parts for n, size in p[2].items()}}

@@ -14,6 +14,10 @@ it runs, so only one model's layout can be current at a time. ``policy_in(layout
 ``trainee(layout, recompute)`` is ``policy_in`` for the TRAIN stage, with its recompute mode set
 (runtime/recompute.py).
 
+Split placement's train pool (``pools``: the world's pools, this rank's first): the switch runs
+on the pool alone, its new layout's groups made by its ranks while the rollout pool plays
+(runtime/switcher.py ``pools``, runtime/groups.py ``local``).
+
 The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer.
 It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
@@ -33,14 +37,13 @@ from earl_megatron.runtime.switcher import switch_layout
 
 class ModelPair:
     def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout], *,
-                 fixed: bool = False):
+                 pools: Optional[tuple[ParallelLayout, ...]] = None, live: str = "policy"):
         self.policy = policy
         self.reference = reference
-        self.fixed = fixed
-        """Both models stay in the layout they were built in, under the same groups, which stay
-        current (split placement's train pool): nothing is ever switched or re-activated."""
-        self._live = "policy"
-        """Whose process groups are current: "policy" or "reference"."""
+        self.pools = pools
+        """Split placement's pools (the train pool first): the models switch inside it."""
+        self._live = live
+        """Whose process groups are current: "policy" or "reference" (the model built last)."""
 
     def policy_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.policy = self._live_in(self.policy, layout, "policy")
@@ -58,13 +61,13 @@ class ModelPair:
         return self.reference
 
     def _live_in(self, model: ModelOnLayout, layout: ParallelLayout, who: str) -> ModelOnLayout:
-        if self.fixed:
-            if layout != model.layout:
-                raise ValueError(f"the {who} stays in {model.layout} (split placement's train "
-                                 f"pool), not {layout}")
-            return model
-        if not (layout == model.layout and (self._live == who or groups.activate(layout))):
-            model = switch_layout(model, layout)
+        pools = None if self.pools is None else (layout,) + tuple(self.pools[1:])
+
+        def activated() -> bool:
+            return groups.activate(layout) if pools is None else groups.activate_pool(pools)
+
+        if not (layout == model.layout and (self._live == who or activated())):
+            model = switch_layout(model, layout, pools=pools)
         self._live = who
         return model
 

@@ -203,12 +203,14 @@ class Trainer:
     # ------------------------------------------------------------------ one iteration
     def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,
                         episodes: list, pool_metrics: dict, t: StageTimer, *,
-                        sync: bool, train_layout: Optional[ParallelLayout] = None) -> dict:
+                        sync: bool, train_layout: Optional[ParallelLayout] = None,
+                        logprob_layout: Optional[ParallelLayout] = None) -> dict:
         """The iteration after its rollout: re-score, plan LOGPROB and TRAIN, advantages, train,
         [``sync``: weights to the rollout engine], record. ``policy`` holds the batch (each
         replica its block whole: the rollout layout's rule); split placement's train pool calls
-        it with the episodes it received and its pool's layout as ``train_layout`` (checked
-        against the budget, not planned: trainer/split.py)."""
+        it with the episodes it received and its pool's layouts as ``train_layout`` and
+        ``logprob_layout`` (default: the train one; checked against the budget, not planned:
+        trainer/split.py)."""
         cfg, plan, ref = self.cfg, self.planner, models.reference
         n = cfg.rollout.episodes_per_iteration
         if pool_metrics.get("dynamic_groups_trained") == 0:   # the same on every rank
@@ -234,7 +236,8 @@ class Trainer:
             engine_metrics.update(found)
         if ref is not None:
             layouts["logprob"] = plan.plan("logprob", lengths, ref.layout,
-                                           plan.train_bytes(policy.layout), fixed=train_layout)
+                                           plan.train_bytes(policy.layout),
+                                           fixed=logprob_layout or train_layout)
         layouts["train"] = plan.plan("train", lengths, policy.layout,
                                      plan.weight_bytes(layouts.get("logprob")),
                                      fixed=train_layout)

@@ -2,24 +2,27 @@
 trains.
 
 The world is two pools (plan/split.py, runtime/groups.py ``build_pool_groups``): the train pool,
-ranks ``0 .. n_t - 1`` in ``layout.train``, holds the policy and its optimizer; the rollout
+ranks ``0 .. n_t - 1``, scoring in ``layout.logprob`` and training in ``layout.train``, holds
+the policy and its optimizer; the rollout
 pool, the last ``rollout.pool_ranks`` ranks in ``layout.rollout``, holds a copy of the weights
 without an optimizer and plays the episode pool (trainer/episode_pool.py). Each pool is SPMD
 inside itself, on its own Megatron-Core groups, and the two touch only at one meeting per
 iteration, where every rank of the world calls the same collectives in the same order:
 
     ROLLOUT POOL                                   TRAIN POOL
-    stage j: play under the weights it holds       train B_{j-1} (re-score, advantages,
-      (version v_j-1 after the first meeting)        one optimizer step -> v_j), record it
+    stage j: play under the weights it holds       train B_{j-1}: switch to LOGPROB, re-score
+      (version v_j-1 after the first meeting)        [reference], advantages, switch to TRAIN,
+                                                     one optimizer step -> v_j; record it
     ============================ meeting j (the world) ==============================
       1 agree       one all_gather_object: stop? (a signal, the stop file, an abandoned
                     stage), the stage's metrics and seconds, the packed batch's sizes
       2 checkpoint  when due (periodic, the last, a stop): iteration j-1, weights v_j, the
                     episode pool as it was before stage j (its leader sends it to rank 0)
-      3 episodes    B_j, rollout replicas -> train replicas, point to point, one dispatch
+      3 episodes    B_j, rollout replicas -> the train pool's LOGPROB replicas, point to
+                    point, one dispatch
                     (runtime/episode_transfer.py; its metadata came with the agreement)
-      4 weights     v_j, train pool -> rollout pool, point to point by the weight plan
-                    (runtime/weight_transfer.py ``hand_off``)
+      4 weights     v_j, train pool (its TRAIN shards) -> rollout pool, point to point by
+                    the weight plan (runtime/weight_transfer.py ``hand_off``)
     then stage j+1 plays under v_j while the train pool trains B_j.
 
 So each batch is one version behind the weights it trains (k = 1 is "one step off-policy";
@@ -50,10 +53,20 @@ reshards the train state); the loop goes on from stage j. tests/distributed/
 test_split_trainer.py forces moves (split to split, split to colocated and back) and checks
 exactly once.
 
-KL on: the train pool holds the frozen reference beside the policy, in the same layout (the
-initial policy, or the warmed one after a warm start). A warm start (``sft.steps``) runs on the
-whole world before the pools split, and its last checkpoint is loaded into the train pool
-(trainer/split_sides.py). tests/distributed/test_split_compose.py.
+The train pool's two layouts (as the colocated loop's stages, trainer/stages.py): its policy
+switches TRAIN -> LOGPROB -> TRAIN every iteration in memory (runtime/switcher.py, weights and
+Adam state), on the pool alone while the rollout pool plays: a layout's groups are made by the
+pool's ranks (``use_local_synchronization``, runtime/groups.py ``local``) and cached, so a
+switch needs no other rank. Fixed: ``layout.logprob`` / ``layout.train``; planned: the plan's
+``logprob`` / ``train`` (the logprob one may change at any meeting without a move). Records:
+``layouts`` rollout / logprob / train; ``seconds`` ``plan+switch`` (to LOGPROB) and ``switch``
+(to TRAIN). tests/distributed/test_split_layout_switch.py: the numbers equal a run that scores
+in TRAIN's layout (1e-5).
+
+KL on: the train pool holds the frozen reference in its LOGPROB layout, the one stage that reads
+it (the initial policy, or the warmed one after a warm start). A warm start (``sft.steps``) runs
+on the whole world before the pools split, and its last checkpoint is loaded into the train
+pool (trainer/split_sides.py). tests/distributed/test_split_compose.py.
 
 ``rollout.engine=sglang``: the rollout pool holds no model (``PoolSeat``); each of its replicas
 leads one SGLang server (trainer/sglang_rollout.py with ``ranks=`` the pool). Step 4 then
@@ -63,8 +76,7 @@ or restart is the rollout pool's time, within the engine's restart budget.
 tests/sglang/test_split_sglang.py.
 
 Not here yet (docs/async.md): planned placements with SGLang servers (a move would restart them;
-refused), the train pool's own LOGPROB / TRAIN layouts within one plan (its layouts change only
-by a planned move), moves in memory rather than through a checkpoint.
+refused), moves in memory rather than through a checkpoint.
 """
 
 from __future__ import annotations
@@ -88,7 +100,7 @@ from earl_megatron.trainer.handoff import Handoff, HandoffFailed, ranks_text
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer
-from earl_megatron.trainer.split_sides import (build_sides, split_pools,
+from earl_megatron.trainer.split_sides import (build_sides, split_logprob_layout, split_pools,
                                               warm_start_before_split)
 
 __all__ = ["HandoffFailed", "Split", "split_pools"]
@@ -112,6 +124,10 @@ class Split:
         self.pools: Optional[tuple[ParallelLayout, ParallelLayout]] = \
             None if self.auto else split_pools(cfg, tr.world)
         self.train_side = self.pools is not None and tr.rank < self.pools[0].world_size
+        self.logprob: Optional[ParallelLayout] = \
+            None if self.auto else split_logprob_layout(cfg, tr.world)
+        """The train pool's LOGPROB layout (its TRAIN one is ``pools[0]``): where the batch
+        arrives and is scored; the policy switches to it and back every iteration."""
         if self.auto is not None:
             self._use(self.auto.plan)
         self.model: Optional[ModelOnLayout] = None
@@ -148,14 +164,15 @@ class Split:
     def _use(self, plan: SplitPlan) -> None:
         """Take ``plan``'s pools (auto): this rank's side and its pool's stage planner."""
         train, rollout = plan.train.layout, plan.rollout.layout
-        if train.cp > 1:
-            raise ConfigError(f"the split's train layout {train} has cp > 1, which the train "
-                              "pool does not run yet (it holds each replica's episodes whole); "
-                              "set layout.max_cp=1")
+        for lay in (plan.logprob.layout, train):
+            if lay.cp > 1:
+                raise ConfigError(f"the split's train pool layout {lay} has cp > 1, which the "
+                                  "train pool does not run yet (it holds each replica's "
+                                  "episodes whole); set layout.max_cp=1")
         problem = rollout_layout_problem(rollout, self.tr.cfg.rollout.engine)
         if problem:
             raise ConfigError(f"the split's rollout layout {rollout}: {problem}")
-        self.pools = (train, rollout)
+        self.pools, self.logprob = (train, rollout), plan.logprob.layout
         self.train_side = self.tr.rank < train.world_size
         self.tr.planner = self.tr.make_planner(train.world_size, servers_here=False)
 
@@ -169,8 +186,9 @@ class Split:
 
     def describe(self) -> str:
         t, r = self.pools
-        line = (f"split placement: train pool {ranks_text(0, t.world_size)} in {t}, rollout pool "
-                f"{ranks_text(t.world_size, self.tr.world)} in {r}")
+        lays = f"{t}" if self.logprob == t else f"{self.logprob} (logprob) -> {t} (train)"
+        line = (f"split placement: train pool {ranks_text(0, t.world_size)} in {lays}, rollout "
+                f"pool {ranks_text(t.world_size, self.tr.world)} in {r}")
         return line + (f" ({self.split_plan.reason})" if self.split_plan else "")
 
     def _start(self, *, moved: bool = False) -> tuple[int, Optional[dict], list[str]]:
@@ -275,9 +293,12 @@ class Split:
                 if self.tr.saved != done:
                     self._checkpoint_split(done, played=False)
                 return Meeting(move=plan)
-            self.auto.plan = plan
+            self.auto.plan, self.logprob = plan, plan.logprob.layout   # the plan's LOGPROB
         with_timer = time.perf_counter()
-        ids, episodes = transfer_episodes(t, r, packed, group_size=cfg.algorithm.group_size,
+        # to the layout of the stage that reads them first: LOGPROB (the policy is in TRAIN's
+        # until the handoff below has read its shards)
+        ids, episodes = transfer_episodes(self.logprob, r, packed,
+                                          group_size=cfg.algorithm.group_size,
                                           sizes=[e["sizes"] for e in everyone])
         transfer_s = time.perf_counter() - with_timer
         self.audit.sent(self.tr.pool, j, out)
@@ -342,8 +363,10 @@ class Split:
 
     # ------------------------------------------------------------------ the train pool
     def train(self, it: int, batch: tuple) -> dict:
-        """Train pool: batch ``it`` (ids, episodes, the meeting's metrics), scored and trained
-        in the train pool's layout; its record."""
+        """Train pool: batch ``it`` (ids, episodes, the meeting's metrics; held by LOGPROB's
+        replicas), scored in the pool's LOGPROB layout and trained in its TRAIN one, the policy
+        switched from TRAIN to LOGPROB first ("plan+switch", as a colocated iteration's move to
+        the layout its batch arrives in) and back ("switch"); its record."""
         ids, episodes, metrics = batch
         models = self.models
         t, r = self.pools
@@ -357,10 +380,16 @@ class Split:
                           ("handoff", "handoff_s")):
             timer.seconds[name] = meet[key]
         timer.t0 -= meet["train_wait_s"] + meet["transfer_s"] + meet["handoff_s"]
-        rec = self.tr.score_and_train(it, models, models.policy, {"rollout": r, "train": t}, ids,
-                                   episodes, metrics, timer, sync=False, train_layout=t)
-        self._train_s = sum(rec["seconds"].get(k, 0.0) for k in ("old_logprob", "switch",
-                                                                  "train"))
-        self.audit.stage(self.model, "train", it, t0, ids=ids, episodes=episodes)
+        with timer("plan+switch"):   # inside the pool, while the rollout pool plays
+            policy = models.policy_in(self.logprob)
+        rec = self.tr.score_and_train(it, models, policy,
+                                      {"rollout": r, "logprob": self.logprob, "train": t}, ids,
+                                      episodes, metrics, timer, sync=False, train_layout=t,
+                                      logprob_layout=self.logprob)
+        self.model = models.policy     # in TRAIN's layout: the handoff reads its shards
+        self._train_s = sum(rec["seconds"].get(k, 0.0) for k in (
+            "plan+switch", "old_logprob", "logprob", "switch", "train"))
+        # the replica that received the block (LOGPROB's) is the one that trained it
+        self.audit.stage(policy, "train", it, t0, ids=ids, episodes=episodes)
         return rec
 

@@ -4,8 +4,9 @@ rollout engine. trainer/split.py's ``Split`` calls these with itself as ``split`
 
 Invariants: every rank of the world calls each function with the same arguments (the model
 builds and checkpoint reads are collective over the world; a rank of the other side joins
-them); the train pool holds the policy with its optimizer and, KL on, the frozen reference in
-the same layout; the rollout pool holds a copy without optimizer (embedded engine) or a seat
+them); the train pool holds the policy with its optimizer, built in its TRAIN layout, and, KL
+on, the frozen reference in its LOGPROB layout (the one stage that reads it), whose groups its
+ranks make alone; the rollout pool holds a copy without optimizer (embedded engine) or a seat
 only (SGLang: its servers hold the weights).
 """
 
@@ -43,19 +44,30 @@ def split_pools(cfg: TrainConfig, world: int) -> tuple[ParallelLayout, ParallelL
                 from None
 
     train = parse("train", cfg.layout.train, n_t)
+    logprob = parse("logprob", cfg.layout.logprob, n_t)
     rollout = parse("rollout", cfg.layout.rollout, n_r)
     problem = rollout_layout_problem(rollout, cfg.rollout.engine)
     if problem:
         raise ConfigError(f"layout.rollout={rollout}: {problem}")
-    if train.cp > 1:
-        raise ConfigError(f"layout.train={train}: the train pool holds each replica's episodes "
-                          "whole, which cp > 1 does not yet; use tp, pp or dp there")
+    for stage, lay in (("logprob", logprob), ("train", train)):
+        if lay.cp > 1:
+            raise ConfigError(f"layout.{stage}={lay}: the train pool holds each replica's "
+                              "episodes whole, which cp > 1 does not yet; use tp, pp or dp "
+                              "there")
     episodes, g = cfg.rollout.episodes_per_iteration, cfg.algorithm.group_size
-    if episodes // g < max(train.dp, rollout.dp):
+    if episodes // g < max(train.dp, logprob.dp, rollout.dp):
         raise ConfigError(f"rollout.episodes_per_iteration={episodes} is {episodes // g} groups "
-                          f"of {g}: fewer than the train pool's {train.dp} or the rollout "
-                          f"pool's {rollout.dp} replicas; raise it")
+                          f"of {g}: fewer than the train pool's {max(train.dp, logprob.dp)} or "
+                          f"the rollout pool's {rollout.dp} replicas; raise it")
     return train, rollout
+
+
+def split_logprob_layout(cfg: TrainConfig, world: int) -> ParallelLayout:
+    """A fixed split's LOGPROB layout on the train pool (``layout.logprob``; checked by
+    ``split_pools``): where the batch arrives, is re-scored (and KL on, scored by the
+    reference) before the policy switches to ``layout.train``."""
+    train, _ = split_pools(cfg, world)
+    return ParallelLayout.parse(cfg.layout.logprob, world_size=train.world_size, model=cfg.model)
 
 
 
@@ -105,8 +117,12 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
             from earl_megatron.weights.convert import join_policy_load
             join_policy_load(cfg.run.init)
     split.model = model
-    ref = reference_on(split, lay)
-    split.models = ModelPair(model, ref, fixed=True) if split.train_side else None
+    ref = reference_on(split)
+    split.models = ModelPair(model, ref, pools=split.pools,
+                             live="policy" if ref is None else "reference") \
+        if split.train_side else None
+    if split.models is not None:
+        split.model = split.models.policy_in(t)   # the policy's groups current again
     if split.sglang:
         sglang_side(split)
     if found is None:
@@ -118,17 +134,18 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     split.tr.history[:] = state["history"]
     split.tr.saved = state["iteration"]
     if cfg.sft.steps and split.tr.kl_on:   # an RL checkpoint: the warm start ran before it
-        split.tr.warmed_reference(split.models.reference if split.models else None)
+        warmed_reference(split)
     if moved:
         return state["iteration"] + 1, state.get("pool"), []
     notes = [m for m in (found.message(),) if m is not None]
     return state["iteration"] + 1, state.get("pool"), notes + [
         f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
 
-def reference_on(split, lay: ParallelLayout) -> Optional[ModelOnLayout]:
-    """KL on: the frozen reference on the train pool, in its layout (the initial policy:
-    run.init or the seed's init, as under colocated placement; never checkpointed); the
-    rollout pool joins the collective read of a checkpoint. None otherwise."""
+def reference_on(split) -> Optional[ModelOnLayout]:
+    """KL on: the frozen reference on the train pool, in its LOGPROB layout (the initial
+    policy: run.init or the seed's init, as under colocated placement; never checkpointed),
+    its groups made by the pool's ranks alone; the rollout pool joins the collective read of a
+    checkpoint. None otherwise."""
     cfg = split.tr.cfg
     if not split.tr.kl_on:
         return None
@@ -137,11 +154,14 @@ def reference_on(split, lay: ParallelLayout) -> Optional[ModelOnLayout]:
             from earl_megatron.weights.convert import join_policy_load
             join_policy_load(cfg.run.init)
         return None
+    lay = split.logprob
+    pools = (lay, split.pools[1])
+    groups.build_pool_groups(pools, cfg.model, local=True)   # then a cache hit in the build
     if cfg.run.init:
         from earl_megatron.weights.convert import load_policy
-        return load_policy(cfg.run.init, lay, ddp=False, seed=cfg.run.seed,
-                           pools=split.pools)
-    return build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed, pools=split.pools)
+        return load_policy(cfg.run.init, lay, ddp=False, seed=cfg.run.seed, pools=pools)
+    return build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed, pools=pools,
+                           local=True)
 
 def sglang_side(split) -> None:
     """engine=sglang: this rank's rollout, for its side of the current pools. The rollout
@@ -188,9 +208,17 @@ def warm_start_before_split(split) -> bool:
     load_checkpoint(split.model if split.train_side else None, path)
     if split.train_side:
         set_lr(split.model.optimizer, cfg.algorithm.lr)
-    if split.models is not None and split.models.reference is not None:
-        tr.warmed_reference(split.models.reference)
-    elif tr.kl_on:
-        tr.warmed_reference(None)       # the rollout pool joins the collective read
+    if tr.kl_on:
+        warmed_reference(split)
     return True
+
+
+def warmed_reference(split) -> None:
+    """KL after a warm start: the train pool's reference loads the warmed policy in its LOGPROB
+    layout (the rollout pool joins the collective read), then the policy's groups are current
+    again."""
+    models = split.models
+    split.tr.warmed_reference(models.reference_in(split.logprob) if models else None)
+    if models is not None:
+        split.model = models.policy_in(split.pools[0])
 

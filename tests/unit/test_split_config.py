@@ -5,6 +5,7 @@ import pytest
 
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.trainer.split import split_pools
+from earl_megatron.trainer.split_sides import split_logprob_layout
 
 SPLIT = {"layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "dp2"},
          "rollout": {"placement": "split", "episodes_per_iteration": 4},
@@ -25,6 +26,12 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
     t, r = split_pools(_cfg(layout__train="tp2", layout__logprob="tp2", layout__rollout="dp1",
                             rollout__pool_ranks=1), 3)
     assert (t.tp, t.world_size, r.world_size) == (2, 2, 1)
+    # the train pool scores in layout.logprob and trains in layout.train (it switches between)
+    cfg = _cfg(layout__train="tp2", layout__logprob="dp2", layout__rollout="dp1",
+               rollout__pool_ranks=1)
+    assert str(split_logprob_layout(cfg, 3)) == "DP2"
+    with pytest.raises(ConfigError, match="layout.logprob=CP2: the train pool holds"):
+        split_pools(_cfg(layout__logprob="cp2"), 4)
 
 
 @pytest.mark.parametrize("over, says", [
@@ -32,7 +39,6 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
     ({"rollout__engine": "sglang", "rollout__placement": "auto", "layout__mode": "auto"},
      "rollout.placement=split with rollout.pool_ranks"),
     ({"rollout__engine": "sglang", "layout__mode": "auto"}, "layout.mode=static"),
-    ({"layout__logprob": "tp2"}, "layout.logprob to the same"),
     ({"rollout__placement": "auto"}, "set layout.mode=auto"),
     ({"rollout__placement": "auto", "layout__mode": "auto", "rollout__pool_ranks": 1},
      "set rollout.placement=split"),
