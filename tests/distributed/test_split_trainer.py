@@ -38,7 +38,7 @@ def test_split_k1_trains_every_episode_once_one_version_behind(tmp_path):
         assert h["staleness_shares"] == {"1": 1.0}, h["staleness_shares"]
     for h in hist:
         assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0
-        assert h["layouts"] == {"rollout": "DP2", "train": "DP2"}
+        assert h["layouts"] == {"rollout": "DP2", "logprob": "DP2", "train": "DP2"}
         assert h["split"]["handoff_bytes"] > 0 or h["iteration"] == 0
     # the rollout of batch j + 1 ran while batch j trained
     stages = {(r["side"], r["it"]): r for r in rows if r["side"] in ("rollout", "train")}
