@@ -67,8 +67,9 @@ class AgentSpec:
     @classmethod
     def from_env_kwargs(cls, kwargs: dict, *, concurrency: int, timeout_s: float, host: str,
                         port: int, **server) -> "AgentSpec":
+        verifiers = "id" in kwargs or "args" in kwargs   # env=verifiers: its recipe's keys
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        if "id" in kwargs or "args" in kwargs:     # env=verifiers (recipes/env/verifiers.yaml)
+        if verifiers:
             unknown = set(kwargs) - {"id", "args"}
             if unknown:
                 raise ValueError(f"env.kwargs {sorted(unknown)}: env=verifiers reads id and "

@@ -108,7 +108,7 @@ def test_an_evaluation_plays_the_eval_dataset():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"args": {}}, "needs env.kwargs.id=MODULE"),
+    ({"id": None, "args": None}, "needs env.kwargs.id=MODULE"),   # env=verifiers alone
     ({"id": "no_such_vf_env_q"}, "cannot import module 'no_such_vf_env_q'.*PYTHONPATH"),
     ({"id": "json"}, "has no load_environment"),
     ({"id": ENVS + "tool", "args": {"nope": 1}}, "raised TypeError.*env.kwargs.args"),
