@@ -8,6 +8,9 @@ from setuptools import find_packages, setup
 AGENTS = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "openai>=1.40"]
 # agent frameworks the tests drive the endpoint with, as their users write agents
 AGENT_FRAMEWORKS = ["openai-agents", "langgraph", "langchain-openai"]
+# env=verifiers (earl_megatron/agents/verifiers_glue.py). Pinned: 0.3.1 keeps openai 3.x, which
+# openai-agents above needs (0.4.0 wants openai 2.54); its mcp 1.30 is inside openai-agents' range
+VERIFIERS = ["verifiers==0.3.1"]
 # run.loggers (earl_megatron/trackers): each tracker's library. mlflow-skinny is MLflow's client
 # without its server's scikit-learn/pandas/flask stack (52 packages); SQLAlchemy and alembic
 # are what its SQLite store (the offline default: MLflow refuses its old file store) needs.
@@ -52,7 +55,8 @@ setup(
         # the tests drive the endpoint with real clients and frameworks
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis", *TRACKERS_ALL, *AGENTS,
                 *AGENT_FRAMEWORKS, *ENVS, "pyarrow",   # pyarrow: parquet task files
-                "selenium"],   # earl view's browser test (Debian's chromium: make browser)
+                "selenium",    # earl view's browser test (Debian's chromium: make browser)
+                *VERIFIERS],
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See
         # docs/running.md ("SGLang rollouts"), docs/sglang.md and ../shared/sglang-cpu.
@@ -63,6 +67,7 @@ setup(
         "real": ["gguf", "accelerate"],
         "agents": AGENTS,
         "envs": ENVS,
+        "verifiers": VERIFIERS,
         "agent-frameworks": AGENT_FRAMEWORKS,
         # Optional accelerators, used when importable: NVIDIA apex and TransformerEngine.
         "te": ["transformer_engine[pytorch]"],

@@ -156,17 +156,15 @@ def validate(cfg: TrainConfig, world: int) -> None:
 
 
 def _check_agent(cfg: TrainConfig, world: int) -> None:
-    """env.name=agent: the tasks file reads, the entry and reward import, the agents extra is
-    installed; each problem one ConfigError."""
-    from earl_megatron.agents.programs import AgentConfigError, load_tasks, resolve
+    """env.name=agent: the tasks file reads, the entry and reward import (env=verifiers: the
+    environment loads, with a dataset), the agents extra is installed; each problem one
+    ConfigError."""
+    from earl_megatron.agents.programs import AgentConfigError
+    from earl_megatron.trainer.agent_rollout import agent_program
     from earl_megatron.trainer.runner import agent_spec
 
     try:
-        spec = agent_spec(cfg)
-        load_tasks(spec.tasks)
-        for what in ("entry", "reward"):
-            if getattr(spec, what):
-                resolve(getattr(spec, what), what)
+        agent_program(agent_spec(cfg), cfg.rollout.max_turns)
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except (AgentConfigError, ValueError) as e:

@@ -49,6 +49,8 @@ class _Request:
     params: SamplingParams
     future: Answer
     arrived: float
+    on_token: Optional[Callable[[int, float], None]] = None
+    """Hears each (token id, logprob) as the engine samples it (a streamed request)."""
 
 
 class Broker:
@@ -68,10 +70,14 @@ class Broker:
         has a request waiting, the batch goes at once."""
         self._woken = False
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Answer:
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               on_token: Optional[Callable[[int, float], None]] = None) -> Answer:
+        """``on_token(id, logprob)``: called from the driver's thread as each token is sampled,
+        by an engine that streams (``streams_tokens``); the Answer holds them all either way."""
         fut = Answer()
         with self._cond:
-            self._pending.append(_Request(tuple(prompt), params, fut, time.monotonic()))
+            self._pending.append(_Request(tuple(prompt), params, fut, time.monotonic(),
+                                          on_token))
             self._cond.notify_all()
         return fut
 
@@ -118,6 +124,23 @@ class Broker:
         for r in pending:
             if not r.future.done():
                 r.future.set_exception(error)
+
+
+def _streams(engine, batch: list[_Request]) -> dict:
+    """generate's ``on_token`` for a batch with streamed requests, on an engine that streams
+    (the embedded one; others answer at the end, and the stream then comes in one piece)."""
+    hear = [r.on_token for r in batch]
+    if not any(hear) or not getattr(engine, "streams_tokens", False):
+        return {}
+
+    def on_token(row: int, token: int, logprob: float) -> None:
+        if hear[row] is not None:
+            try:
+                hear[row](token, logprob)
+            except Exception:  # noqa: BLE001 - a listener gone (loop closed) never stops decoding
+                hear[row] = None
+
+    return {"on_token": on_token}
 
 
 class ReplicaDriver:
@@ -168,7 +191,7 @@ class ReplicaDriver:
                 if self._stopping():
                     return False
                 try:
-                    out = self.engine.generate(prompts, params)
+                    out = self.engine.generate(prompts, params, **_streams(self.engine, batch))
                 except Exception as e:  # noqa: BLE001 - every waiting agent hears of it
                     for r in batch:
                         r.future.set_exception(e)

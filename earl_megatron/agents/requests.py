@@ -14,8 +14,9 @@ up to the context where there is none (``serve``). Training's per-call cap
 message naming the setting (a silent clamp would hand the agent a "length" it did not ask for).
 
 ``stop_cut``: the first token whose text completes a ``stop`` string, found in one pass over
-incrementally detokenized text (``token_texts``: vLLM's incremental detokenizer, a step decodes
-the few tokens since the last emitted text, not the whole completion).
+incrementally detokenized text (``Detokenizer``: vLLM's incremental detokenizer, a step decodes
+the few tokens since the last emitted text, not the whole completion; ``StopScan`` the search,
+shared with the token-by-token stream of agents/responses.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from earl_megatron.agents.chat import ChatRequestError
+from earl_megatron.agents.tool_parsers import marker_start
 
 def parse_request(body: Any, default_model: str, max_n: int = 1) -> dict:
     """The fields of a chat completions request this server reads, checked (ChatRequestError
@@ -131,23 +133,58 @@ def _coded(message: str, code: str) -> ChatRequestError:
     return e
 
 
-def token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
-    """Each token's text as it extends the decoded completion: vLLM's incremental detokenizer
-    (a step decodes the tokens since the previous emission and the ones before it, so the work
-    is linear in the completion; the pieces join to ``decode(ids)``). A token that ends inside a
-    multi-byte character gets "", the token completing it the whole character."""
-    out: list[str] = []
-    prefix = read = 0
-    for k in range(len(ids)):
-        head = tokenizer.decode(ids[prefix:read], skip_special_tokens=True) if read > prefix \
-            else ""
-        full = tokenizer.decode(ids[prefix:k + 1], skip_special_tokens=True)
+class Detokenizer:
+    """vLLM's incremental detokenizer: ``add`` returns each token's text as it extends the
+    decoded completion (a step decodes the tokens since the previous emission and the ones
+    before it, so the work is linear in the completion; the pieces join to ``decode(ids)``). A
+    token that ends inside a multi-byte character gets "", the token completing it the whole
+    character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, token_id: int) -> str:
+        ids, dec = self.ids, self.tokenizer.decode
+        ids.append(int(token_id))
+        head = dec(ids[self.prefix:self.read], skip_special_tokens=True) \
+            if self.read > self.prefix else ""
+        full = dec(ids[self.prefix:], skip_special_tokens=True)
         if len(full) > len(head) and not full.endswith("\ufffd"):
-            out.append(full[len(head):])
-            prefix, read = read, k + 1
-        else:
-            out.append("")
-    return out
+            self.prefix, self.read = self.read, len(ids)
+            return full[len(head):]
+        return ""
+
+
+def token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token's text as it extends the decoded completion (``Detokenizer``)."""
+    d = Detokenizer(tokenizer)
+    return [d.add(i) for i in ids]
+
+
+class StopScan:
+    """A completion's text token by token, watching for ``stops``: ``cut`` becomes (k, characters
+    cut) at the first token k whose text completes a stop string (the characters from the
+    earliest stop string on are cut); ``held`` is how many trailing characters could still
+    start one (a stream must not show them yet)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.text, self.tokens = list(stops), "", 0
+        self.longest = max((len(s) for s in stops), default=0)
+        self.cut: Optional[tuple[int, int]] = None
+
+    def add(self, piece: str) -> None:
+        start = max(0, len(self.text) - self.longest)
+        self.text += piece
+        self.tokens += 1
+        at = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if at and self.cut is None:
+            self.cut = self.tokens, len(self.text) - min(at)
+
+    @property
+    def held(self) -> int:
+        if self.cut is not None:
+            return self.cut[1]
+        return max((marker_start(self.text, s) for s in self.stops), default=0)
 
 
 def stop_cut(tokenizer, ids: Sequence[int], stops: list[str]) -> Optional[tuple[int, int]]:
@@ -155,13 +192,11 @@ def stop_cut(tokenizer, ids: Sequence[int], stops: list[str]) -> Optional[tuple[
     string, the characters from the earliest stop string on being cut; None without one."""
     if not stops:
         return None
-    text, longest = "", max(len(s) for s in stops)
-    for k, piece in enumerate(token_texts(tokenizer, ids), start=1):
-        start = max(0, len(text) - longest)
-        text += piece
-        at = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-        if at:
-            return k, len(text) - min(at)
+    scan, d = StopScan(stops), Detokenizer(tokenizer)
+    for i in ids:
+        scan.add(d.add(i))
+        if scan.cut:
+            return scan.cut
     return None
 
 
@@ -169,6 +204,11 @@ def logprobs_body(tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> d
     """OpenAI's ``choices[i].logprobs``: one entry per returned token, its text, bytes and the
     engine's logprob (no alternatives: top_logprobs is refused in ``parse_request``)."""
     texts = token_texts(tokenizer, ids)
-    return {"content": [{"token": t, "logprob": float(lp), "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(texts, logprobs, strict=True)],
+    return {"content": [logprob_entry(t, lp) for t, lp in zip(texts, logprobs, strict=True)],
             "refusal": None}
+
+
+def logprob_entry(text: str, logprob: float) -> dict:
+    """One token's entry of OpenAI's ``logprobs.content``."""
+    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode()),
+            "top_logprobs": []}

@@ -16,7 +16,8 @@ Each episode keeps its conversation in tokens (agents/trajectory.py: the prompt 
 previous call's prompt and completion, or the episode forks); the response is built from the
 sampled ids (content and ``tool_calls`` parsed in the model's own format, ``finish_reason``
 "tool_calls" | "stop" | "length", ``usage``), and the ids themselves ride along in
-``choices[0].token_ids`` (streaming too: the server keeps them either way).
+``choices[0].token_ids`` (the server keeps them either way). A stream sends a chunk per token
+as the engine samples it (agents/responses.py ``streamed``), recorded as an unstreamed one.
 
 Refusals, in OpenAI's error shape ``{"error": {"message", "type", "code"}}``: a missing or wrong
 key 401; an unknown episode 404, a finished one 410 (also a call whose completion arrives after
@@ -39,12 +40,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from earl_megatron.agents.broker import Broker
 from earl_megatron.agents.chat import ChatRenderer, ChatRequestError
 from earl_megatron.agents.requests import (completion_budget, logprobs_body, parse_request,
                                            stop_cut)
+from earl_megatron.agents.responses import completion_body, streamed
 from earl_megatron.agents.trajectory import EpisodeTokens
 from earl_megatron.rollout.engine import SamplingParams
 
@@ -226,10 +228,15 @@ class AgentServer:
                 return _error(503, "weights are being updated; retry shortly",
                               "weights_updating", "server_error", {"Retry-After": "1"})
             ep = self.episodes[eid]
-            async with ep.lock:
-                if ep.closed:   # it closed while this call waited for the one before it
-                    return self._gone(eid)
-                return await self._chat(ep, request)
+            await ep.lock.acquire()
+            answer = None   # a stream releases the lock itself, once its completion is recorded
+            try:   # 410 when it closed while this call waited for the one before it
+                answer = self._gone(eid) if ep.closed else \
+                    await self._chat(ep, request, ep.lock.release)
+                return answer
+            finally:
+                if not getattr(answer, "unlocks_later", False):
+                    ep.lock.release()
 
         @app.post("/episodes/{eid}/reward")
         async def reward(eid: str, request: Request):
@@ -293,9 +300,7 @@ class AgentServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return ChatRequestError(f"the request body is not JSON ({e})"), None
 
-    async def _chat(self, ep: AgentEpisode, request):
-        from earl_megatron.agents.responses import completion_body, stream_body
-
+    async def _chat(self, ep: AgentEpisode, request, unlock=None):
         body, refused = await self._json(request)
         if refused:
             return refused
@@ -317,9 +322,9 @@ class AgentServer:
         except ChatRequestError as e:
             return _error(400, str(e), getattr(e, "code", "invalid_request"))
         if lim.honour_sampling:
-            temperature, top_p = req["temperature"], req["top_p"]
-            temperature = lim.temperature if temperature is None else temperature
-            top_p = lim.top_p if top_p is None else top_p
+            temperature, top_p = (lim.temperature if req["temperature"] is None else
+                                  req["temperature"], lim.top_p if req["top_p"] is None else
+                                  req["top_p"])
         else:
             temperature, top_p = lim.temperature, lim.top_p
             if req["temperature"] not in (None, lim.temperature) or \
@@ -328,7 +333,15 @@ class AgentServer:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
                                 stop_token_ids=self.renderer.fmt.stop_token_ids,
                                 seed=req["seed"] if lim.honour_sampling else None)
+        cid = f"chatcmpl-{secrets.token_hex(12)}"
+        if req["stream"]:
+            return streamed(self, ep, prompt, req, params, cid, unlock)
         futs = [self.broker.submit(prompt.ids, params) for _ in range(req["n"])]
+        got = await self._finish(ep, prompt, req, futs)
+        return completion_body(cid, self.model_name, *got) if isinstance(got, tuple) else got
+
+    async def _finish(self, ep: AgentEpisode, prompt, req: dict, futs):
+        """(choices, usage) once every choice is decoded and recorded; else the refusal."""
         try:
             gens = [await asyncio.wrap_future(f) for f in futs]
         except Exception as e:  # noqa: BLE001 - the rollout ended under this request
@@ -337,17 +350,8 @@ class AgentServer:
         choices = await asyncio.to_thread(self._record, ep, prompt, req, futs, gens)
         if choices is None:   # the episode closed while the engine decoded: nothing recorded
             return self._gone(ep.id)
-        n_out = sum(len(c["ids"]) for c in choices)
-        usage = {"prompt_tokens": len(prompt.ids), "completion_tokens": n_out,
-                 "total_tokens": len(prompt.ids) + n_out}
-        cid = f"chatcmpl-{secrets.token_hex(12)}"
-        if req["stream"]:
-            from fastapi.responses import StreamingResponse
-
-            return StreamingResponse(stream_body(cid, self.model_name, choices, usage,
-                                                 req["include_usage"]),
-                                     media_type="text/event-stream")
-        return completion_body(cid, self.model_name, choices, usage)
+        n, m = len(prompt.ids), sum(len(c["ids"]) for c in choices)
+        return choices, {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
     def _record(self, ep: AgentEpisode, prompt, req: dict, futs, gens) -> Optional[list]:
         """Each choice cut at its stop string and recorded on the episode (in a worker thread,

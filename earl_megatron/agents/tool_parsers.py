@@ -77,6 +77,12 @@ def _reply(pieces: list[str], calls: list[tuple[str, dict]], malformed: int,
     return Reply(content if content or not tool_calls else None, tool_calls, malformed)
 
 
+def marker_start(text: str, marker: str) -> int:
+    """The longest end of ``text`` that begins ``marker`` (a marker that may be coming)."""
+    return max((n for n in range(min(len(marker) - 1, len(text)), 0, -1)
+                if text.endswith(marker[:n])), default=0)
+
+
 def _call(obj, args_key: str) -> Optional[tuple[str, dict]]:
     """(name, arguments) of a decoded call object, or None when it is not a valid call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -111,6 +117,12 @@ class HermesParser:
         pieces.append(rest)
         return _reply(pieces, calls, malformed, id_prefix)
 
+    def content_prefix(self, text: str) -> int:
+        """Characters of a completion so far that stay content however it goes on: those
+        before a call block could begin (a stream shows no more)."""
+        at = text.find(self._OPEN)
+        return at if at >= 0 else len(text) - marker_start(text, self._OPEN)
+
     def render_calls(self, content: Optional[str], calls: Sequence[tuple[str, str]]) -> str:
         """Content then one block per call, newline-separated, as Qwen2.5's template writes an
         assistant message with ``tool_calls``."""
@@ -143,6 +155,14 @@ class Llama3JsonParser:
         if calls is None:
             return _reply([text], [], 1, id_prefix)
         return _reply([head], calls, 0, id_prefix)
+
+    def content_prefix(self, text: str) -> int:
+        """As HermesParser's: nothing while the reply could be a bare JSON call, else the text
+        before the tag."""
+        if not text.strip() or text.lstrip().startswith("{"):
+            return 0
+        at = text.find(self.TAG)
+        return at if at >= 0 else len(text) - marker_start(text, self.TAG)
 
     @staticmethod
     def _calls(body: str) -> Optional[list[tuple[str, dict]]]:

@@ -70,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,8 @@ _CACHE_ROUND = 256  # cache length granularity, so growing agent contexts rarely
 
 class EmbeddedEngine:
     """RolloutEngine over a Megatron-Core GPTModel pp_stage (see the module docstring)."""
+
+    streams_tokens = True   # generate(..., on_token=) hears tokens as they are sampled
 
     def __init__(self, on_layout, *, pad_token_id: int = 0, seed: int = 0, prompts: str = "global",
                  kv_cache: bool = True, prefill_tokens: int = PREFILL_TOKENS,
@@ -131,7 +133,8 @@ class EmbeddedEngine:
         self._ctx = None
         self._released = False
         self._closed = False
-        self.stats = {"calls": 0, "generated_tokens": 0, "seconds": 0.0, "reused_tokens": 0}
+        self.stats = {"calls": 0, "generated_tokens": 0, "seconds": 0.0, "reused_tokens": 0,
+                      "steps": 0}   # steps: decode steps sampled (a token per live row each)
 
     # --- generation -----------------------------------------------------------------------
     # inference mode, not just no_grad: no version counters or autograd bookkeeping on the ~400
@@ -139,8 +142,10 @@ class EmbeddedEngine:
     # Megatron's lru-cached rotary tables, dropped after the call (forget_inference_tables), so
     # the shared training model never meets an inference tensor.
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_token: Optional[Callable[[int, int, float], None]] = None
+                 ) -> list[Generation]:
+        """``on_token(row in prompts, id, logprob)``: each token of this replica's rows, sampled."""
         check_prompts(prompts)
         if self._closed or self._released:
             raise RuntimeError("EmbeddedEngine.generate after close() or release_memory(); call "
@@ -154,7 +159,7 @@ class EmbeddedEngine:
             with host_scope(), sequence_parallel_off(self.model), (
                     routing_replay.recording(self.model) if self.record_routes
                     else contextlib.nullcontext()):
-                out = self._generate(prompts, params)
+                out = self._generate(prompts, params, on_token)
         finally:
             self.model.train(was_training)
             forget_inference_tables()
@@ -163,22 +168,23 @@ class EmbeddedEngine:
         self.stats["seconds"] += time.perf_counter() - t0
         return out
 
-    def _generate(self, prompts: Sequence[Sequence[int]],
-                  params: SamplingParams) -> list[Generation]:
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  on_token=None) -> list[Generation]:
         layout, dp_rank = self.on_layout.layout, self.on_layout.coords.dp
         # every rank draws the base seed, so the engine's generator stays in step on all ranks
         base = params.seed if params.seed is not None else int(
             torch.randint(2**31, (1,), generator=self._generator, device=self.device))
         if self.prompts_mode == "global" and layout.dp > 1:
             block = split_evenly(len(prompts), layout.dp)[dp_rank]
-            mine = self._decode([prompts[i] for i in block], params,
-                                base, block.start) if len(block) else self._idle()
+            mine = self._decode([prompts[i] for i in block], params, base, block.start,
+                                on_token, block.start) if len(block) else self._idle()
             parts: list = [None] * layout.dp
             dist.all_gather_object(parts, mine, group=self._dp_group)
             out = [g for part in parts for g in part]
         else:
             first = dp_rank << 40 if self.prompts_mode == "replica" else 0
-            out = self._decode(list(prompts), params, base, first) if prompts else self._idle()
+            out = self._decode(list(prompts), params, base, first, on_token) if prompts \
+                else self._idle()
         return out
 
     # --- lockstep over the ep group (MoE with ep > 1) ----------------------------------------
@@ -225,7 +231,7 @@ class EmbeddedEngine:
                 for i in range(n)]
 
     def _decode(self, prompts: list[Sequence[int]], params: SamplingParams, base: int,
-                first: int) -> list[Generation]:
+                first: int, on_token=None, row0: int = 0) -> list[Generation]:
         dev, pipe = self.device, self._pipe
         batch, width = len(prompts), max(len(p) for p in prompts)
         uniforms = None
@@ -279,7 +285,12 @@ class EmbeddedEngine:
                     tok, lp = sample_next(logits, params,
                                           None if uniforms is None else uniforms[step])
                 tok, lp = pipe.broadcast_from_last(tok, lp, batch)
+                live = None if on_token is None else (~track.done).tolist()
                 done = track.add(tok, lp) or track.steps == params.max_new_tokens
+                self.stats["steps"] += 1
+                if live is not None:   # the rows still decoding before this step's token
+                    for i, (t, p) in enumerate(zip(tok.tolist(), lp.tolist())):
+                        live[i] and on_token(row0 + i, t, p)
             if not self._agree(int(not done)):
                 break
             if done:  # finished here, a peer of the ep group still decodes

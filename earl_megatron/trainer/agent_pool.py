@@ -264,7 +264,7 @@ class AgentPool:
         if self._gate is None:
             self._gate = agent_gate(p.spec.concurrency)
         entry = AgentEntry(key, int(seed), self.g, None)
-        entry.future = start_agent(p.server, p.tasks[seed % len(p.tasks)], p.agent, p.reward,
+        entry.future = start_agent(p.server, p.task(seed), p.agent, p.reward,
                                    timeout_s=p.spec.timeout_s, gate=self._gate,
                                    opened=lambda ep: setattr(entry, "episode", ep))
         # a finished episode may end the stage: the driver re-checks at once

@@ -19,12 +19,16 @@ version that sampled each, -1 off the loss mask; () when the driver was given no
 decodes to ``ChatRenderer.messages_text(messages, tools, False)`` up to the template's end of
 turn.
 
-Task of an episode: ``tasks[seed % len(tasks)]`` (GRPO groups share a seed, so a task).
+Task of an episode: ``tasks[seed % len(tasks)]`` (GRPO groups share a seed, so a task); an
+evaluation's from ``eval_tasks`` (a verifiers environment's eval dataset, else the tasks).
+The tasks and the program come from ``agent_program``: a tasks file and an entry, or a
+verifiers environment (``env.kwargs.id``: agents/verifiers_glue.py), which is one more agent
+program to everything here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -46,7 +50,7 @@ METRIC_KEYS = ("agent_calls_per_episode", "agent_tool_calls_per_episode",
 @dataclass(frozen=True)
 class AgentSpec:
     entry: Optional[str]
-    tasks: str
+    tasks: Optional[str]
     reward: Optional[str]
     concurrency: int
     timeout_s: float
@@ -55,18 +59,38 @@ class AgentSpec:
     public_url: Optional[str] = None
     max_body_mb: float = 16.0
     max_batch: int = 64
+    env_id: Optional[str] = None
+    """``env=verifiers``: the verifiers environment module (env.kwargs.id); None: a tasks file."""
+    env_args: dict = field(default_factory=dict)
+    """Its ``load_environment`` arguments (env.kwargs.args)."""
 
     @classmethod
     def from_env_kwargs(cls, kwargs: dict, *, concurrency: int, timeout_s: float, host: str,
                         port: int, **server) -> "AgentSpec":
+        verifiers = "id" in kwargs or "args" in kwargs   # env=verifiers: its recipe's keys
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if verifiers:
+            unknown = set(kwargs) - {"id", "args"}
+            if unknown:
+                raise ValueError(f"env.kwargs {sorted(unknown)}: env=verifiers reads id and "
+                                 "args only (the environment brings its tasks, agent and "
+                                 "reward)")
+            if not kwargs.get("id"):
+                raise ValueError("env=verifiers needs env.kwargs.id=MODULE (an installed "
+                                 "verifiers environment: a module with load_environment)")
+            if not isinstance(kwargs.get("args", {}), dict):
+                raise ValueError(f"env.kwargs.args={kwargs['args']!r}: a mapping of "
+                                 "load_environment's arguments, e.g. env.kwargs.args={n: 4}")
+            return cls(None, None, None, int(concurrency), float(timeout_s), host, int(port),
+                       env_id=str(kwargs["id"]), env_args=dict(kwargs.get("args", {})),
+                       **server)
         unknown = set(kwargs) - {"entry", "tasks", "reward"}
         if unknown:
             raise ValueError(f"env.kwargs {sorted(unknown)}: env.name=agent reads entry, tasks "
                              "and reward only")
         if not kwargs.get("tasks"):
             raise ValueError("env.name=agent needs env.kwargs.tasks=PATH (JSONL or parquet, "
-                             "one task per row)")
+                             "one task per row), or env=verifiers env.kwargs.id=MODULE")
         if not kwargs.get("entry") and not kwargs.get("reward"):
             raise ValueError("env.name=agent without env.kwargs.entry plays the built-in "
                              "agent, which needs env.kwargs.reward=package.module:function to "
@@ -75,24 +99,55 @@ class AgentSpec:
                    int(concurrency), float(timeout_s), host, int(port), **server)
 
 
+@dataclass(frozen=True)
+class AgentProgram:
+    """What plays an agent episode: its tasks (an evaluation's too), the agent, the optional
+    reward function (agents/programs.py ``run_agents``)."""
+
+    tasks: list
+    eval_tasks: list
+    agent: Callable
+    reward: Optional[Callable]
+
+
+def agent_program(spec: AgentSpec, max_turns: Optional[int] = None) -> AgentProgram:
+    """The spec's program: a verifiers environment's (agents/verifiers_glue.py; ``max_turns``,
+    rollout.max_turns, must fit its turns), or the tasks file with the entry (the built-in
+    agent without one) and the reward function. AgentConfigError names what is wrong."""
+    if spec.env_id is not None:
+        from earl_megatron.agents.verifiers_glue import verifiers_program
+        p = verifiers_program(spec.env_id, spec.env_args, max_turns)
+        return AgentProgram(p.tasks, p.eval_tasks, p.play, None)
+    tasks = load_tasks(spec.tasks)
+    return AgentProgram(tasks, tasks, resolve(spec.entry, "entry") if spec.entry
+                        else builtin_agent, resolve(spec.reward, "reward") if spec.reward
+                        else None)
+
+
 class AgentPlayer:
     """The leader's endpoint and agents, kept across iterations (``close`` stops them)."""
 
     def __init__(self, spec: AgentSpec, tokenizer, limits: ServerLimits):
         self.spec = spec
-        self.tasks = load_tasks(spec.tasks)
-        self.agent = resolve(spec.entry, "entry") if spec.entry else builtin_agent
-        self.reward = resolve(spec.reward, "reward") if spec.reward else None
+        program = agent_program(spec, limits.max_turns)
+        self.tasks, self.eval_tasks = program.tasks, program.eval_tasks
+        self.agent, self.reward = program.agent, program.reward
         self.broker = Broker(max_batch=spec.max_batch)
         self.server = AgentServer(tokenizer, self.broker, limits, host=spec.host,
                                   port=spec.port, public_url=spec.public_url,
                                   max_body_bytes=int(spec.max_body_mb * 2**20))
         self.server.start()
 
+    def task(self, seed: int, evaluation: bool = False) -> dict:
+        """The task an episode of ``seed`` plays (module docstring)."""
+        tasks = self.eval_tasks if evaluation else self.tasks
+        return tasks[seed % len(tasks)]
+
     def play(self, driver: ReplicaDriver, seeds: Sequence[int], sample_seed: int,
-             limits: ServerLimits):
+             limits: ServerLimits, evaluation: bool = False):
         """Outcomes of one episode per seed (sampled within ``limits``: the play's temperature,
-        greedy in evaluations); None when told to stop."""
+        greedy in evaluations; ``evaluation`` plays the evaluation's tasks); None when told to
+        stop."""
         import threading
 
         self.server.limits = limits
@@ -100,7 +155,7 @@ class AgentPlayer:
 
         def agents():
             try:
-                box["out"] = run_agents(self.server, [self.tasks[s % len(self.tasks)]
+                box["out"] = run_agents(self.server, [self.task(s, evaluation)
                                                       for s in seeds],
                                         self.agent, self.reward,
                                         concurrency=self.spec.concurrency,
@@ -181,15 +236,17 @@ def outcome_rows(outcome, seed: int, tokenizer) -> list[Episode]:
 
 def play_agents(player: Optional[AgentPlayer], engine, block: Sequence[int], seeds: Sequence[int],
                 n: int, tokenizer, *, sample_seed: int, limits: ServerLimits, group=None,
-                should_stop: Optional[Callable[[], bool]] = None, version: int = -1
-                ) -> tuple[list[int], list[Episode]]:
+                should_stop: Optional[Callable[[], bool]] = None, version: int = -1,
+                evaluation: bool = False) -> tuple[list[int], list[Episode]]:
     """This replica's (sample ids, rows) of episodes ``block`` of the iteration's ``n``.
     ``player`` is the leader's (None on the replica's other ranks); every rank of the replica
-    calls this with the same ``group`` (its ranks, leader first; None for a replica of one)."""
+    calls this with the same ``group`` (its ranks, leader first; None for a replica of one).
+    ``evaluation``: the tasks are the evaluation's (``AgentPlayer.task``)."""
     driver = ReplicaDriver(engine, group, should_stop=should_stop, version=version)
     got = None
     if player is not None:
-        outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits)
+        outcomes = player.play(driver, [seeds[i] for i in block], sample_seed, limits,
+                               evaluation)
         if outcomes is not None:
             ids, rows = [], []
             for i, o in zip(block, outcomes):

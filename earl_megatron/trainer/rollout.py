@@ -247,7 +247,7 @@ class EmbeddedRollout:
                            len(seeds), self.tok, sample_seed=sample_seed,
                            limits=self.spec.limits(temperature),
                            group=self._replica_group(policy), should_stop=should_stop,
-                           version=version)
+                           version=version, evaluation=evaluation)
 
     def _leader_player(self, policy, temperature: float) -> Optional[AgentPlayer]:
         """The endpoint and agents of this rank when it leads its replica (else None), started

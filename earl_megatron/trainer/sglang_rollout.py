@@ -212,7 +212,8 @@ class SGLangRollout:
                                                self.spec.limits(temperature))
                 out[0] = play_agents(self._player, engine, block, seeds, len(seeds), self.tok,
                                      sample_seed=sample_seed,
-                                     limits=self.spec.limits(temperature))
+                                     limits=self.spec.limits(temperature),
+                                     evaluation=evaluation)
             else:
                 out[0] = (block, play_episodes(
                     self.spec, engine, [seeds[i] for i in block], self.tok,

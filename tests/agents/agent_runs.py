@@ -13,6 +13,18 @@ N = 4
 """Episodes per iteration."""
 
 
+def earl_train(out, args: list[str], nproc: int = 2) -> list[dict]:
+    """``earl train --nproc-per-node nproc *args`` (``run.output_dir`` is ``out``), which must
+    exit 0: its metrics.jsonl records."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("EARL_STOP_FILE", None)
+    proc = subprocess.run([sys.executable, "-m", "earl_megatron.cli", "train",
+                           "--nproc-per-node", str(nproc), *args], env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_agents_k1(tmp_path, nproc: int, layouts: list[str], *extra: str) -> list[dict]:
     """A 3-iteration run of the probe agent at k = 1 on ``nproc`` ranks with ``layouts``
     (Hydra overrides) and ``extra``; each iteration's metrics (the run must exit 0)."""

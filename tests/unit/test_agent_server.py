@@ -328,3 +328,36 @@ def test_body_limit_batch_cap_and_a_completion_after_close(tmp_path):
         assert ep.tokens.rows() == [] and ep.calls == 0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("text,stops,tools,shown", [
+    ("Hi there END and more", ["END"], True, "Hi there"),      # cut at the stop string
+    ("ab <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", [], True, "ab"),
+    ("  spaced out  ", [], True, "spaced out"),                 # stripped at both ends
+    ("x <tool_call> kept", [], False, "x <tool_call> kept"),    # tool_choice none: all text
+])
+def test_streamed_deltas_join_to_the_unstreamed_content(text, stops, tools, shown):
+    """Each token's delta only ever extends a prefix of the final content: text a stop string
+    or a tool call could still claim waits, and the closing chunk adds the rest."""
+    from earl_megatron.agents.responses import ChoiceStream, Events
+    from earl_megatron.agents.tool_parsers import HermesParser
+
+    tok = char_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    s = ChoiceStream(tok, stops, HermesParser() if tools else None, logprobs=True)
+    parts = [s.add(i, -0.5) for i in ids]
+    sent = [p for p in parts if p is not None]
+    cut = stop_cut(tok, ids, stops)
+    assert len(sent) == (cut[0] if cut else len(ids))          # no chunk after a stop string
+    streamed = "".join(p["delta"].get("content", "") for p in sent)
+    full = tok.decode(ids[:len(sent)], skip_special_tokens=True)
+    full = full[:len(full) - cut[1]] if cut else full
+    reply = HermesParser().parse(full, "c") if tools else None
+    content = reply.content if reply else full.strip()
+    assert content == shown and streamed and shown.startswith(streamed)
+    choice = {"message": {"role": "assistant", "content": content}, "finish": "stop",
+              "ids": ids[:len(sent)], "logprobs": None}
+    closing = list(Events("c", "policy", False).closing([choice], {}, [s]))
+    rest = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content", "")
+                   for e in closing[:-1])
+    assert streamed + rest == shown
