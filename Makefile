@@ -7,6 +7,11 @@ PY        := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC     ?= 4
 PYTEST_ARGS ?=
+# make test runs its files on this many pytest-xdist workers (one file per worker at a time:
+# --dist loadfile keeps a module's fixtures in one process). Most of a distributed test is
+# process start-up and collectives waiting on each other, so one worker leaves a 2-core host
+# half idle; TEST_WORKERS=1 runs it serially.
+TEST_WORKERS ?= 2
 
 ARGS ?=
 
@@ -40,7 +45,7 @@ selfcheck: install
 # tests/slurm needs a Slurm cluster: `make test-slurm` brings one up on this host
 # tests/real needs the real model and SGLang: `make test-real` makes both
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 tests --ignore=tests/slurm --ignore=tests/real --ignore=tests/browser --ignore=tests/agents $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/slurm --ignore=tests/real --ignore=tests/browser --ignore=tests/agents $(PYTEST_ARGS)
 
 # Agent programs end to end on the tiny model (tests/agents: earl train and earl serve through
 # the endpoint with real clients, k = 1, split, dynamic sampling; ~4 minutes): CI runs it after

@@ -53,7 +53,7 @@ setup(
         # every tracker of run.loggers (earl_megatron/trackers): the tests read each one's
         # offline store back (~35 s, ~270 MB on a fresh venv, all five); the agent extras too:
         # the tests drive the endpoint with real clients and frameworks
-        "dev": ["pytest>=7", "pytest-timeout", "hypothesis", *TRACKERS_ALL, *AGENTS,
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", *TRACKERS_ALL, *AGENTS,
                 *AGENT_FRAMEWORKS, *ENVS, "pyarrow",   # pyarrow: parquet task files
                 "selenium",    # earl view's browser test (Debian's chromium: make browser)
                 *VERIFIERS],
