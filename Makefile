@@ -51,7 +51,7 @@ test: install
 # the endpoint with real clients, k = 1, split, dynamic sampling; ~4 minutes): CI runs it after
 # `make test`, which it would push past its 15 minutes
 test-agents: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests/agents $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=10 -n $(TEST_WORKERS) --dist loadfile tests/agents $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
