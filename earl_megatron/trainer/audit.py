@@ -89,7 +89,7 @@ class RunAudit:
 
     def _held(self, rollout, j: int) -> None:
         """A server leader: what its server holds, read back by name, hashed as float32 (whole
-        tensors on tp1 servers; a tp2 server's read-back differed from them)."""
+        tensors on tp1 servers; a tp2 server's read-back differed from them, cause unknown)."""
         engine = rollout.engine
         if engine is not None:
             held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
