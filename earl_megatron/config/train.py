@@ -215,11 +215,6 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
     if a.max_staleness < 1:
         return ("the rollout pool plays the next batch while the train pool trains this one, "
                 "one version behind: set algorithm.max_staleness >= 1")
-    if r.engine == "sglang" and (r.placement == "auto" or lay.mode == "auto"):
-        return ("rollout.engine=sglang: a planned placement (auto, or split with layout.mode="
-                "auto) does not move SGLang servers between pools yet (a move would restart "
-                "them on other ranks); use rollout.placement=split with rollout.pool_ranks and "
-                "layout.mode=static")
     if r.placement == "auto" and lay.mode != "auto":
         return ("layout.mode=static: auto placement plans the pools' sizes and their layouts "
                 "together; set layout.mode=auto, or rollout.placement=split with "

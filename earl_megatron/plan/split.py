@@ -50,7 +50,7 @@ from typing import Optional
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import LayoutPlan, NoLayoutFitsError, Selector, SelectorState
-from earl_megatron.plan.server_restart import restart_seconds
+from earl_megatron.plan.server_restart import restart_seconds, server_switch_seconds
 from earl_megatron.plan.specs import ClusterSpec, Stage, StageWorkload
 from earl_megatron.plan.weight_plan import FullAt, ShardsIn, plan_weights, transfer_seconds
 
@@ -215,7 +215,14 @@ def _pools(selector: Selector, workload: SplitWorkload, rollout_ranks: int,
     except NoLayoutFitsError as e:
         where = "colocated" if rollout_ranks == 0 else f"the train pool of {n_t} ranks"
         raise SplitDoesNotFitError(f"{where}: {e}") from e
-    rollout_s = (rollout.chosen.cost + workload.env_seconds) * factors[0]
+    # the period is the steady state: fresh servers' start (no ROLLOUT choice to stay in) is
+    # paid once, by the move that starts them (move_seconds), not every iteration
+    fresh = server_switch_seconds(selector.model, on_rollout.cluster, None, rollout.layout,
+                                  selector.profile, selector.config.server_restart_s,
+                                  selector.train_opts) \
+        if on_rollout.cluster.decode_engine.servers and \
+        state.previous(Stage.ROLLOUT) is None else 0.0
+    rollout_s = (rollout.chosen.cost - fresh + workload.env_seconds) * factors[0]
     train_s = (logprob.chosen.cost + train.chosen.cost) * factors[1]
     handoff = 0.0 if rollout_ranks == 0 else handoff_seconds(selector, train.layout,
                                                              rollout.layout)
@@ -225,8 +232,9 @@ def _pools(selector: Selector, workload: SplitWorkload, rollout_ranks: int,
 def move_seconds(selector: Selector, src: SplitPlan, dst: SplitPlan) -> float:
     """Seconds to move ranks between pools: the train pool's state (weights, grads, optimizer
     shard) re-sharded over its new ranks, each rank receiving its whole new shard at worst over
-    its share of the node's network; servers restart when the rollout pool's (tp, dp) changes
-    (the handoff that follows is the next iteration's anyway). 0 when the split is unchanged."""
+    its share of the node's network; servers restart on the new rollout ranks, which every move
+    changes (the one push into them is small beside a start: plan/server_restart.py). 0 when
+    the split is unchanged."""
     if src.rollout_ranks == dst.rollout_ranks:
         return 0.0
     c, m, opts = selector.cluster, selector.model, selector.train_opts
@@ -234,9 +242,9 @@ def move_seconds(selector: Selector, src: SplitPlan, dst: SplitPlan) -> float:
     state = dst.train.chosen.memory.weights + train_state_bytes(m, layout, opts)
     bw = c.inter_node_bandwidth / c.devices_per_node if c.nodes > 1 else c.intra_node_bandwidth
     seconds = c.regroup_seconds + state / bw
-    r0, r1 = src.rollout.layout, dst.rollout.layout
-    if c.decode_engine.servers and (r0.tp, r0.dp) != (r1.tp, r1.dp):
-        seconds += restart_seconds(m, r1.tp, selector.profile, selector.config.server_restart_s)
+    if c.decode_engine.servers:
+        seconds += restart_seconds(m, dst.rollout.layout.tp, selector.profile,
+                                   selector.config.server_restart_s)
     return seconds
 
 

@@ -3,11 +3,13 @@
 With ``EARL_SPLIT_AUDIT`` set to a directory, every rank appends rows to ``rank<r>.jsonl`` there,
 read back by tests/distributed/split_audit.py: ``sent`` (a rollout replica leader's batch: pool
 keys, episode digests, dropped), ``train`` (a train stage; its replica leader's rows carry the
-digests it trained), ``rollout`` (a stage's start and end) and ``weights`` (each pool's weights
-hashed after a handoff; costs a weight gather per handoff). Both placements write it, so a run
-that auto moves between them is checked exactly once across the moves. Under colocated
-placement the batch a replica plays is the batch trained (score_and_train dispatches it whole),
-so its leader writes both rows for its block.
+digests it trained), ``rollout`` (a stage's start and end), ``weights`` (each pool's weights
+hashed after a handoff, or, SGLang, the policy's and its servers' after auto moved into colocated
+placement; costs a weight gather each) and ``stopped`` (the server processes a move stopped,
+and any of them still there). Both placements write it, so a run that auto moves between them
+is checked exactly once across the moves. Under colocated placement the batch a replica plays is
+the batch trained (score_and_train dispatches it whole), so its leader writes both rows for its
+block.
 """
 
 from __future__ import annotations
@@ -73,13 +75,7 @@ class RunAudit:
         from earl_megatron.weights.hf_mapping import to_hf
 
         if split.sglang and not split.train_side:
-            engine = split.tr.rollout.engine
-            if engine is not None:
-                held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
-                                           dtype=torch.float32)
-                        for bucket in split.tr.rollout.last_push for name, t in bucket}
-                self._write({"side": "weights", "it": j, "pool": "rollout",
-                             "sha256": _weights_digest(held), "names": len(held)})
+            self._held(split.tr.rollout, j)
             return
         model = split.model
         full = gather_full(model.model, model.cfg, model.layout)
@@ -89,6 +85,44 @@ class RunAudit:
             self._write({"side": "weights", "it": j,
                          "pool": "train" if split.train_side else "rollout",
                          "sha256": _weights_digest(full), "names": len(full)})
+
+
+    def _held(self, rollout, j: int) -> None:
+        """A server leader: what its server holds, read back by name, hashed as float32 (whole
+        tensors on tp1 servers; a tp2 server's read-back differed from them, cause unknown)."""
+        engine = rollout.engine
+        if engine is not None:
+            held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
+                                       dtype=torch.float32)
+                    for bucket in rollout.last_push for name, t in bucket}
+            self._write({"side": "weights", "it": j, "pool": "rollout",
+                         "sha256": _weights_digest(held), "names": len(held)})
+
+    def served(self, rollout, policy, j: int) -> None:
+        """auto moved into colocated placement before stage ``j`` (SGLang): the policy's
+        weights under HF names (rank 0) and what each server holds (its leader), as
+        ``weights`` rows; collective over the world."""
+        if self.dir is None:
+            return
+        from earl_megatron.weights.gather import gather_full
+        from earl_megatron.weights.hf_mapping import to_hf
+
+        full = gather_full(policy.model, policy.cfg, policy.layout)
+        if self.rank == 0:
+            hf = {name: t.float() for name, t in to_hf(policy.cfg, full).items()}
+            self._write({"side": "weights", "it": j, "pool": "train",
+                         "sha256": _weights_digest(hf), "names": len(hf)})
+        self._held(rollout, j)
+
+    def stopped(self, j: int, pids: list) -> None:
+        """auto moved before stage ``j``: the server processes this rank stopped, and those of
+        them still there 30 s later (testing/multiproc.py ``process_group_gone``)."""
+        if self.dir is None:
+            return
+        from earl_megatron.testing.multiproc import process_group_gone
+
+        self._write({"side": "stopped", "it": j, "pids": list(pids),
+                     "alive": [p for p in pids if not process_group_gone(p)]})
 
 
 def _weights_digest(named: dict) -> str:

@@ -19,6 +19,13 @@ where it is unless another is faster by the selector's hysteresis with the move 
                    every rank builds its side of the new placement from that checkpoint
                    (dist_checkpointing reshards the train state); stage j plays there
 
+SGLang servers (``rollout.engine=sglang``): the world's planner prices them beside the policy
+(colocated) or alone on a split's rollout pool, and a move's restart of them on other ranks
+(plan/split.py ``move_seconds``). A move stops the old placement's servers (their process
+groups killed) before the new placement is built; the new one's start on its rollout ranks and
+take the checkpoint's policy from its weight source (split: the first handoff; colocated:
+pushed before its first stage). tests/sglang/test_sglang_moves.py.
+
 A colocated plan runs the synchronous colocated loop, the episode pool's bound at 0 (what the
 plan's period models: the rollout, then the training); a split runs at the run's
 ``algorithm.max_staleness``. The world's stage planner (cp = 1: split's train pool holds each replica's episodes whole, and
@@ -35,6 +42,7 @@ import torch.distributed as dist
 from earl_megatron.config.train import ConfigError
 from earl_megatron.plan.split import MeasuredRates, SplitDoesNotFitError, SplitPlan, plan_split
 from earl_megatron.runtime.checkpoint_files import find_checkpoint
+from earl_megatron.trainer.audit import RunAudit
 
 
 class Auto:
@@ -92,25 +100,55 @@ class Auto:
         return got[0]
 
     def placement_for(self, plan: SplitPlan):
-        """The placement that runs ``plan`` (not started: ``start`` or ``moved_in`` next)."""
+        """The placement that runs ``plan`` (not started: ``start`` or ``moved_in`` next).
+        Colocated with SGLang: servers on the world, fed the policy on their ranks (a split
+        makes each side's engine itself, trainer/split_sides.py)."""
         from earl_megatron.trainer.colocated import Colocated
         from earl_megatron.trainer.split import Split
 
         self.plan = plan
         if plan.colocated:
             self.tr.planner = self.planner
+            if self.tr.cfg.rollout.engine == "sglang":
+                self.tr.rollout.close()
+                self.tr.rollout = self.tr.make_rollout("sglang", weights="local")
             return Colocated(self.tr, auto=self)
         return Split(self.tr, auto=self)
 
     def move(self, old, plan: SplitPlan):
         """Leave placement ``old`` for the one of ``plan`` (another split, or colocated), built
-        from the checkpoint just written; a line in the live view says so."""
+        from the checkpoint just written; a line in the live view says so.
+
+        SGLang: the old placement's servers stop first (their process groups killed before
+        the new placement builds anything), then the new one's start on its rollout ranks,
+        started by the move (the records' ``rollout_server_starts`` say so) and fed the
+        checkpoint's policy by the new weight source: a split's at its first handoff
+        (``HandoffWeights``), colocated's here, before its first stage (``LocalWeights``)."""
+        tr = self.tr
         line = old.describe().split(" (")[0]
+        j = tr.saved + 1                     # the stage that plays again in the new placement
+        audit, servers = RunAudit.from_env(tr.rank), self._servers()
+        stopped = tr.rollout.server_pids() if servers else []
         old.release()
+        if servers:
+            tr.rollout.close()               # this rank's servers of the old placement stop
+            audit.stopped(j, stopped)
         new = self.placement_for(plan)
         new.moved_in()
-        self.tr.recorder.view.message(f"moved from {line} to {new.describe()}")
+        why = f"moved from {line} to {new.describe().split(' (')[0]}"
+        if self._servers():
+            tr.rollout.started_by(why)
+            if plan.colocated:   # the checkpoint's policy into fresh servers, checked
+                tr.rollout.start_servers(new.models.policy)
+                audit.served(tr.rollout, new.models.policy, j)
+        tr.recorder.view.message(f"moved from {line} to {new.describe()}")
         return new
+
+    def _servers(self) -> bool:
+        """This rank drives SGLang servers (colocated: every rank; split: the rollout pool)."""
+        from earl_megatron.trainer.sglang_rollout import SGLangRollout
+
+        return isinstance(self.tr.rollout, SGLangRollout)
 
     def replan_or_keep(self, propose) -> SplitPlan:
         """Rank 0: ``propose()``, or the plan in force when nothing else fits (said in a

@@ -24,7 +24,7 @@ with dynamic sampling runs through this pool too (one batch admitted, played to 
 Every rank of a replica plays the same episodes in lockstep (the embedded engine decodes on all
 of them), so every rank of a replica holds the same pool; only the leader's copy travels. With
 SGLang the replica's leader alone plays, through its server, and holds the pool; the other
-ranks ``follow`` and get the outcome by broadcast.
+ranks ``follow`` (the same gather) and get the outcome from it.
 Episodes continue under the new weights at their next turn: their context is re-prefilled in
 whatever layout the selector picked, and each token keeps the version that sampled it
 (``Episode.versions``).
@@ -164,8 +164,11 @@ class EpisodePool:
 
     def follow(self, lay) -> None:
         """The stage of a rank that holds none of its replica's episodes (SGLang: the replica's
-        leader plays through its server and broadcasts the outcome)."""
-        everyone, saved_layout = self._pending if self._pending is not None else ([], None)
+        leader plays through its server and hands it the outcome), gathering the pool as the
+        leader's ``stage`` does (the same collective, or the pool just restored)."""
+        if self._pending is None:
+            self.begin()
+        everyone, saved_layout = self._pending
         self._pending, self._before = None, (everyone, saved_layout)
         self.entries, self.layout, self.leader = [], lay, False
         self.replica = lay.coords(groups.pool_rank()).dp

@@ -132,8 +132,9 @@ class Trainer:
         self.placement = Colocated(self) if colocated else None if planned else Split(self)
         """Who plays, who trains, where they meet (trainer/loop.py); planned by the selector
         (auto, or split with auto layouts): its first plan's, made at the start."""
+        # planned: the world's planner prices SGLang's servers for colocated and every split
         self.planner = self.make_planner(self.placement.planned_world() if self.placement
-                                         else self.world, servers_here=colocated)
+                                         else self.world, servers_here=colocated or planned)
         self.auto = None
         """The selector's placement plan (trainer/auto.py): auto weighs colocated and every
         split; split with auto layouts lays out its pools (rollout.pool_ranks of them, or the

@@ -8,7 +8,7 @@ replica on the engine's ranks), and the two sources the servers' weights come fr
                 pool group              pool's handoff            leaders; push_received(): pushed
 
     rollout layout tp2 x dp2 on 4 ranks: replica d's leader plays block d of the iteration's
-    episodes over HTTP on its server and broadcasts it in the replica's group.
+    episodes over HTTP on its server and hands it to the replica's other ranks.
 
 The placement picks the source (trainer/rollout_engines.py ``make_rollout(weights=...)``); every
 method of ``SGLangRollout`` is the same for both, and a source refuses, with the fix, what does
@@ -29,7 +29,7 @@ Invariants:
 - Training stages put the servers in the planned layout (a local source restarts them there);
   evaluations play on the servers as they stand.
 - A stop request is honoured at the stage's end: only the replica's leader runs the agent loop
-  (the others wait in the broadcast), and ``should_stop`` is a collective over the replica.
+  (the others wait for its outcome), and ``should_stop`` is a collective over the replica.
 
 GPU (``rollout.sglang_device=cuda``): with a local source the servers share the policy's GPUs
 (``--enable-memory-saver``; memory resumed before a push or a rollout, released after the
@@ -46,8 +46,6 @@ import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
-
-import torch.distributed as dist
 
 from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.config.model import ModelConfig
@@ -228,7 +226,7 @@ class SGLangRollout:
                   should_stop: Optional[Callable[[], bool]] = None,
                   version: Optional[int] = None, time_decode: bool = False):
         """Asynchronous RL's stage (trainer/episode_pool.py): each replica's leader continues
-        and starts its episodes through its server and broadcasts the outcome to the replica;
+        and starts its episodes through its server and hands the outcome to the replica;
         the pool lives on the leaders. ``policy``: the policy (local source), or the rollout
         pool's ``PoolSeat`` (handoff source: the servers hold the weights, version
         ``version``); ``time_decode``: as ``EmbeddedRollout.play_pool`` (the seconds in the
@@ -254,10 +252,9 @@ class SGLangRollout:
 
     def _after_stage(self, out: list) -> None:
         """The stage's deaths counted (the record after it counts a server that died in it),
-        then the leader's outcome broadcast in its replica."""
+        then the leader's outcome on every rank of its replica."""
         self.servers.count_deaths()
-        if self.servers.replica_group is not None:
-            dist.broadcast_object_list(out, group=self.servers.replica_group, group_src=0)
+        out[0] = self.servers.from_leader(out[0])
 
     def sync(self, policy: ModelOnLayout) -> None:
         """After TRAIN: the policy's weights into the servers (a local source; every rank of
@@ -268,6 +265,21 @@ class SGLangRollout:
         """Servers in ``layout`` (started, or restarted in another (tp, dp)); collective over
         the servers' ranks. A handoff's servers are started here before its ``receive``."""
         self.servers.ensure(layout)
+
+    def start_servers(self, policy: ModelOnLayout) -> None:
+        """Servers in ``policy``'s layout holding its weights, before the first stage (a local
+        source: a move into colocated placement starts them from the checkpoint's policy);
+        collective over the servers' ranks."""
+        self.source.prepare(self.servers, policy, evaluation=False)
+
+    def started_by(self, reason: str) -> None:
+        """Why these servers start (a move, trainer/auto.py): their first start's reason in
+        the records' ``rollout_server_starts``."""
+        self.servers.first_start = reason
+
+    def server_pids(self) -> list[int]:
+        """This rank's server processes (a replica leader's; [] elsewhere)."""
+        return self.servers.pids()
 
     def receive(self, buckets, traffic) -> None:
         """The handoff (runtime/weight_transfer.py ``hand_off_full``, iterated by every rank
@@ -292,6 +304,7 @@ class SGLangRollout:
                 "rollout_push_buckets": s.stats["push_buckets"],
                 "rollout_push_bucket_max_bytes": s.stats["push_bucket_max_bytes"],
                 "rollout_layout_restarts": s.stats["restarts"],
+                "rollout_server_starts": list(s.start_reasons),
                 "rollout_server_restart_s": s.stats["restart_s"],
                 "rollout_servers_died": s.stats.get("died", 0),
                 **weight_sync_metrics(s.stats.get("bytes_in_max", 0),

@@ -13,7 +13,7 @@ business (trainer/sglang_rollout.py's weight sources): nothing here knows the pl
 
 Invariants:
 - Every collective here runs on the servers' ranks (``ranks_group``; None: the world's), and
-  every one of those ranks calls it; a replica's group is made by its members only.
+  every one of those ranks calls it; a replica has no group of its own (``from_leader``).
 - No answer is used from weights other than the last push's: each push carries a weight version
   (``it<k>``, k = pushes so far), only its last bucket tags it, every /generate answer carries the
   server's version and the engine raises on a mismatch.
@@ -42,7 +42,6 @@ import math
 import os
 import secrets
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -99,7 +98,6 @@ class SGLangServers:
         self.layout: Optional[ParallelLayout] = None  # the servers' (tp, dp); None: none running
         self.engine = None          # this rank's server (replica leaders only)
         self.group = None           # weight-update group with that server (leaders only)
-        self.replica_group = None   # ranks of this rank's replica (episodes are broadcast here)
         self.version = 0            # pushes so far; the served weights are "it<version>"
         self.fresh = True           # the servers hold no pushed weights yet
         self.last_push: list = []   # HF buckets the server must hold (leaders: re-push on restart)
@@ -108,6 +106,10 @@ class SGLangServers:
         self.stats: dict = {"restarts": 0, "restart_s": 0.0, "push_s": 0.0, "push_bytes": 0,
                             "push_buckets": 0, "push_bucket_max_bytes": 0}
         self.starts: list[tuple[int, float]] = []  # (tp, seconds) not yet taken by the planner
+        self.first_start = "the run's start"
+        """Why these servers start at all (a move names itself: trainer/auto.py)."""
+        self.start_reasons: list[str] = []
+        """Every start of these servers and why: ``<layout>: <reason>`` (the records')."""
         self._released = False
 
     # ------------------------------------------------------------------ layout
@@ -120,8 +122,22 @@ class SGLangServers:
         problem = rollout_layout_problem(layout, "sglang")
         if problem:
             raise ValueError(f"SGLang rollout: {problem}")
-        self._start(ParallelLayout(tp=layout.tp, dp=layout.dp),
-                    server_ep(self.model_cfg, layout, self.device))
+        lay = ParallelLayout(tp=layout.tp, dp=layout.dp)
+        why = self.first_start if self.layout is None else f"layout {self.layout} -> {lay}"
+        self.start_reasons.append(f"{lay}: {why}")
+        self._start(lay, server_ep(self.model_cfg, layout, self.device))
+
+    def from_leader(self, obj):
+        """``obj`` as this rank's replica leader gave it, on every rank of the replica: gathered
+        over the servers' ranks when a replica has several (tp > 1). Collective over them. No
+        group per replica: one made by its members alone is named from each rank's own count
+        of groups (torch's hashed names), which differs between ranks after a move of the
+        pools (trainer/auto.py), and its members would wait in different stores forever."""
+        if self.layout.tp == 1:
+            return obj
+        found: list = [None] * self.world
+        dist.all_gather_object(found, obj, group=self.ranks_group)
+        return found[self.ranks.index(self.leaders()[self.layout.coords(self.local).dp])]
 
     def leaders(self) -> tuple[int, ...]:
         """The global ranks that push (the first rank of every replica of the servers' layout)."""
@@ -207,6 +223,11 @@ class SGLangServers:
         taken, self.starts = self.starts, []
         return taken
 
+    def pids(self) -> list[int]:
+        """The process (group) ids of this rank's server (a leader's; [] elsewhere)."""
+        return [p for p in self.engine.server_pids if p is not None] \
+            if self.engine is not None else []
+
     # ------------------------------------------------------------------ servers
     def _start(self, layout: ParallelLayout, ep_size: int = 1) -> None:
         """(Re)start the servers in ``layout`` (each with ``--ep-size ep_size`` when > 1);
@@ -216,21 +237,10 @@ class SGLangServers:
         t0 = time.perf_counter()
         restart = self.layout is not None
         self.stop()
-        replicas = [[self.ranks[i] for i in range(self.world) if layout.coords(i).dp == d]
-                    for d in range(layout.dp)]
-        self.replica_group = None
         me = layout.coords(self.local)
-        mine = replicas[me.dp]
-        if len(mine) > 1:
-            # the replica's other ranks wait here for the leader's whole rollout, restarts
-            # included: the world's timeout, which the config orders after those. Made by its
-            # members only, so the servers' ranks need not be the world's
-            timeout = timedelta(seconds=self.cluster.collective_timeout_s)
-            self.replica_group = dist.new_group(mine, backend="gloo", timeout=timeout,
-                                                use_local_synchronization=True)
         self.layout = layout
         endpoint = None
-        if self.rank == mine[0]:
+        if self.rank == self.leaders()[me.dp]:
             local = int(os.environ.get("LOCAL_RANK", self.rank))
             # replicas whose servers share this node (CPU: its cores; SGLangConfig.host_servers)
             node_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.world)

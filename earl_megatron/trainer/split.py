@@ -75,8 +75,8 @@ push them into their servers after the meeting, outside the handoff's bound: a s
 or restart is the rollout pool's time, within the engine's restart budget.
 tests/sglang/test_split_sglang.py.
 
-Not here yet (docs/async.md): planned placements with SGLang servers (a move would restart them;
-refused), moves in memory rather than through a checkpoint.
+Under a planned placement a move restarts the servers on the new rollout pool (trainer/auto.py).
+Not here yet (docs/async.md): moves in memory rather than through a checkpoint.
 """
 
 from __future__ import annotations

@@ -38,6 +38,28 @@ def train_audited(cfg, audit):
     return run(cfg)
 
 
+def train_scheduled(cfg, audit, schedule):
+    """The trainer with auto's n-th decision (rank 0: the start, then each re-plan) forced to
+    ``schedule[n]`` rollout ranks (0: colocated; the last entry repeats) through the planner's
+    own fixed-split plan (the choice itself is tests/unit/test_split_plan.py's): the moves'
+    mechanism on any machine, whatever the rates it measures."""
+    from earl_megatron.plan.split import plan_split
+    from earl_megatron.trainer.auto import Auto
+
+    calls = []
+
+    def propose(self, lengths, rates, env_seconds=0.0):
+        n = schedule[min(len(calls), len(schedule) - 1)]
+        calls.append(n)
+        wp = self.planner
+        wp.last_lengths = list(lengths)
+        return plan_split(wp.selector, wp.split_workload(env_seconds), rollout_ranks=n,
+                          current=self.plan)
+
+    Auto.propose = propose
+    return train_audited(cfg, audit)
+
+
 def read_audit(d) -> list[dict]:
     rows = []
     for f in sorted(d.glob("rank*.jsonl")):

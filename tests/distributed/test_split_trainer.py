@@ -13,7 +13,7 @@ import json
 from collections import Counter
 
 from split_audit import check_exactly_once, check_handoffs, read_audit, split_config, \
-    train_audited
+    train_audited, train_scheduled
 
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
@@ -153,31 +153,9 @@ def _auto_cfg(out, iterations):
     })
 
 
-def _train_scheduled(cfg, audit, schedule):
-    """The trainer with auto's n-th decision (rank 0: the start, then each re-plan) forced to
-    ``schedule[n]`` rollout ranks (0: colocated; the last entry repeats) through the planner's
-    own fixed-split plan (the choice itself is tests/unit/test_split_plan.py's): the moves'
-    mechanism on any machine, whatever the rates it measures."""
-    from earl_megatron.plan.split import plan_split
-    from earl_megatron.trainer.auto import Auto
-
-    calls = []
-
-    def propose(self, lengths, rates, env_seconds=0.0):
-        n = schedule[min(len(calls), len(schedule) - 1)]
-        calls.append(n)
-        wp = self.planner
-        wp.last_lengths = list(lengths)
-        return plan_split(wp.selector, wp.split_workload(env_seconds), rollout_ranks=n,
-                          current=self.plan)
-
-    Auto.propose = propose
-    return train_audited(cfg, audit)
-
-
 def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_path):
     audit, out = tmp_path / "audit", tmp_path / "run"
-    hist = run_distributed(_train_scheduled, 4, _auto_cfg(str(out), 5), str(audit), [2, 1],
+    hist = run_distributed(train_scheduled, 4, _auto_cfg(str(out), 5), str(audit), [2, 1],
                            timeout=500)[0]
     assert [h["iteration"] for h in hist] == list(range(5))
     ranks = [h["split"]["rollout_ranks"] for h in hist]
@@ -201,7 +179,7 @@ def test_auto_moves_between_split_and_colocated_without_losing_an_episode(tmp_pa
     move to colocated at meeting 2 (stage 2 played again there), back to a split of 1 rollout
     rank before stage 4; every episode sent is trained exactly once across both moves."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    hist = run_distributed(_train_scheduled, 4, _auto_cfg(str(out), 5), str(audit),
+    hist = run_distributed(train_scheduled, 4, _auto_cfg(str(out), 5), str(audit),
                            [2, 2, 0, 0, 1], timeout=600)[0]
     assert [h["iteration"] for h in hist] == list(range(5))
     where = [h["split"]["rollout_ranks"] if "split" in h else 0 for h in hist]

@@ -1,7 +1,7 @@
-"""Every pair of nine capabilities through ``earl train``'s own pre-launch check (issue #43).
+"""Every pair of ten capabilities through ``earl train``'s own pre-launch check (issue #43).
 
 Each capability is the fewest Hydra overrides that turn it on validly on 4 ranks (alone, each
-passes the check: the first test). Every pair of them, 36, is composed and checked as ``earl
+passes the check: the first test). Every pair of them, 45, is composed and checked as ``earl
 train --nproc-per-node 4 A B`` checks it before any rank starts (cli.check_config: Hydra's
 composition, TrainConfig, train.validate against a world of 4, the tokenizer). A pair passes,
 or is refused in one line, ``configuration error: ...``, exit status 2.
@@ -29,12 +29,13 @@ SGLANG_PYTHON = "/opt/sglang/bin/python"
 CAPABILITIES = {
     # decoupled PPO one step stale: the one switch (config/algorithm.py)
     "async": ["algorithm.max_staleness=1"],
-    # a split of two 2-rank pools in static layouts (SGLang servers move between pools only
-    # with static layouts: a planned placement is refused with SGLang, tests/unit/
-    # test_split_config.py); split plays the next batch while this one trains, one version
-    # behind, so it needs k >= 1
+    # a split of two 2-rank pools in static layouts; split plays the next batch while this one
+    # trains, one version behind, so it needs k >= 1
     "split": ["rollout.placement=split", "algorithm.max_staleness=1", "layout=static",
               "layout.train=dp2", "layout.logprob=dp2", "layout.rollout=dp2"],
+    # the planned placement: the selector weighs colocated and every split and moves the run
+    # between them (SGLang servers too: a move restarts them, tests/sglang/test_sglang_moves.py)
+    "auto": ["rollout.placement=auto", "algorithm.max_staleness=1", "layout=auto"],
     "sglang": ["rollout.engine=sglang", "rollout.sglang_device=cpu",
                f"rollout.sglang_python={SGLANG_PYTHON}"],
     "agent": ["env=agent", "env.kwargs.entry=earl_megatron.testing.agents:probe",
@@ -95,10 +96,11 @@ def _check(names, data, capsys):
 
 
 def test_the_table_names_pairs_of_the_capabilities():
-    assert len(CAPABILITIES) == 9 and len(PAIRS) == 36
+    assert len(CAPABILITIES) == 10 and len(PAIRS) == 45
     assert set(REFUSED) <= set(PAIRS), set(REFUSED) - set(PAIRS)   # (a, b) in CAPABILITIES order
-    # today: 35 compose, 1 is refused (a limit outside this project)
-    assert (len(PAIRS) - len(REFUSED), len(REFUSED)) == (35, 1)
+    # today: 44 compose, 1 is refused (a limit outside this project); auto x sglang composes
+    # since a move restarts the servers (it was refused before)
+    assert (len(PAIRS) - len(REFUSED), len(REFUSED)) == (44, 1)
 
 
 @pytest.mark.parametrize("name", list(CAPABILITIES))

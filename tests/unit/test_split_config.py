@@ -36,9 +36,6 @@ def test_split_pools_are_the_layouts_on_each_pools_ranks():
 
 @pytest.mark.parametrize("over, says", [
     ({"algorithm__max_staleness": 0}, "algorithm.max_staleness >= 1"),
-    ({"rollout__engine": "sglang", "rollout__placement": "auto", "layout__mode": "auto"},
-     "rollout.placement=split with rollout.pool_ranks"),
-    ({"rollout__engine": "sglang", "layout__mode": "auto"}, "layout.mode=static"),
     ({"rollout__placement": "auto"}, "set layout.mode=auto"),
     ({"rollout__placement": "auto", "layout__mode": "auto", "rollout__pool_ranks": 1},
      "set rollout.placement=split"),
@@ -82,6 +79,16 @@ def test_split_runs_sglang_servers_on_the_rollout_pool():
 def test_auto_placement_takes_auto_layouts():
     cfg = _cfg(rollout__placement="auto", layout__mode="auto")
     assert cfg.rollout.placement == "auto"
+
+
+@pytest.mark.parametrize("placement", ["auto", "split"])
+def test_planned_placements_take_sglang_servers(placement):
+    """A planned placement (auto, or split with auto layouts) moves SGLang servers by
+    restarting them on the new rollout ranks (trainer/auto.py): no longer refused."""
+    cfg = _cfg(rollout__placement=placement, layout__mode="auto", rollout__engine="sglang",
+               rollout__sglang_device="cpu")
+    assert (cfg.rollout.placement, cfg.layout.mode, cfg.rollout.engine) == \
+        (placement, "auto", "sglang")
 
 
 @pytest.mark.parametrize("over", [

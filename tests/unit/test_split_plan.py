@@ -189,3 +189,26 @@ def test_a_run_under_auto_placement_weighs_only_splits():
     assert plan_split(slow, _work()).colocated   # a dear handoff: colocated is the fastest
     plan = plan_split(slow, _work(), colocated=False)
     assert plan.rollout_ranks in (1, 2, 3) and "of 3 splits" in plan.reason
+
+
+def test_sglang_servers_start_once_per_move_not_every_period():
+    """Servers (SGLang): a placement the run is not in pays its servers' start once, in the
+    move (move_seconds: the restart on the new rollout ranks), never in its period; measured
+    rates scale the steady state alone."""
+    c = ClusterSpec.cpu(ranks=4).with_(decode_engine=DecodeEngine.sglang_servers(0.5))
+    sel = Selector(TINY, c, TrainOptions(), SelectorConfig(server_restart_s=60.0))
+    work = _work(env_s=0.2)
+    one, colo = plan_split(sel, work, rollout_ranks=1), plan_split(sel, work, rollout_ranks=0)
+    stay = plan_split(sel, work, rollout_ranks=1, current=one)   # servers already there
+    assert one.rollout_s == pytest.approx(stay.rollout_s) and one.rollout_s < 60
+    assert colo.period_s < 60 and one.period_s < 60
+    # every move restarts the servers on other ranks: 60 s on top of the train state's move
+    for src, dst in ((one, colo), (colo, one)):
+        assert 60 < move_seconds(sel, src, dst) < 61, (src.reason, dst.reason)
+    plain = _cpu()
+    assert move_seconds(plain, plan_split(plain, work, rollout_ranks=1),
+                        plan_split(plain, work, rollout_ranks=0)) < 1
+    # the rollout measured 2x the model's steady state: the factor is 2, not 2 / (1 + 60 s)
+    rates = MeasuredRates(1, 2 * one.rollout_s, 3200, one.train_s, 3200)
+    assert plan_split(sel, work, rollout_ranks=1, rates=rates).rollout_s == \
+        pytest.approx(2 * one.rollout_s)
