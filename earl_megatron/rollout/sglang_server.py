@@ -249,3 +249,18 @@ def free_ports(host: str, n: int) -> tuple[int, ...]:
     finally:
         for s in socks:
             s.close()
+
+
+def process_group_gone(pgid: int, within_s: float = 30.0) -> bool:
+    """True once no process of group ``pgid`` exists, waiting up to ``within_s``. SIGKILLed
+    children stay zombies, still in their group, until init reaps them (that can take longer than
+    a check right after a stop): a group still there after the wait outlived its stop."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from earl_megatron.rollout.sglang_server import process_group_gone  # noqa: F401 (the tests use it from here)
 from earl_megatron.runtime.dist import free_port
 
 
@@ -178,18 +179,3 @@ def kill_torchrun(proc) -> list:
     proc.wait()
     psutil.wait_procs(workers, timeout=60)
     return workers
-
-
-def process_group_gone(pgid: int, within_s: float = 30.0) -> bool:
-    """True once no process of group ``pgid`` exists, waiting up to ``within_s``. SIGKILLed
-    children stay zombies, still in their group, until init reaps them (that can take longer than
-    a check right after a stop): a group still there after the wait outlived its stop."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)

@@ -116,10 +116,10 @@ class RunAudit:
 
     def stopped(self, j: int, pids: list) -> None:
         """auto moved before stage ``j``: the server processes this rank stopped, and those of
-        them still there 30 s later (testing/multiproc.py ``process_group_gone``)."""
+        them still there 30 s later (rollout/sglang_server.py ``process_group_gone``)."""
         if self.dir is None:
             return
-        from earl_megatron.testing.multiproc import process_group_gone
+        from earl_megatron.rollout.sglang_server import process_group_gone
 
         self._write({"side": "stopped", "it": j, "pids": list(pids),
                      "alive": [p for p in pids if not process_group_gone(p)]})
