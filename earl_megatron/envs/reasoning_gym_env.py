@@ -21,7 +21,11 @@ Which task a seed plays (the episode seed the trainer gives ``reset``, earl_mega
 
 Invariants: ``reset(seed)`` is a pure function of (kwargs, seed); ``step`` never raises on model
 output (a reply without an ``<answer>`` tag scores ``invalid_penalty``, default 0.0, which is
-reasoning-gym's score of no answer, and sets ``info["unparsable"]``). Bad settings (an unknown
+reasoning-gym's score of no answer, and sets ``info["unparsable"]``). ``expert(seed)``, the
+warm start's teacher (``sft.steps``, trainer/warm_start.py), answers the task's own gold answer in
+the tag, ``<answer>{entry["answer"]}</answer>``: it teaches the format the reward needs (a small
+model never writes the tag zero-shot, so RL alone sees no reward) and scores 1.0 by the library's
+scoring on the tasks tested. Bad settings (an unknown
 task, ``size <= 0``, a config for a task not listed) raise one ValueError naming the fix.
 """
 
@@ -139,6 +143,11 @@ class ReasoningGymEnv(Env):
         task): what ``step`` pays, for readers that check a recorded reply."""
         answer = self._extract(reply)
         return answer, float(self._scorer.score_answer(answer, self.entry))
+
+    def expert(self, seed: int) -> list[str]:
+        """The warm start's teacher for the episode ``reset(seed)`` starts: the gold answer in
+        reasoning-gym's answer tag (module docstring)."""
+        return [f"<answer>{self.task(seed)['answer']}</answer>"]
 
     @property
     def system_prompt(self) -> str:

@@ -4,9 +4,13 @@ One torchrun job of 2 CPU ranks per integration, 2 RL iterations each, SmolLM2-1
 (``run.init``: its tokenizer and ChatML template), every sampled episode of rank 0's rollout
 replica written to samples/. Asserted from those files, per episode:
 
-- reasoning-gym (``recipes/smollm2_reasoning_gym.yaml``, two tasks): the recorded reward is
-  what reasoning-gym itself gives the recorded reply: ``extract_answer`` then the task's
-  ``score_answer`` from ``reasoning_gym.get_score_answer_fn``, on the entry the seed draws;
+- reasoning-gym (``recipes/smollm2_reasoning_gym.yaml``, its four tasks, a warm start of 4 steps
+  on the environment's expert instead of the recipe's 12): the recorded reward is what
+  reasoning-gym itself gives the recorded reply: ``extract_answer`` then the task's
+  ``score_answer`` from ``reasoning_gym.get_score_answer_fn``, on the entry the seed draws; and
+  the warm start taught the format, so the reward is not always 0: replies carry the
+  ``<answer>`` tag and the held-out evaluation after the warm start (16 questions, greedy and
+  sampled) scores above 0 in both modes (the base model scores 0: it never writes the tag);
 - TextArena (TicTacToe-v0 against the random opponent): the recorded moves, replayed into a
   fresh TextArena game with the opponent moves read back from the recorded text, end where the
   episode ended, and the game's own ``close()`` reward is the recorded reward;
@@ -25,16 +29,17 @@ import sys
 
 import pytest
 
-COMMON = ["run.iterations=2", "run.checkpoint_every=0", "run.eval_episodes=2",
-          "run.live_view=false", "run.samples_per_iteration=1000",
-          "rollout.episodes_per_iteration=4", "layout.memory_budget_gb=4"]
+COMMON = ["run.iterations=2", "run.checkpoint_every=0", "run.live_view=false",
+          "run.samples_per_iteration=1000", "rollout.episodes_per_iteration=4",
+          "layout.memory_budget_gb=4"]
 
 
-def _train(out, smollm2_dir, *extra):
+def _train(out, smollm2_dir, *extra, eval_episodes=2):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "earl_megatron.train", *extra,
-                           f"run.init={smollm2_dir}", f"run.output_dir={out}", *COMMON],
+                           f"run.init={smollm2_dir}", f"run.output_dir={out}",
+                           f"run.eval_episodes={eval_episodes}", *COMMON],
                           env=env, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -67,8 +72,9 @@ def test_reasoning_gym_trains_with_its_own_scores(smollm2_dir, scratch_dir, reco
 
     from earl_megatron.envs.reasoning_gym_env import ReasoningGymEnv
 
-    samples, kwargs = _train(scratch_dir / "rg", smollm2_dir, "--config-name",
-                             "smollm2_reasoning_gym", "rollout.temperature=0.7")
+    out = scratch_dir / "rg"
+    samples, kwargs = _train(out, smollm2_dir, "--config-name", "smollm2_reasoning_gym",
+                             "rollout.temperature=0.7", "sft.steps=4", eval_episodes=16)
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     env = ReasoningGymEnv(**kwargs)
     for s in samples:
@@ -78,6 +84,15 @@ def test_reasoning_gym_trains_with_its_own_scores(smollm2_dir, scratch_dir, reco
         score = reasoning_gym.get_score_answer_fn(task)(extract_answer(reply), entry)
         assert s["reward"] == pytest.approx(score, abs=1e-12), (reply, entry["answer"])
         _check_tokens(tok, s, env.system_prompt, [entry["question"]])
+    # the warm start's expert format yields reward: tagged replies, held-out reward above 0
+    tagged = sum(extract_answer(s["actions"][0]) is not None for s in samples)
+    start = json.loads((out / "eval.json").read_text())["start"]
+    rewards = {mode: start[f"reasoning_gym/{mode}"]["mean_reward"]
+               for mode in ("greedy", "sampled")}
+    assert tagged >= 3 and min(rewards.values()) > 0, (tagged, rewards,
+                                                       [s["actions"] for s in samples])
+    record("reasoning-gym after 4 warm-start steps: held-out mean reward (16 questions), "
+           "tagged replies of 4", (rewards, tagged))
     record("reasoning-gym: (task, reward) of 4 episodes",
            [(env.task(s["seed"])["metadata"]["source_dataset"], s["reward"]) for s in samples])
 

@@ -132,3 +132,34 @@ def test_textarena_random_opponent_is_seeded_and_leaves_random_alone():
         make_env("textarena", game="TicTacToe-v9")
     with pytest.raises(ValueError, match="opponent='gpt'"):
         make_env("textarena", opponent="gpt")
+
+
+def test_reasoning_gym_expert_answers_every_recipe_task_right_by_the_librarys_score():
+    """The warm start's teacher (ReasoningGymEnv.expert) on the SmolLM2 recipe's own tasks and
+    settings: reasoning-gym's extract_answer + score_answer give its reply 1.0, and the trainer's
+    expert traces (warm-start seeds) play it to the end with reward 1."""
+    import reasoning_gym
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from reasoning_gym.utils import extract_answer
+
+    from earl_megatron.rollout.trajectories import expert_trajectories
+    from earl_megatron.train import RECIPES
+
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        cfg = compose(config_name="smollm2_reasoning_gym")
+    kwargs = OmegaConf.to_container(cfg.env.kwargs, resolve=True)
+    env = make_env("reasoning_gym", **kwargs)
+    seeds = expert_seeds(0, 40) + episode_seeds(0, 0, 20) + evaluation_seeds(0, 20)
+    seen = set()
+    for seed in seeds:
+        entry = env.task(seed)
+        (reply,) = env.expert(seed)
+        assert reply == f"<answer>{entry['answer']}</answer>"
+        task = entry["metadata"]["source_dataset"]
+        seen.add(task)
+        assert reasoning_gym.get_score_answer_fn(task)(extract_answer(reply), entry) == 1.0, reply
+    assert seen == set(kwargs["tasks"])
+    traces = expert_trajectories(lambda: make_env("reasoning_gym", **kwargs), expert_seeds(0, 8))
+    assert [t.meta["reward"] for t in traces] == [1.0] * 8
+    assert [m[0] for m in traces[0].messages] == ["system", "user", "assistant"]
