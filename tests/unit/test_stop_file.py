@@ -42,6 +42,7 @@ def test_only_requested_asks_to_stop(tmp_path):
 
 def test_told_to_stop_follows_the_installed_control(tmp_path):
     assert not told_to_stop()
+    before = signal.getsignal(signal.SIGTERM)
     stop = StopControl.for_run(tmp_path).install()
     try:
         assert not told_to_stop()
@@ -50,7 +51,7 @@ def test_told_to_stop_follows_the_installed_control(tmp_path):
     finally:
         stop.close()
     assert not told_to_stop()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before   # close() puts back what was there
 
 
 def _held(tmp_path, **kw):

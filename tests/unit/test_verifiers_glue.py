@@ -25,6 +25,19 @@ from earl_megatron.train import validate
 
 pytest.importorskip("verifiers")
 
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """verifiers' Environment installs SIGINT/SIGTERM handlers when it is built; the glue puts
+    the trainer's back, and a test that builds one itself must not leave them to the next test
+    of its process (pytest-xdist runs files in any order)."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
 TOK = char_tokenizer()
 LIMITS = ServerLimits(max_context_tokens=4096, max_action_tokens=96, max_turns=3)
 ENVS = "earl_megatron.testing.vf_envs."
