@@ -167,8 +167,8 @@ def _train(cfg_dict: dict) -> dict:
     base_timer = colocated.StageTimer
 
     class Timer(base_timer):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, carried=None):
+            super().__init__(carried)
             decode[0] = 0.0
             self.cpu0 = time.process_time()
 
@@ -418,7 +418,9 @@ def _split_runs(w: str, placement, args, init, ranks: int):
         if placement == "auto":
             plans.append((seed, [(h["split"]["rollout_ranks"] if "split" in h else 0,
                                   h["layouts"]) for h in hist],
-                          hist[0]["split"]["plan"] if "split" in hist[0] else "colocated"))
+                          hist[0]["split"]["plan"] if "split" in hist[0] else "colocated",
+                          [(h["iteration"], h["seconds"]["move"]) for h in hist
+                           if "move" in h["seconds"]]))
     n = len(runs)
     pooled = {"eps": sum(r["eps"] * r["wall"] for r in runs) / sum(r["wall"] for r in runs),
               "per_seed": [r["eps"] for r in runs],
@@ -483,10 +485,12 @@ def section_split(args) -> dict:
                     print(f"           auto ran split {same[0]}'s pools and layouts at every "
                           "iteration of every seed: their ratio is this host's run-to-run "
                           "spread", flush=True)
-                for seed, seed_plans, first in plans:
+                for seed, seed_plans, first, moves in plans:
                     print(f"           seed {seed}: auto's pools by iteration (rollout ranks, "
                           "layouts): " + ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}"
                                                    for n_r, lay in seed_plans)
+                          + "; moves (iteration: seconds, in its record): "
+                          + (", ".join(f"{it}: {sec:.2f}" for it, sec in moves) or "none")
                           + (f"; its first plan: {first}" if seed == args.split_seeds[0]
                              else ""), flush=True)
         if warm is not None:

@@ -31,10 +31,13 @@ prediction of that side (the profile table's idea, kept per run). The rates per 
 Choosing (``plan_split``): colocated and every rollout-pool size in ``split_choices`` (whole
 nodes when the cluster has several, else any count of one node's devices) whose two pools both
 have a fitting layout; the least period wins, ties to the smaller rollout pool (colocated
-first). Hysteresis: the current split
-(``current``) is kept unless the best period plus the cost of moving ranks between pools
-(``move_seconds``) is below the current period by more than ``hysteresis``; every plan carries
-its reason, as the selector's do.
+first). Hysteresis: the current split (``current``) is kept unless the best period plus the
+cost of moving ranks between pools (``move_seconds``, or the last move's measured seconds when
+more), spread over the iterations left, is below the current period by more than
+``hysteresis``; every plan carries its reason, as the selector's do.
+
+A colocated first stage, before anything trains (trainer/auto.py), measures its rollout and a
+scoring forward; ``scored_rates`` turns them into rates for both sides.
 
 Invariants (tests/unit/test_split_plan.py): both pools together are exactly the world; every
 layout is valid for its pool's size and fits its pool's budget; equal inputs give equal plans;
@@ -259,12 +262,17 @@ def _factors(selector: Selector, workload: SplitWorkload,
 def plan_split(selector: Selector, workload: SplitWorkload, *,
                rollout_ranks: Optional[int] = None, rates: Optional[MeasuredRates] = None,
                current: Optional[SplitPlan] = None, hysteresis: Optional[float] = None,
-               colocated: bool = True) -> SplitPlan:
+               colocated: bool = True, moved_s: float = 0.0, horizon: int = 1) -> SplitPlan:
     """The split for ``workload``: ``rollout_ranks`` fixed (split placement with the user's
     pool), or the fastest of ``split_choices`` (auto; and colocated unless ``colocated`` is
     False: a run under rollout.placement=auto, whose loop is the split one), kept at
     ``current`` under ``hysteresis`` (default: the selector's). ``rates`` scale each side's
-    predictions."""
+    predictions. A move leaves ``current`` when its seconds (the model's, or ``moved_s``, what
+    the last move measured, whichever is more), spread over the ``horizon`` iterations left,
+    still leave the best period below the current one by more than the hysteresis."""
+    if horizon < 1 or moved_s < 0:
+        raise ValueError(f"plan_split needs horizon >= 1 and moved_s >= 0, got {horizon} and "
+                         f"{moved_s}")
     factors = _factors(selector, workload, rates)
     if rollout_ranks is not None:
         plan = _pools(selector, workload, rollout_ranks, factors, current)
@@ -292,13 +300,13 @@ def plan_split(selector: Selector, workload: SplitWorkload, *,
     incumbent = next((p for p in found if current is not None
                       and p.rollout_ranks == current.rollout_ranks), None)
     if incumbent is not None and incumbent is not best:
-        move = move_seconds(selector, incumbent, best)
-        if best.period_s + move >= incumbent.period_s * (1 - h):
+        move = max(move_seconds(selector, incumbent, best), moved_s)
+        if best.period_s + move / horizon >= incumbent.period_s * (1 - h):
             return replace(incumbent, reason=(
                 f"kept {incumbent.rollout_ranks}/{incumbent.train_ranks}: the best split "
                 f"{best.rollout_ranks}/{best.train_ranks} ({best.period_s:.3g} s + move "
-                f"{move:.3g} s) is not {100 * h:.0f}% faster than {incumbent.period_s:.3g} s"
-                + measured))
+                f"{move:.3g} s over {horizon} iterations) is not {100 * h:.0f}% faster than "
+                f"{incumbent.period_s:.3g} s" + measured))
     runner = f"; next {ranked[1].rollout_ranks}/{ranked[1].train_ranks} " \
         f"{ranked[1].period_s:.3g} s" if len(ranked) > 1 else ""
     why = (f"{best.rollout_ranks} rollout / {best.train_ranks} train ranks: fastest of "
@@ -306,3 +314,20 @@ def plan_split(selector: Selector, workload: SplitWorkload, *,
     if skipped:
         why += f"; no fit with {skipped} rollout ranks"
     return replace(best, reason=why + measured)
+
+
+def scored_rates(selector: Selector, workload: SplitWorkload, rollout_seconds: float,
+                 scoring_seconds: float, tokens: int) -> MeasuredRates:
+    """What a colocated first stage measured before anything trained: its rollout's seconds
+    and a scoring forward over its batch (LOGPROB's work, timed). The train side's seconds are
+    the model's colocated LOGPROB + TRAIN scaled by measured / predicted LOGPROB: a train
+    step's forward and backward are the same matmuls as scoring's forward, so the hardware's
+    offset from the model is the same."""
+    ran = _pools(selector, workload, 0, (1.0, 1.0), None)
+    predicted = ran.logprob.chosen.cost
+    if not (predicted > 0 and scoring_seconds > 0):
+        raise ValueError(f"scored rates need a predicted and a measured scoring time > 0, got "
+                         f"{predicted} and {scoring_seconds}")
+    return MeasuredRates(0, rollout_seconds, tokens, ran.train_s * scoring_seconds / predicted,
+                         tokens)
+

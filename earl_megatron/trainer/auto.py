@@ -8,8 +8,15 @@ The candidates are plan/split.py's: colocated (every rank plays, then trains: ``
 each side's prediction scaled by what the placement that ran measured (``MeasuredRates``), kept
 where it is unless another is faster by the selector's hysteresis with the move counted.
 
-    start          rank 0 plans from the checkpoint's lengths (or the first prompt budget);
-                   every rank takes its plan, or its error (nothing fits)
+    start          nothing measured yet: colocated when it is a candidate and fits (a split's
+                   train pool would wait through the first rollout anyway, and the model alone
+                   cannot tell a workload whose environments wait, which a split overlaps, from
+                   one whose train step dominates); else rank 0 plans from the checkpoint's
+                   lengths (or the first prompt budget); every rank takes its plan, or its error
+    probe 0        a fresh run's colocated stage 0, before it trains: rank 0 plans from its
+                   rollout seconds and a timed scoring forward over its batch
+                   (plan/split.py ``scored_rates``); a move now writes no checkpoint (nothing
+                   has trained) and stage 0 plays again in the new placement
     colocated j    before stage j, rank 0 re-plans from iteration j - 1's rollout and train
                    seconds; every rank takes the plan (trainer/colocated.py)
     split j        before meeting j, rank 0 re-plans from step j - 1 and stage j - 1
@@ -17,7 +24,10 @@ where it is unless another is faster by the selector's hysteresis with the move 
     a move         the untrained stage is rewound, iteration j - 1 checkpointed (the weights,
                    the optimizer and the episode pool: one writer for every placement), and
                    every rank builds its side of the new placement from that checkpoint
-                   (dist_checkpointing reshards the train state); stage j plays there
+                   (dist_checkpointing reshards the train state); stage j plays there. Its
+                   seconds (the checkpoint, the build, a rewound stage) are in iteration j's
+                   record as "move", and the last one measured is a floor under the model's
+                   move cost, which a re-plan spreads over the iterations left
 
 SGLang servers (``rollout.engine=sglang``): the world's planner prices them beside the policy
 (colocated) or alone on a split's rollout pool, and a move's restart of them on other ranks
@@ -63,6 +73,10 @@ class Auto:
         """The placement in force and why."""
         self.handoff = None
         """Split's handoff group, made once (trainer/handoff.py)."""
+        self.moved_s = 0.0
+        """The last move's measured seconds (trainer/loop.py): a floor under the model's."""
+        self.probing = False
+        """The colocated first stage re-plans before it trains (``first``)."""
 
     def propose(self, lengths: list[int], rates: Optional[MeasuredRates],
                 env_seconds: float = 0.0) -> SplitPlan:
@@ -70,9 +84,20 @@ class Auto:
         (the rollout's ``env_seconds``, which more ranks do not shorten, apart)."""
         wp = self.planner
         wp.last_lengths = list(lengths)
+        if rates is None and self.plan is None and self.colocated and \
+                self.rollout_ranks is None:
+            # nothing measured yet: colocated first, when it fits (the first stage measures)
+            try:
+                plan = plan_split(wp.selector, wp.split_workload(0.0), rollout_ranks=0)
+            except SplitDoesNotFitError:
+                pass
+            else:
+                return replace(plan, reason=f"colocated first: nothing measured yet "
+                               f"({plan.describe()}); the first stage measures")
         return plan_split(wp.selector, wp.split_workload(env_seconds), rates=rates,
                           current=self.plan, colocated=self.colocated,
-                          rollout_ranks=self.rollout_ranks)
+                          rollout_ranks=self.rollout_ranks, moved_s=self.moved_s,
+                          horizon=max(1, self.tr.cfg.run.iterations - self.tr.saved - 1))
 
     def first(self):
         """The placement to start in: rank 0 plans from the newest checkpoint's lengths, every
@@ -91,6 +116,11 @@ class Auto:
         dist.broadcast_object_list(got, src=0)
         if isinstance(got[0], Exception):
             raise got[0]
+        # a fresh run that starts colocated re-plans after its first rollout, before anything
+        # trains: a move then writes no checkpoint (trainer/colocated.py ``_probe``). A warm
+        # start has trained (its weights would not move), a resumed run too.
+        self.probing = got[0].colocated and self.colocated and found is None and \
+            not tr.cfg.sft.steps
         return self.placement_for(got[0])
 
     def agree(self, proposal: Optional[SplitPlan]) -> SplitPlan:

@@ -23,13 +23,15 @@ import time
 from typing import Optional
 
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
+from earl_megatron.plan.split import scored_rates
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
 from earl_megatron.trainer.audit import RunAudit
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
-from earl_megatron.trainer.record import StageTimer
+from earl_megatron.trainer.record import StageTimer, gather_by_sample
+from earl_megatron.trainer.stages import reference_logprobs
 
 
 class Colocated:
@@ -47,6 +49,8 @@ class Colocated:
         self.audit = RunAudit.from_env(trainer.rank)
         """Tests: what each replica played and trained (trainer/audit.py)."""
         self._last: Optional[tuple] = None
+        self._sent = None
+        """The episode pool's outcome of the stage just played (audited once kept)."""
         """(record, lengths) of the last iteration trained here (auto's measured rates)."""
         self.models: Optional[ModelPair] = None
         self._completed: dict = {}
@@ -138,7 +142,17 @@ class Colocated:
             if not plan.colocated:
                 return _Move(plan)
         with self._keeping_trained():
-            return self._play(j)
+            played = self._play(j)
+        if self.auto is not None and self.auto.probing:
+            self.auto.probing = False
+            plan = self._probe(played)
+            if not plan.colocated:       # nothing trained: stage j plays again there
+                if self.tr.pool is not None:
+                    self.tr.pool.rewind()
+                return _Move(plan)
+        if self._sent is not None:
+            self.audit.sent(self.tr.pool, j, self._sent)
+        return played
 
     def _replan(self):
         """auto, before stage j: rank 0 re-plans from iteration j - 1's measured seconds (the
@@ -150,14 +164,41 @@ class Colocated:
             stage = rec.get("seconds", {}).get("rollout", 0.0)
             env = max(0.0, stage - rec.get("rollout_decode_s", stage))
             proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
-        plan = auto.agree(proposal)
+        return self._take(proposal)
+
+    def _probe(self, played):
+        """auto, a fresh run's first stage before it trains: rank 0 plans from its rollout
+        (decoding apart from the environments' time) and a timed scoring forward over its
+        batch (plan/split.py ``scored_rates``); every rank takes the plan. A move now writes
+        no checkpoint: nothing has trained."""
+        tr, auto, (ids, episodes, metrics) = self.tr, self.auto, played
+        t, _, policy = self._stage
+        tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
+        t0 = time.perf_counter()
+        reference_logprobs(policy, policy.layout, ids, {s: e.token_ids for s, e in
+                                                        zip(ids, episodes)},
+                           tokens, tr.tok.pad_token_id, tr.batch)
+        scored, proposal = time.perf_counter() - t0, None
+        if tr.rank == 0:
+            lengths = [tokens[s] for s in sorted(tokens)]
+            stage = t.seconds.get("rollout", 0.0)
+            env = max(0.0, stage - metrics.get("rollout_decode_s", stage))
+            wp = auto.planner
+            wp.last_lengths = lengths
+            rates = scored_rates(wp.selector, wp.split_workload(env), stage, scored,
+                                 sum(lengths)) if lengths and stage > 0 else None
+            proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
+        return self._take(proposal)
+
+    def _take(self, proposal):
+        plan = self.auto.agree(proposal)
         if plan.colocated:
-            auto.plan = plan
+            self.auto.plan = plan
         return plan
 
     def _play(self, j: int):
         tr, cfg = self.tr, self.tr.cfg
-        plan, t, models = tr.planner, StageTimer(), self.models
+        plan, t, models = tr.planner, StageTimer(tr.carried), self.models
         ref = models.reference
         with t("plan+switch"):
             carried = tr.pool.begin() if tr.pool is not None else ()
@@ -165,7 +206,7 @@ class Colocated:
                                             models.policy.layout,
                                             plan.weight_bytes(ref and ref.layout))}
             policy = models.policy_in(layouts["rollout"])
-        n, pool_metrics = cfg.rollout.episodes_per_iteration, {}
+        n, pool_metrics, self._sent = cfg.rollout.episodes_per_iteration, {}, None
         with t("rollout"):
             try:
                 if tr.pool is not None:   # asynchronous: episodes carry over
@@ -174,7 +215,7 @@ class Colocated:
                         should_stop=tr.stop.replica_should_stop,
                         **({"time_decode": True} if self.auto is not None else {}))
                     ids, episodes, pool_metrics = out.ids, out.episodes, out.metrics
-                    self.audit.sent(tr.pool, j, out)
+                    self._sent = out    # audited once the stage is kept (``play``)
                 else:
                     seeds = episode_seeds(cfg.run.seed, j, n, cfg.algorithm.group_size)
                     ids, episodes = tr.rollout.play(

@@ -33,6 +33,7 @@ Invariants (every placement):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -111,10 +112,15 @@ def run_loop(trainer, place: Placement, start: int) -> None:
     place.begin(start, evaluate=start == 0)
     j = start
     while j < n + place.lag:
+        t0 = time.perf_counter()
         met = place.meet(j, place.play(j) if j < n else None)
         if met.move is not None:            # auto: stage j plays again in the new placement
             place = trainer.placement = trainer.auto.move(place, met.move)
             place.begin(j, evaluate=False)
+            # the move (its checkpoint, the new placement's build, a rewound stage) is part
+            # of iteration j's seconds: its record counts it as "move"
+            moved = time.perf_counter() - t0
+            trainer.carried["move"] = trainer.auto.moved_s = moved
             continue
         if met.stop or met.end:
             break

@@ -56,9 +56,13 @@ class StageTimer:
     selector's predicted memory (``peaks_gb``; a CPU run records none: its process memory is
     mostly the Python runtime, not what the memory model predicts)."""
 
-    def __init__(self):
-        self.t0 = time.perf_counter()
-        self.seconds: dict[str, float] = {}
+    def __init__(self, carried: Optional[dict] = None):
+        self.seconds: dict[str, float] = dict(carried or {})
+        """``carried`` (taken: emptied here): seconds spent for this iteration before it
+        started (auto's move to the placement that plays it), counted in its total."""
+        if carried:
+            carried.clear()
+        self.t0 = time.perf_counter() - sum(self.seconds.values())
         self.peaks: dict[str, int] = {}
 
     @contextlib.contextmanager

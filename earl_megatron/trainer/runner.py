@@ -121,6 +121,8 @@ class Trainer:
         groups.set_group_cache_size(cfg.cluster.group_cache_layouts)
         groups.set_group_timeout(cfg.cluster.group_timeout_s)
         self.history: list[dict] = []
+        self.carried: dict[str, float] = {}
+        """Seconds the next record counts before its iteration starts (auto's move): its timer's."""
         self.stop = StopControl.for_run(self.out)
         self.saved = -1
         """The iteration of the newest checkpoint this segment wrote or resumed from."""

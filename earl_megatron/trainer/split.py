@@ -370,7 +370,7 @@ class Split:
         ids, episodes, metrics = batch
         models = self.models
         t, r = self.pools
-        timer = StageTimer()
+        timer = StageTimer(self.tr.carried)
         t0 = time.perf_counter()
         # the iteration's seconds on the train pool: the meeting that brought the batch (its
         # wait for the rollout pool, the transfer, the handoff), then the training; their total

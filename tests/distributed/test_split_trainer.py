@@ -175,15 +175,24 @@ def test_auto_plans_the_split_and_moves_the_pools_without_losing_an_episode(tmp_
 
 
 def test_auto_moves_between_split_and_colocated_without_losing_an_episode(tmp_path):
-    """auto weighs the colocated loop beside every split: start on a split of 2 rollout ranks,
-    move to colocated at meeting 2 (stage 2 played again there), back to a split of 1 rollout
-    rank before stage 4; every episode sent is trained exactly once across both moves."""
+    """auto weighs the colocated loop beside every split: start colocated (nothing measured),
+    move after stage 0's rollout, before anything trained, to a split of 2 rollout ranks
+    (no checkpoint: stage 0 plays again there), to colocated at meeting 2 (stage 2 played again
+    there), back to a split of 1 rollout rank before stage 4; every episode sent is trained
+    exactly once across the three moves, and each move's seconds are in the record of the
+    iteration it delayed."""
     audit, out = tmp_path / "audit", tmp_path / "run"
     hist = run_distributed(train_scheduled, 4, _auto_cfg(str(out), 5), str(audit),
-                           [2, 2, 0, 0, 1], timeout=600)[0]
+                           [0, 2, 2, 0, 0, 1], timeout=600)[0]
     assert [h["iteration"] for h in hist] == list(range(5))
     where = [h["split"]["rollout_ranks"] if "split" in h else 0 for h in hist]
     assert where == [2, 2, 0, 0, 1], where
+    moved = [h["iteration"] for h in hist if "move" in h["seconds"]]
+    assert moved == [0, 2, 4], moved
+    assert all(h["seconds"]["total"] > h["seconds"]["move"] > 0 for h in hist
+               if "move" in h["seconds"])
+    saved = sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
+    assert saved[:2] == ["iter_000001", "iter_000003"], saved   # none before anything trained
     for it in (1, 3):   # the moves' checkpoints (checkpoint_every=0)
         loop = json.loads((out / "checkpoints" / f"iter_{it:06d}" / "loop.json").read_text())
         assert loop["iteration"] == it

@@ -17,7 +17,7 @@ from earl_megatron.plan.selector import Selector, SelectorConfig
 from earl_megatron.plan.specs import ClusterSpec, DecodeEngine, Stage, StageWorkload, TrainOptions
 from earl_megatron.plan.split import (MeasuredRates, SplitDoesNotFitError, SplitWorkload,
                                       handoff_seconds, move_seconds, plan_split, pool_cluster,
-                                      split_choices)
+                                      scored_rates, split_choices)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.weight_plan import ShardsIn, plan_weights
 
@@ -126,6 +126,43 @@ def test_hysteresis_keeps_the_split_unless_the_gain_pays_the_move():
     moved = plan_split(sel, work, current=near, hysteresis=0.0)
     assert moved.rollout_ranks == best.rollout_ranks
     assert move_seconds(sel, near, best) > 0 == move_seconds(sel, best, best)
+
+
+def test_a_measured_move_spread_over_the_iterations_left_decides_it():
+    sel = _cpu()
+    colo = plan_split(sel, _work(), rollout_ranks=0)
+    work = _work(env_s=colo.period_s)
+    best = plan_split(sel, work)
+    near = min((plan_split(sel, work, rollout_ranks=n) for n in (0, 1, 2, 3)
+                if n != best.rollout_ranks), key=lambda p: p.period_s)
+    gain = near.period_s * (1 - sel.config.hysteresis) - best.period_s   # per iteration
+    assert gain > move_seconds(sel, near, best)
+    # a move measured at 3 iterations' gain: worth it over 4 iterations left, not over 2
+    moved_s = 3 * gain
+    kept = plan_split(sel, work, current=near, moved_s=moved_s, horizon=2)
+    assert kept.rollout_ranks == near.rollout_ranks
+    assert f"move {moved_s:.3g} s over 2 iterations" in kept.reason
+    assert plan_split(sel, work, current=near, moved_s=moved_s,
+                      horizon=4).rollout_ranks == best.rollout_ranks
+    for bad in ({"horizon": 0}, {"moved_s": -1.0}):
+        with pytest.raises(ValueError, match="horizon >= 1 and moved_s >= 0"):
+            plan_split(sel, work, current=near, **bad)
+
+
+def test_scored_rates_scale_the_train_side_by_the_measured_scoring():
+    sel = _cpu(ranks=3)
+    work = _work(env_s=0.2)
+    colo = plan_split(sel, work, rollout_ranks=0)
+    # scoring took twice the model's LOGPROB: the whole train side (LOGPROB + TRAIN) is
+    # taken to be twice the model's; the rollout as measured
+    rates = scored_rates(sel, work, 0.9, 2 * colo.logprob.chosen.cost, 3200)
+    assert (rates.rollout_ranks, rates.rollout_seconds, rates.rollout_tokens) == (0, 0.9, 3200)
+    assert rates.train_seconds == pytest.approx(2 * colo.train_s)
+    scaled = plan_split(sel, work, rollout_ranks=0, rates=rates)
+    assert scaled.train_s == pytest.approx(2 * colo.train_s)
+    assert scaled.rollout_s == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="measured scoring time > 0"):
+        scored_rates(sel, work, 0.9, 0.0, 3200)
 
 
 def test_a_pool_that_does_not_fit_is_named():
