@@ -89,7 +89,9 @@ class RunAudit:
 
     def _held(self, rollout, j: int) -> None:
         """A server leader: what its server holds, read back by name, hashed as float32 (whole
-        tensors on tp1 servers; a tp2 server's read-back differed from them, cause unknown)."""
+        tensors on tp1 servers only: SGLang's /get_weights_by_name on a tp > 1 server answers
+        with its tp rank 0's shard of the column-parallel weights (q/k/v, gate/up, the
+        embedding) and gathers only the row-parallel ones, sglang/srt/models/llama.py)."""
         engine = rollout.engine
         if engine is not None:
             held = {name: torch.tensor(engine.weights_by_name(name, t.shape[0]),
