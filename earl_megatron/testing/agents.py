@@ -20,6 +20,10 @@
   metrics.jsonl: iteration 0 recorded), then never returns: a stop request lands in that rollout by
   construction, whatever the machine's speed (as testing/envs.py's held game).
 
+- ``late``: one call, then it outlives its episode (past ``rollout.agent_timeout_s``): it waits
+  until the run's samples directory holds one more file than when it started (the stage it
+  played in ended and trained), calls again and appends that answer's (status, code) to the
+  file ``task["late_log"]``: a late call inside a training run, refused (410) by construction.
 - ``span``: one call, then waits until the file ``task["span_after"]`` holds a line (the run's
   samples of iteration 0: its TRAIN step is done), then a second call extending the first: under
   asynchronous RL an episode that started before that step finishes after it, by construction.
@@ -77,6 +81,16 @@ def probe(task: dict, base_url: str, api_key: str, model: str):
         threading.Event().wait()
     kind = "plain" if kind == "hold" else kind
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    if kind == "late":
+        samples = task["samples_dir"]
+        before = len(os.listdir(samples)) if os.path.isdir(samples) else 0
+        client.chat.completions.create(model=model, messages=msgs)
+        while not (os.path.isdir(samples) and len(os.listdir(samples)) > before):
+            threading.Event().wait(0.05)
+        seen = _post(base_url + "/chat/completions", api_key, {"messages": msgs})
+        with open(task["late_log"], "a") as f:
+            f.write(json.dumps(list(seen)) + "\n")
+        return 1.0
     if kind == "span":
         r = client.chat.completions.create(model=model, messages=msgs)
         while not _has_a_line(task["span_after"]):

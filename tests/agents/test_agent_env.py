@@ -3,7 +3,9 @@ the rollout replica is tp2, so its leader serves the endpoint and its other rank
 batch beside it (agents/broker.py ReplicaDriver). The agents (earl_megatron/testing/agents.py
 ``probe``) are real programs using the ``openai`` client and httpx: one meets every refusal
 the endpoint answers and records status and code, one forks its episode, one posts its reward,
-one raises, one hangs past ``rollout.agent_timeout_s``, one is the built-in agent scored by
+one raises, one hangs past ``rollout.agent_timeout_s``, one (``late``) outlives its episode's timeout
+and calls again once the stage has trained (refused: 410, recorded nothing), one is the built-in
+agent scored by
 ``env.kwargs.reward``, one (``hold``) plays plain until iteration 1's samples are written, then
 never returns. The run goes on through all of them:
 iterations 0 and 1 train, the metrics count each case, the samples hold every episode's task and
@@ -25,7 +27,7 @@ import time
 
 from earl_megatron.testing.agents import SEEN_OK, serve_process
 
-KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "builtin", "hold")
+KINDS = ("plain", "refusals", "fork", "post", "raise", "hang", "late", "builtin", "hold")
 MAX_TURNS = 3
 
 
@@ -44,8 +46,11 @@ def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path
     # ``hold`` holds once iteration 1's samples are written (the end of its TRAIN step, before
     # its metrics line): from iteration 2's rollout on, never in iterations 0 and 1
     hold_when = out / "samples" / "iter_000001.jsonl"
+    late_log = tmp_path / "late.jsonl"
     tasks.write_text("".join(json.dumps({"kind": k, "prompt": "say hi", "max_turns": MAX_TURNS,
-                                         "hold_when": str(hold_when)})
+                                         "hold_when": str(hold_when),
+                                         "samples_dir": str(out / "samples"),
+                                         "late_log": str(late_log)})
                              + "\n" for k in KINDS))
     args = ["model.vocab_size=128", "rollout.tokenizer=ascii", "env=agent",
             "env.kwargs.entry=earl_megatron.testing.agents:probe", f"env.kwargs.tasks={tasks}",
@@ -87,12 +92,16 @@ def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path
     assert [r["iteration"] for r in records] == [0, 1]
     for r in records:
         m = r.get("metrics", r)
-        assert m["agent_errors"] == 1 and m["agent_timeouts"] == 1, m
+        assert m["agent_errors"] == 1 and m["agent_timeouts"] == 2, m   # hang, late
         assert m["agent_forks"] == MAX_TURNS - 1 + 1, m     # refusals' resends, the fork
         # re-scored (old_logprobs=recompute): the rows' logprobs are the engine's, forks too
         assert m["rollout_logprob_diff_max"] < 1e-4, m
-        # plain 1, refusals MAX_TURNS, fork 2, post 1, builtin 1, hold (plain here) 1
-        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1 + 1) / len(KINDS), m
+        # plain 1, refusals MAX_TURNS, fork 2, post 1, late 1, builtin 1, hold (plain here) 1
+        assert m["agent_calls_per_episode"] == (1 + MAX_TURNS + 2 + 1 + 1 + 1 + 1) / len(KINDS), m
+    # the late call of iteration 0, made while iteration 1 played (iteration 1's may have
+    # met the run's end, iteration 2's waits on samples never written)
+    late = [json.loads(x) for x in late_log.read_text().splitlines()]
+    assert late and all(x == [410, "episode_finished"] for x in late), late
 
     from earl_megatron.agents.chat import ChatRenderer
     from earl_megatron.train import make_tokenizer
@@ -118,7 +127,9 @@ def test_agent_programs_train_through_the_endpoint_and_stop_mid_rollout(tmp_path
         assert "fails on purpose" in firsts["raise"]["info"]["agent_error"]
         assert firsts["hang"]["finish_reason"] == "timeout"
         assert firsts["hold"]["reward"] == 1.0       # before iteration 2 it plays plain
-        for lost in ("raise", "hang"):
+        assert firsts["late"]["finish_reason"] == "timeout"
+        assert firsts["late"]["info"].get("agent_forks", 0) == 0
+        for lost in ("raise", "hang", "late"):
             assert firsts[lost]["policy_tokens"] == 0      # a lost episode trains nothing
         # the refusals agent resends its first messages: each call after the first forks
         assert firsts["refusals"]["info"]["agent_forks"] == MAX_TURNS - 1
