@@ -174,6 +174,8 @@ class Colocated:
         tr, auto, (ids, episodes, metrics) = self.tr, self.auto, played
         t, _, policy = self._stage
         tokens = gather_by_sample(ids, [len(e.token_ids) for e in episodes])
+        if not tokens:      # an abandoned stage (the world's view): nothing measured, stay
+            return auto.plan
         t0 = time.perf_counter()
         reference_logprobs(policy, policy.layout, ids, {s: e.token_ids for s, e in
                                                         zip(ids, episodes)},
@@ -185,9 +187,11 @@ class Colocated:
             env = max(0.0, stage - metrics.get("rollout_decode_s", stage))
             wp = auto.planner
             wp.last_lengths = lengths
-            rates = scored_rates(wp.selector, wp.split_workload(env), stage, scored,
-                                 sum(lengths)) if lengths and stage > 0 else None
-            proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
+            proposal = auto.plan     # a stage too short to time: stay
+            if stage > 0:
+                rates = scored_rates(wp.selector, wp.split_workload(env), stage, scored,
+                                     sum(lengths))
+                proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
         return self._take(proposal)
 
     def _take(self, proposal):
