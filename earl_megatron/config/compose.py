@@ -50,8 +50,9 @@ def _register_resolvers() -> None:
 _register_resolvers()
 
 FLAGS = {"--config-name": "name", "-cn": "name", "--config-path": "path", "-cp": "path"}
-TRAINER_DIR = Path(__file__).resolve().parents[1]
-"""Where earl_megatron/train.py (``@hydra.main``) lives: a relative --config-path starts here."""
+TRAINER_DIR = Path(__file__).resolve().parents[1] / "train"
+"""Where ``@hydra.main`` lives (the earl_megatron.train package's ``__init__``): a relative
+--config-path starts here."""
 
 
 def split_args(args: Sequence[str]) -> tuple[str, str, list[str]]:

@@ -336,6 +336,3 @@ def _train(cfg: TrainConfig) -> None:
 def main() -> None:
     hydra_entry(_train)
 
-
-if __name__ == "__main__":
-    main()
