@@ -4,6 +4,7 @@ Each model is built from the same full weights on a tp1 layout (dp2: every rank 
 and on tp2, then adapted with the same spec and seed. Checked on every layout:
 
 - with B = 0 (the init) the logits equal the base model's bit-exact;
+- on tp1, one adapted linear's output is base(x) + B A x * alpha / rank by hand;
 - every base parameter is frozen and gets no gradient; every adapter gets a nonzero one;
 
 and across layouts, after B is set from one seeded full tensor: the adapters themselves, the
@@ -64,6 +65,12 @@ def _adapted_run(cfg, layout_name, targets):
     for name, layer in layers.items():
         g = torch.Generator().manual_seed(len(name))
         layer.load_full(b=0.05 * torch.randn(layer.out_features, 4, generator=g))
+    if lay.tp == 1:   # the update is B A x * alpha / rank (peft's LoRA), by hand on one linear
+        layer = next(iter(layers.values()))
+        x = torch.randn(5, 2, layer.in_features, generator=gen)
+        with torch.no_grad():
+            want = layer.base(x)[0] + x @ layer.lora_a.T @ layer.lora_b.T * (8 / 4)
+            out["formula_diff"] = (layer(x)[0] - want).abs().max().item()
     full = logits()
     (full * weight).sum().backward()
     out["logits"] = full.detach()
@@ -105,6 +112,8 @@ def test_lora_layers_tp2_equal_tp1():
         # the seeded B moves the logits well past the tolerance, so equality below means something
         assert run["max_logit_change"] > 100 * TOL, (where, run["max_logit_change"])
         assert run["sp"] == (family == "qwen3_moe" and layout_name == "tp2"), where
+        if layout_name == "dp2":
+            assert run["formula_diff"] < TOL, (where, run["formula_diff"])
     assert "expert" in runs["qwen3_moe", "dp2"]["refused"]
     assert runs["qwen3_moe", "tp2"]["unchanged"]
     for family, per_layer in (("llama", 4), ("qwen3_moe", 2)):
