@@ -3,7 +3,7 @@
 Without SGLang (always run): the command line carries no secret; a foreign HTTP server that
 answers everything with 200 on the server's port is never taken for ours, and every retry
 starts on a new port; the weight group's store listens on loopback only; fault points pause
-exactly one claimant. With a real server (EARL_SGLANG_VENV): a request without the engine's
+exactly one claimant, and two arms of one point each pause their own. With a real server (EARL_SGLANG_VENV): a request without the engine's
 key is refused (401), and requests never go through http_proxy.
 """
 
@@ -145,18 +145,28 @@ def test_fault_point_pauses_exactly_one_matching_claimant(tmp_path, monkeypatch)
     for t in threads:
         t.join(timeout=30)
     assert len(passed) == 4 and passed[-1] == hit["tag"]
+    # two arms of one point at once (two servers struck in one stage): each pauses the
+    # claimant its match names, whichever arrives first
+    idents = {d: fault_points.arm(tmp_path, "p", log_dir=d) for d in ("b", "a")}
+    threads = [threading.Thread(target=reach, args=(f"u{d}", d)) for d in ("a", "b")]
+    for t in threads:
+        t.start()
+    hits = {d: fault_points.wait_hit(tmp_path, "p", i, timeout_s=30) for d, i in idents.items()}
+    assert {d: h["tag"] for d, h in hits.items()} == {"a": "ua", "b": "ub"}
+    assert len(passed) == 4  # both paused
+    for d, i in idents.items():
+        fault_points.release(tmp_path, "p", i)
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(passed[4:]) == ["ua", "ub"] and not list(tmp_path.glob("p.*.arm"))
 
 
 # -- against a real server --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def dummy_engine(sglang_python, tiny_models, tmp_path_factory):
-    """A server started from config.json alone (--load-format dummy)."""
-    cfg_dir = tmp_path_factory.mktemp("config-only")
-    (cfg_dir / "config.json").write_text((tiny_models["a"] / "config.json").read_text())
-    config = SGLangConfig(python=sglang_python, model_path=str(cfg_dir), device="cpu",
-                          load_format="dummy", startup_timeout_s=600, request_timeout_s=120)
-    with SGLangEngine(config) as eng:
-        yield eng
+@pytest.fixture
+def dummy_engine(llama_server):
+    """conftest.py's tiny-Llama server, started from config.json alone (--load-format dummy);
+    after test_sglang_engine.py it serves checkpoints from disk (restarted on them there)."""
+    return llama_server
 
 
 @pytest.mark.sglang
@@ -176,7 +186,8 @@ def test_only_the_key_holder_drives_the_server_and_no_proxy_is_used(dummy_engine
     monkeypatch.setenv("HTTP_PROXY", DEAD_PROXY)
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    # the dummy-started server takes real weights from disk, through no proxy
+    # the server takes real weights from disk (its first, in a run of this file alone), through
+    # no proxy
     dummy_engine.update_weights(tiny_models["a"])
     gen = dummy_engine.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_new_tokens=6))
     assert list(gen[0].token_ids) == references["a"].greedy([1, 5, 9], 6)[0]
