@@ -130,25 +130,6 @@ def references(tiny_models) -> dict[str, Reference]:
     return {name: Reference(path) for name, path in tiny_models.items()}
 
 
-@pytest.fixture(scope="session")
-def llama_server(sglang_python, tiny_models, tmp_path_factory):
-    """One server of the tiny Llama for test_sglang_engine.py and test_sglang_security.py (a
-    start is ~30 s of both cores), started from config.json alone (--load-format dummy): its
-    first weights come from disk by update_weights (the tests' ``load``), and the engine tests'
-    restarts start it from the checkpoint then on. Generous startup: ~60 s on 2 idle cores,
-    250 s at load average 80."""
-    from earl_megatron.rollout.sglang_engine import SGLangConfig, SGLangEngine
-
-    cfg_dir = tmp_path_factory.mktemp("config-only")
-    (cfg_dir / "config.json").write_text((tiny_models["a"] / "config.json").read_text())
-    config = SGLangConfig(python=sglang_python, model_path=str(cfg_dir), device="cpu",
-                          num_servers=1, load_format="dummy", startup_timeout_s=600,
-                          request_timeout_s=120, max_restarts=2)
-    with SGLangEngine(config) as eng:
-        print(f"\n[sglang] server up in {eng.startup_s[0]:.1f} s, logs in {eng.log_dir}")
-        yield eng
-
-
 @pytest.fixture
 def run_dir():
     """A directory of the test's own: pytest's tmp_path keeps only the newest 3 sessions, and on

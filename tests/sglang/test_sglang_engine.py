@@ -1,9 +1,7 @@
 """SGLangEngine against a real SGLang server on CPU (opt-in: EARL_SGLANG_VENV), plus pure parts.
 
-One Llama server (conftest.py's ``llama_server``, shared with test_sglang_security.py: a start
-is ~30 s of both cores; started from config.json alone, its weights come from disk by
-``load``), and a second one serving a tiny Qwen3 (q/k norms, head_dim 24 != 64 / 4 heads,
-tied) for its logprob case. What the server
+One Llama server for the whole module (startup ~20-50 s on 2 cores), and a second one serving a
+tiny Qwen3 (q/k norms, head_dim 24 != 64 / 4 heads, tied) for its logprob case. What the server
 tests show:
 greedy tokens equal transformers' no-cache greedy decode; logprobs equal transformers'
 log_softmax(logits / T) within LOGPROB_TOL; multi-turn episodes; stop tokens (including the
@@ -157,9 +155,15 @@ def test_busy_port_is_refused_before_launch(tmp_path):
 
 
 # -- against a real server --------------------------------------------------------------------
-@pytest.fixture
-def engine(llama_server):
-    return llama_server  # conftest.py: the session's tiny-Llama server
+@pytest.fixture(scope="module")
+def engine(sglang_python, tiny_models):
+    # Generous startup: a start is ~60 s on 2 idle cores but took 250 s at load average 80.
+    config = SGLangConfig(python=sglang_python, model_path=str(tiny_models["a"]), device="cpu",
+                          num_servers=1, startup_timeout_s=600, request_timeout_s=120,
+                          max_restarts=2)
+    with SGLangEngine(config) as eng:
+        print(f"\n[sglang] server up in {eng.startup_s[0]:.1f} s, logs in {eng.log_dir}")
+        yield eng
 
 
 def load(engine: SGLangEngine, path) -> None:

@@ -3,8 +3,9 @@
 Without SGLang (always run): the command line carries no secret; a foreign HTTP server that
 answers everything with 200 on the server's port is never taken for ours, and every retry
 starts on a new port; the weight group's store listens on loopback only; fault points pause
-exactly one claimant, and two arms of one point each pause their own. With a real server (EARL_SGLANG_VENV): a request without the engine's
-key is refused (401), and requests never go through http_proxy.
+exactly one claimant, and two arms of one point each pause their own. With a real server
+(EARL_SGLANG_VENV): a request without the engine's key is refused (401), and requests never go
+through http_proxy.
 """
 
 from __future__ import annotations
@@ -162,11 +163,15 @@ def test_fault_point_pauses_exactly_one_matching_claimant(tmp_path, monkeypatch)
 
 
 # -- against a real server --------------------------------------------------------------------
-@pytest.fixture
-def dummy_engine(llama_server):
-    """conftest.py's tiny-Llama server, started from config.json alone (--load-format dummy);
-    after test_sglang_engine.py it serves checkpoints from disk (restarted on them there)."""
-    return llama_server
+@pytest.fixture(scope="module")
+def dummy_engine(sglang_python, tiny_models, tmp_path_factory):
+    """A server started from config.json alone (--load-format dummy)."""
+    cfg_dir = tmp_path_factory.mktemp("config-only")
+    (cfg_dir / "config.json").write_text((tiny_models["a"] / "config.json").read_text())
+    config = SGLangConfig(python=sglang_python, model_path=str(cfg_dir), device="cpu",
+                          load_format="dummy", startup_timeout_s=600, request_timeout_s=120)
+    with SGLangEngine(config) as eng:
+        yield eng
 
 
 @pytest.mark.sglang
@@ -186,8 +191,7 @@ def test_only_the_key_holder_drives_the_server_and_no_proxy_is_used(dummy_engine
     monkeypatch.setenv("HTTP_PROXY", DEAD_PROXY)
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    # the server takes real weights from disk (its first, in a run of this file alone), through
-    # no proxy
+    # the dummy-started server takes real weights from disk, through no proxy
     dummy_engine.update_weights(tiny_models["a"])
     gen = dummy_engine.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_new_tokens=6))
     assert list(gen[0].token_ids) == references["a"].greedy([1, 5, 9], 6)[0]
