@@ -130,7 +130,7 @@ class SGLangEngine(WeightUpdateGroup):
             except SGLangServerError:
                 if attempt == self.config.max_restarts:
                     raise
-                server.stop(grace_s=2.0)
+                server.stop()
         raise AssertionError("unreachable")
 
     # -- RolloutEngine ------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class SGLangEngine(WeightUpdateGroup):
         with server.lock:
             if server.pid != pid and server.alive():
                 return False
-            server.stop(grace_s=2.0)
+            server.stop()
             with open(server.log_path, "ab") as log:
                 log.write(f"\n=== restart after: {reason}\n".encode())
             server.restarts += 1

@@ -6,8 +6,10 @@ weight-update group, during a weight push, during a rollout request), on any mac
 Sleeping and hoping is not that; this is. Code calls ``fault_point(name, **info)`` at the
 moment; it does nothing unless the environment variable ``EARL_FAULT_POINTS`` names a
 directory (tests set it; the trainer's ranks inherit it). A test arms a point (``arm``) by
-writing ``<dir>/<name>.arm``: the info values that must match, and an id. The first process
-reaching a matching point claims the arm (an atomic rename, so exactly one process does),
+writing ``<dir>/<name>.<id>.arm``: the info values that must match. A point may carry several
+arms at once (one per server, say, to strike two servers in the same rollout); the first
+process reaching a point whose info matches an arm claims it (an atomic rename, so exactly one
+process does),
 writes the point's info to ``<dir>/<name>.<id>.hit`` and waits for ``<dir>/<name>.<id>.go``:
 the test reads the hit (``wait_hit``: a server's pid, say), kills or stops that server, arms
 the next point if any, then lets it go (``release``). Each arm fires once.
@@ -36,18 +38,23 @@ def fault_point(name: str, **info: Any) -> None:
     root = os.environ.get(ENV)
     if not root:
         return
-    arm = Path(root) / f"{name}.arm"
-    try:
-        want = json.loads(arm.read_text())
-    except (OSError, ValueError):
-        return
-    ident = want.pop("_id", "0")
-    if any(str(info.get(k)) != str(v) for k, v in want.items()):
-        return
-    claimed = arm.with_name(f"{name}.claimed-{os.getpid()}-{threading.get_ident()}")
-    try:
-        os.rename(arm, claimed)  # atomic: one claimant per arm
-    except OSError:
+    for arm in sorted(Path(root).glob(f"{name}.*.arm")):
+        ident = arm.name[len(name) + 1:-len(".arm")]
+        if not ident.isdigit():  # another point's arm ("<name>.<more>.<id>.arm")
+            continue
+        try:
+            want = json.loads(arm.read_text())
+        except (OSError, ValueError):  # claimed by another process meanwhile
+            continue
+        if any(str(info.get(k)) != str(v) for k, v in want.items()):
+            continue
+        claimed = arm.with_name(f"{name}.{ident}.claimed-{os.getpid()}-{threading.get_ident()}")
+        try:
+            os.rename(arm, claimed)  # atomic: one claimant per arm
+        except OSError:
+            continue
+        break
+    else:
         return
     hit = arm.with_name(f"{name}.{ident}.hit")
     tmp = hit.with_name(f"{hit.name}.tmp-{os.getpid()}")
@@ -63,9 +70,9 @@ def arm(root: Path, name: str, **match: Any) -> str:
     """Test side: arm point ``name`` for the next hit whose info matches ``match``; the arm's
     id (for ``wait_hit`` and ``release``)."""
     ident = f"{time.monotonic_ns()}"
-    tmp = Path(root) / f"{name}.arm.tmp"
-    tmp.write_text(json.dumps({**match, "_id": ident}, default=str))
-    os.replace(tmp, Path(root) / f"{name}.arm")
+    tmp = Path(root) / f"{name}.{ident}.arm.tmp"
+    tmp.write_text(json.dumps(match, default=str))
+    os.replace(tmp, Path(root) / f"{name}.{ident}.arm")
     return ident
 
 

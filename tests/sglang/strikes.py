@@ -50,18 +50,26 @@ def _strike(points: Path, plan: list, done: threading.Event, struck: list, error
 
 
 @contextlib.contextmanager
-def striking(points: Path, plan: list):
-    """Strike ``plan`` while the body runs; yields the strikes made, (point, action, pid), and
-    checks on exit that every one was made, in order (the ranks must inherit
-    ``fault_points.ENV`` = ``points``)."""
-    done, struck, errors = threading.Event(), [], []
-    striker = threading.Thread(target=_strike, args=(points, plan, done, struck, errors),
-                               daemon=True)
-    striker.start()
+def striking(points: Path, plan: list, *more: list):
+    """Strike ``plan`` while the body runs (the ranks must inherit ``fault_points.ENV`` =
+    ``points``); yields a list that holds the strikes made, (point, action, pid), once the body
+    is done, and checks then that every one was made, in order. Each of ``more`` is another
+    plan struck beside it by a striker of its own (its first point armed at once): strikes on
+    two servers in one stage overlap their restarts instead of queueing them."""
+    plans = (plan, *more)
+    done, struck, errors = threading.Event(), [[] for _ in plans], []
+    strikers = [threading.Thread(target=_strike, args=(points, p, done, made, errors),
+                                 daemon=True) for p, made in zip(plans, struck)]
+    for striker in strikers:
+        striker.start()
+    made: list = []
     try:
-        yield struck
+        yield made
     finally:
         done.set()
-        striker.join(timeout=30)
+        for striker in strikers:
+            striker.join(timeout=30)
+        made.extend(x for each in struck for x in each)
     assert not errors, errors
-    assert [s[:2] for s in struck] == [(p, a.__name__) for p, _, a in plan], struck
+    for p, each in zip(plans, struck):
+        assert [s[:2] for s in each] == [(n, a.__name__) for n, _, a in p], each

@@ -3,8 +3,9 @@
 Without SGLang (always run): the command line carries no secret; a foreign HTTP server that
 answers everything with 200 on the server's port is never taken for ours, and every retry
 starts on a new port; the weight group's store listens on loopback only; fault points pause
-exactly one claimant. With a real server (EARL_SGLANG_VENV): a request without the engine's
-key is refused (401), and requests never go through http_proxy.
+exactly one claimant, and two arms of one point each pause their own. With a real server
+(EARL_SGLANG_VENV): a request without the engine's key is refused (401), and requests never go
+through http_proxy.
 """
 
 from __future__ import annotations
@@ -145,6 +146,20 @@ def test_fault_point_pauses_exactly_one_matching_claimant(tmp_path, monkeypatch)
     for t in threads:
         t.join(timeout=30)
     assert len(passed) == 4 and passed[-1] == hit["tag"]
+    # two arms of one point at once (two servers struck in one stage): each pauses the
+    # claimant its match names, whichever arrives first
+    idents = {d: fault_points.arm(tmp_path, "p", log_dir=d) for d in ("b", "a")}
+    threads = [threading.Thread(target=reach, args=(f"u{d}", d)) for d in ("a", "b")]
+    for t in threads:
+        t.start()
+    hits = {d: fault_points.wait_hit(tmp_path, "p", i, timeout_s=30) for d, i in idents.items()}
+    assert {d: h["tag"] for d, h in hits.items()} == {"a": "ua", "b": "ub"}
+    assert len(passed) == 4  # both paused
+    for d, i in idents.items():
+        fault_points.release(tmp_path, "p", i)
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(passed[4:]) == ["ua", "ub"] and not list(tmp_path.glob("p.*.arm"))
 
 
 # -- against a real server --------------------------------------------------------------------

@@ -2,16 +2,20 @@
 
 One 2-rank run of 3 iterations, rollout layout dp2 (two tp1 servers), train layout tp2. Servers
 start from config.json alone (--load-format dummy) and get the trainer's weights by the
-distributed update. While it runs, the test strikes rank 0's server at five points, each at a
+distributed update. While it runs, the test strikes the servers at five points, each at a
 named fault point (earl_megatron/runtime/fault_points.py: the trainer pauses there until the
 test has struck), never after a sleep, so every machine speed sees the same sequence:
 
     1 sglang.start     SIGKILL while the first server starts     -> started again, new port
     2 sglang.group     SIGKILL while the weight group forms       -> restarted, group rejoined
     3 sglang.push      SIGKILL during the first weight push       -> restarted, push replayed
-    4 sglang.generate  SIGKILL during iteration 1's rollout (it2) -> restarted, turn resubmitted
-    5 sglang.generate  SIGSTOP of its scheduler, iteration 2 (it3) -> the request stalls past
+    4 sglang.generate  SIGKILL during the rollout of it2          -> restarted, turn resubmitted
+    5 sglang.generate  SIGSTOP of its scheduler, the same rollout -> the request stalls past
                        cluster.server_request_timeout_s: restarted like a dead one
+
+1-4 strike rank 0's server in turn; 5 strikes rank 1's beside 4, so its wait for the timeout
+overlaps rank 0's restart (the two replicas play their halves independently until the rollout
+ends).
 
 Checked:
 - every iteration's metrics line exists, with rollout_logprob_diff_max < 1e-4 (fp32): the
@@ -22,7 +26,7 @@ Checked:
   files total less than a tenth of one push;
 - the weight version advanced once per TRAIN step, pushed in buckets of <= 100 KiB, each leader
   receiving exactly the tp half it lacks (the weight plan); every strike was followed by a
-  start on a new port;
+  start of that server, each of its starts on a port of its own;
 - after the run every server process group is gone (not its port: a freed port is anyone's).
 """
 
@@ -57,12 +61,12 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     points = run_dir / "fault-points"
     points.mkdir()
     monkeypatch.setenv(fault_points.ENV, str(points))  # the ranks inherit it
-    log_dir = str(out / "sglang" / "logs-DP2-dp0")
+    log_dir, log_dir1 = (str(out / "sglang" / f"logs-DP2-dp{r}") for r in (0, 1))
     plan = [("sglang.start", {"log_dir": log_dir}, kill),
             ("sglang.group", {"log_dir": log_dir}, kill),
             ("sglang.push", {"log_dir": log_dir}, kill),
-            ("sglang.generate", {"log_dir": log_dir, "version": "it2"}, kill),
-            ("sglang.generate", {"log_dir": log_dir, "version": "it3"}, stall)]
+            ("sglang.generate", {"log_dir": log_dir, "version": "it2"}, kill)]
+    beside = [("sglang.generate", {"log_dir": log_dir1, "version": "it2"}, stall)]
     cfg = TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": {"mode": "static", "rollout": "dp2", "logprob": "dp2", "train": "tp2"},
@@ -81,7 +85,7 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
         "run": {"iterations": 3, "output_dir": str(out), "checkpoint_every": 0,
                 "eval_episodes": 2, "live_view": False},
     })
-    with striking(points, plan) as struck:
+    with striking(points, plan, beside) as struck:
         histories = run_distributed(_train, 2, cfg, timeout=2100,
                                     collective_timeout_s=cfg.cluster.collective_timeout_s)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
@@ -110,17 +114,18 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
     assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
     written = sum(p.stat().st_size for p in files if p.suffix != ".log")
     assert written < lines[0]["rollout_push_bytes"] / 10, (written, files)
-    # every strike was followed by a start, each start on a port of its own
-    log0 = (out / "sglang" / "logs-DP2-dp0" / "server-0.log").read_text()
-    pids0 = [int(x) for x in re.findall(r"=== pid (\d+)", log0)]
-    for _, _, pid in struck:
-        assert pid in pids0 and pids0.index(pid) < len(pids0) - 1, (struck, pids0)
-    ports0 = re.findall(r"start: .* --port (\d+)", log0)
-    assert len(ports0) == len(pids0) >= 6 and len(set(ports0)) == len(ports0), ports0
-    reasons = re.findall(r"=== restart after: (.*)", log0)
-    assert any(r.startswith("weight-update group setup") for r in reasons), reasons
-    assert any(r.startswith("weight push") for r in reasons), reasons
-    assert any("timed out" in r for r in reasons), reasons  # the stall
+    # every strike was followed by a start of that server, each on a port of its own
+    logs = [(out / "sglang" / f"logs-DP2-dp{r}" / "server-0.log").read_text() for r in (0, 1)]
+    pids = [[int(x) for x in re.findall(r"=== pid (\d+)", log)] for log in logs]
+    for (_, _, pid), r in zip(struck, (0, 0, 0, 0, 1)):
+        assert pid in pids[r] and pids[r].index(pid) < len(pids[r]) - 1, (struck, pids)
+    ports = [re.findall(r"start: .* --port (\d+)", log) for log in logs]
+    assert len(ports[0]) == len(pids[0]) >= 5 and len(ports[1]) == len(pids[1]) >= 2, ports
+    assert all(len(set(p)) == len(p) for p in ports), ports
+    reasons = [re.findall(r"=== restart after: (.*)", log) for log in logs]
+    assert any(r.startswith("weight-update group setup") for r in reasons[0]), reasons
+    assert any(r.startswith("weight push") for r in reasons[0]), reasons
+    assert any("timed out" in r for r in reasons[1]), reasons  # the stall
     assert lines[-1]["rollout_servers_died"] >= 4
     for p in out.glob("sglang/logs-*/server-*.log"):  # every server of the run has exited
         for pid in map(int, re.findall(r"=== pid (\d+)", p.read_text())):
