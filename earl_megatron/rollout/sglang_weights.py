@@ -74,7 +74,13 @@ def trainer_weight_update_group(master_address: str, master_port: int, world_siz
     group, _ = c10d._new_process_group_helper(world, rank, [], dist.Backend(backend),
                                               dist.PrefixStore(group_name, store),
                                               group_name=group_name, timeout=timeout)
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    # global rank -> group rank, for torch's own lookups (its error messages ask for this
+    # process's group rank): the servers' ranks are not in this process's world, and this
+    # process is the group's rank 0 whatever its global rank (a split's rollout leader is
+    # global rank 2: {i: i} made a gloo error in a push a ValueError, "Global rank 2 is not
+    # part of group", which the engine's restart path did not take)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    c10d._world.pg_group_ranks[group] = {me: 0}
     return group
 
 
