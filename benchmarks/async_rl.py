@@ -485,6 +485,10 @@ def section_split(args) -> dict:
                     print(f"           auto ran split {same[0]}'s pools and layouts at every "
                           "iteration of every seed: their ratio is this host's run-to-run "
                           "spread", flush=True)
+                elif all(n_r == 0 for seed_plans in plans for n_r, _ in seed_plans[1]):
+                    print("           auto ran colocated (sync3's placement) at every iteration "
+                          "of every seed: its ratio to sync3 is this host's run-to-run spread",
+                          flush=True)
                 for seed, seed_plans, first, moves in plans:
                     print(f"           seed {seed}: auto's pools by iteration (rollout ranks, "
                           "layouts): " + ", ".join(f"{n_r} {lay['rollout']}|{lay['train']}"
