@@ -49,9 +49,9 @@ class Colocated:
         self.audit = RunAudit.from_env(trainer.rank)
         """Tests: what each replica played and trained (trainer/audit.py)."""
         self._last: Optional[tuple] = None
+        """(record, lengths) of the last iteration trained here (auto's measured rates)."""
         self._sent = None
         """The episode pool's outcome of the stage just played (audited once kept)."""
-        """(record, lengths) of the last iteration trained here (auto's measured rates)."""
         self.models: Optional[ModelPair] = None
         self._completed: dict = {}
         """The last completed iteration, its policy layout and selector state."""
