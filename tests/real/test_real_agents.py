@@ -1,6 +1,6 @@
 """Agent programs on the real model: ONE ``earl train`` run of SmolLM2-135M-Instruct (2 CPU
 ranks, ``env=agent``) whose episodes are calculator tasks solved by real clients as their users
-write them (earl_megatron/testing/agents.py ``calculator_client``): the ``openai`` client, its
+write them (earl_megatron/testing/calculator_agents.py ``calculator_client``): the ``openai`` client, its
 async client, its streaming, the OpenAI Agents SDK and LangGraph over langchain-openai, each
 with a Python calculator tool and three worked examples in its messages (SmolLM2 does not call
 the tool zero-shot; with them it does).
@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from earl_megatron.testing.agents import CLIENTS
+from earl_megatron.testing.calculator_agents import CLIENTS
 
 PER_CLIENT = 2
 TEMPERATURE = 0.3
@@ -72,7 +72,7 @@ def test_real_clients_train_through_the_endpoint(smollm2_dir, scratch_dir, recor
     tasks = _tasks(scratch_dir / "tasks.jsonl")
     out = scratch_dir / "agents"
     args = [f"run.init={smollm2_dir}", "env=agent",
-            "env.kwargs.entry=earl_megatron.testing.agents:calculator_client",
+            "env.kwargs.entry=earl_megatron.testing.calculator_agents:calculator_client",
             f"env.kwargs.tasks={scratch_dir / 'tasks.jsonl'}",
             f"rollout.episodes_per_iteration={len(tasks)}", f"rollout.max_turns={MAX_TURNS}",
             f"rollout.max_action_tokens={MAX_ACTION_TOKENS}",
