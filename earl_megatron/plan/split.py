@@ -110,6 +110,12 @@ class MeasuredRates:
                 self.train_tokens / self.train_seconds / (world - self.rollout_ranks))
 
 
+def env_seconds(stage_seconds: float, metrics: dict) -> float:
+    """What a rollout stage of ``stage_seconds`` spent besides decoding (its tools, games and
+    loop: ``metrics["rollout_decode_s"]`` is the decoding), which more ranks do not shorten."""
+    return max(0.0, stage_seconds - metrics.get("rollout_decode_s", stage_seconds))
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     rollout_ranks: int

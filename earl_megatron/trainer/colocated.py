@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
-from earl_megatron.plan.split import scored_rates
+from earl_megatron.plan.split import env_seconds, scored_rates
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
@@ -161,8 +161,7 @@ class Colocated:
         if self.tr.rank == 0:
             rec, lengths = self._last if self._last is not None else ({}, [])
             rates = auto.colocated_rates(rec, lengths)
-            stage = rec.get("seconds", {}).get("rollout", 0.0)
-            env = max(0.0, stage - rec.get("rollout_decode_s", stage))
+            env = env_seconds(rec.get("seconds", {}).get("rollout", 0.0), rec)
             proposal = auto.replan_or_keep(lambda: auto.propose(lengths, rates, env))
         return self._take(proposal)
 
@@ -184,7 +183,7 @@ class Colocated:
         if tr.rank == 0:
             lengths = [tokens[s] for s in sorted(tokens)]
             stage = t.seconds.get("rollout", 0.0)
-            env = max(0.0, stage - metrics.get("rollout_decode_s", stage))
+            env = env_seconds(stage, metrics)
             wp = auto.planner
             wp.last_lengths = lengths
             proposal = auto.plan     # a stage too short to time: stay

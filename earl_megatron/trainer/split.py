@@ -89,7 +89,7 @@ import torch.distributed as dist
 from earl_megatron.config.train import ConfigError
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
-from earl_megatron.plan.split import MeasuredRates, SplitPlan
+from earl_megatron.plan.split import MeasuredRates, SplitPlan, env_seconds
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.runtime.build import ModelOnLayout
 from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
@@ -323,8 +323,7 @@ class Split:
             tokens = sum(lengths)
             rates = MeasuredRates(self.pools[1].world_size, stage, tokens, self._train_s,
                                   tokens)
-            # what the stage did besides decoding: tools, games, the loop; more ranks keep it
-            env = max(0.0, stage - rollout0["metrics"].get("rollout_decode_s", stage))
+            env = env_seconds(stage, rollout0["metrics"])
         return self.auto.propose(lengths, rates, env)
 
     def moved_in(self) -> None:

@@ -16,8 +16,8 @@ from earl_megatron.plan.presets import get_preset
 from earl_megatron.plan.selector import Selector, SelectorConfig
 from earl_megatron.plan.specs import ClusterSpec, DecodeEngine, Stage, StageWorkload, TrainOptions
 from earl_megatron.plan.split import (MeasuredRates, SplitDoesNotFitError, SplitWorkload,
-                                      handoff_seconds, move_seconds, plan_split, pool_cluster,
-                                      scored_rates, split_choices)
+                                      env_seconds, handoff_seconds, move_seconds, plan_split,
+                                      pool_cluster, scored_rates, split_choices)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.weight_plan import ShardsIn, plan_weights
 
@@ -249,3 +249,9 @@ def test_sglang_servers_start_once_per_move_not_every_period():
     rates = MeasuredRates(1, 2 * one.rollout_s, 3200, one.train_s, 3200)
     assert plan_split(sel, work, rollout_ranks=1, rates=rates).rollout_s == \
         pytest.approx(2 * one.rollout_s)
+
+
+def test_env_seconds_is_the_stage_less_its_decoding():
+    assert env_seconds(3.0, {"rollout_decode_s": 1.25}) == 1.75
+    assert env_seconds(3.0, {}) == 0.0                        # nothing apart: all decoding
+    assert env_seconds(1.0, {"rollout_decode_s": 1.5}) == 0.0  # clocks differ: never < 0
