@@ -31,10 +31,11 @@ change how the same weights run (config/conversion.py ``init_model``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from earl_megatron.config.checks import ConfigError, at_least, require_finite
+from earl_megatron.config.lora import LoraSpec
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # What each family's HF architecture always has (the values None resolves to).
@@ -98,17 +99,28 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.001
     """Weight of the auxiliary load-balancing loss in training (HF ``router_aux_loss_coef``);
     0 turns it off."""
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    """Low-rank adapters (config/lora.py, docs/lora.md): ``lora.rank`` 0 (default) trains every
+    parameter; r >= 1 trains rank-r adapters on ``lora.targets`` over a frozen base."""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ConfigError(f"model.family={self.family!r} is not a known family; supported: "
                               f"{FAMILIES}")
+        if isinstance(self.lora, dict):   # a checkpoint's earl_model_config.json holds a mapping
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         require_finite(self, "model")
         at_least(self, "model", 1, "num_layers", "hidden_size", "ffn_hidden_size",
                  "num_attention_heads", "num_query_groups", "vocab_size",
                  "max_position_embeddings", "kv_channels", "moe_ffn_hidden_size",
                  "moe_router_topk")
         self._check_moe()
+        expert_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.lora.targets))
+        if self.is_moe and self.lora.enabled and expert_targets:
+            raise ConfigError(f"model.lora.targets={list(self.lora.targets)} on model.family="
+                              f"{self.family}: {expert_targets} are the experts' linears, which "
+                              "LoRA does not adapt yet (issue #46); use model.lora.targets="
+                              "[linear_qkv,linear_proj]")
         for key in ("rotary_base", "norm_epsilon"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
@@ -152,6 +164,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def base(self) -> "ModelConfig":
+        """This model without adapters: what a LoRA run's frozen base and KL reference are."""
+        return replace(self, lora=LoraSpec()) if self.lora.enabled else self
 
     @property
     def head_dim(self) -> int:

@@ -185,6 +185,8 @@ class TrainConfig:
             if split_problem:
                 raise ConfigError(f"rollout.placement={self.rollout.placement}: "
                                   f"{split_problem}")
+        if self.model.lora.enabled and (lora_problem := _lora_problem(self)):
+            raise ConfigError(f"model.lora.rank={self.model.lora.rank} with {lora_problem}")
         a, r = self.algorithm, self.rollout
         if (a.name in GROUPED or a.dynamic_sampling) and \
                 r.episodes_per_iteration % a.group_size:
@@ -219,6 +221,37 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
         return ("layout.mode=static: auto placement plans the pools' sizes and their layouts "
                 "together; set layout.mode=auto, or rollout.placement=split with "
                 "rollout.pool_ranks")
+    return None
+
+
+def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
+    """What the loop does not do yet with LoRA adapters (issue #46), naming the limit and the
+    fix; None: it runs. The adapters live only in the policy's own model: nothing may move it
+    to another layout (the switcher's tensor table keys on the base's parameter names), hand
+    it to SGLang or another pool, or start it from a checkpoint."""
+    lay, r = cfg.layout, cfg.rollout
+    if lay.mode != "static":
+        return (f"layout.mode={lay.mode}: the layout switcher does not move adapters yet "
+                "(issue #46); use layout.mode=static with one layout for every stage")
+    from earl_megatron.plan.layout import ParallelLayout
+    layouts = {s: ParallelLayout.parse(getattr(lay, s)) for s in STAGE_NAMES}
+    if len(set(layouts.values())) > 1 or layouts["train"].cp > 1:
+        given = ", ".join(f"layout.{s}={getattr(lay, s)}" for s in STAGE_NAMES)
+        return (f"{given}: a layout switch between stages (or to a decoding layout without cp) "
+                "does not move adapters yet (issue #46); give every stage the same layout, "
+                f"without cp (e.g. layout.rollout={lay.train} layout.logprob={lay.train})")
+    if r.engine != "embedded":
+        return (f"rollout.engine={r.engine}: only the embedded engine runs the adapters yet "
+                "(issue #46); use rollout.engine=embedded")
+    if r.placement != "colocated":
+        return (f"rollout.placement={r.placement}: the handoff to the rollout pool does not "
+                "move adapters yet (issue #46); use rollout.placement=colocated")
+    if cfg.run.init is not None:
+        return (f"run.init={cfg.run.init}: starting adapters over a checkpoint's base is not "
+                "built yet (issue #46); drop run.init (a random init from run.seed)")
+    if cfg.sft.steps:
+        return (f"sft.steps={cfg.sft.steps}: the warm start's reference reload does not know "
+                "adapters yet (issue #46); set sft.steps=0")
     return None
 
 

@@ -46,48 +46,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""The linears of a transformer layer an adapter can target (Megatron-Core's names)."""
+from earl_megatron.config.lora import TARGETS, LoraSpec
 
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What to adapt and how: ``rank`` r of A [r, in] and B [out, r]; the update is scaled by
-    ``alpha / rank``; ``dropout`` on the adapter's input only (0 turns it off); ``targets`` a
-    non-empty subset of ``TARGETS``."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    targets: tuple[str, ...] = TARGETS
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora rank {self.rank!r}: use a positive integer (e.g. 8 or 16)")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
-                or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"lora alpha {self.alpha!r}: use a positive number (often 2 x rank)")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora dropout {self.dropout!r}: use a probability in [0, 1)")
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        unknown = sorted(set(targets) - set(TARGETS))
-        if unknown:
-            raise ValueError(f"lora targets {unknown} unknown: use any of {list(TARGETS)}")
-        if not targets:
-            raise ValueError(f"lora targets empty: name at least one of {list(TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"lora targets {list(targets)} repeat a name: list each once")
-        object.__setattr__(self, "targets", targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
+__all__ = ["TARGETS", "LoraLinear", "LoraSpec", "apply_lora", "lora_layers"]
 
 
 def _slice(full: torch.Tensor, dim: int, stride: int, rank: int, tp: int) -> torch.Tensor:
@@ -234,6 +199,8 @@ def apply_lora(model, spec: LoraSpec, *, seed: int = 0) -> dict[str, torch.nn.Pa
     if hasattr(model, "module") or not hasattr(model, "decoder"):
         raise TypeError(f"apply_lora takes the bare GPTModel, not a {type(model).__name__}: "
                         "apply it before wrap_ddp / build_optimizer (build_on_layout(ddp=False))")
+    if not spec.enabled:
+        raise ValueError("apply_lora: model.lora.rank=0 means no adapters; build without LoRA")
     if lora_layers(model):
         raise ValueError("apply_lora: this model already has adapters")
     # every wrapper is built (and every refusal raised) before the model changes

@@ -3,7 +3,9 @@
 ``build_on_layout`` regroups the world for the layout (runtime.groups), builds this rank's
 pp_stage of the GPTModel, loads this rank's shard of the given full weights (or keeps
 Megatron's seeded init; with weights, or ``init=False``, Megatron's random init is skipped since
-every parameter is overwritten), wraps it in Megatron DDP, and optionally creates Megatron's
+every parameter is overwritten), adds LoRA adapters when ``cfg.lora`` has a rank (models/lora.py:
+the base frozen, the adapters drawn from ``seed`` so every layout holds the same), wraps it in
+Megatron DDP, and optionally creates Megatron's
 optimizer (plain or distributed). The returned ``ModelOnLayout`` is everything a step needs;
 callers never touch parallel_state.
 """
@@ -128,6 +130,11 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
         load_full_weights(model, weights, cfg, layout, coords)
     elif load is not None:
         load(model, coords)
+    if cfg.lora.enabled:
+        # adapters go in before DDP: Megatron's DDP allocates grad buffers (and the distributed
+        # optimizer its shards) for the parameters that still require grad, the adapters only
+        from earl_megatron.models.lora import apply_lora
+        apply_lora(model, cfg.lora, seed=seed)
     if ddp or optimizer is not None:
         model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
             optimizer and optimizer.use_distributed_optimizer), pg_collection=pgc)

@@ -18,7 +18,8 @@ Split placement's train pool (``pools``: the world's pools, this rank's first): 
 on the pool alone, its new layout's groups made by its ranks while the rollout pool plays
 (runtime/switcher.py ``pools``, runtime/groups.py ``local``).
 
-The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer.
+The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer;
+with LoRA (``model.lora``) the base model without adapters, which is the initial policy.
 It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
 """
@@ -80,7 +81,9 @@ def build_model_pair(model: ModelConfig, policy_layout: ParallelLayout,
     model built last owns the live process groups."""
     reference = None
     if reference_layout is not None:
-        reference = _initial(model, reference_layout, None, seed, init)
+        # a LoRA run's reference is its frozen base without adapters: the initial policy
+        # exactly (B starts at zero), without the adapters' work in every forward
+        reference = _initial(model.base, reference_layout, None, seed, init)
     return ModelPair(_initial(model, policy_layout, optimizer, seed, init), reference)
 
 

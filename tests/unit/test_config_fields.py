@@ -44,6 +44,8 @@ def _hydra_value(v) -> str:
         return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(v, (tuple, list)):
         return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    if dataclasses.is_dataclass(v):   # a nested section (model.lora)
+        return _hydra_value(dataclasses.asdict(v))
     if isinstance(v, dict):
         return "{" + ",".join(f"{k}:{_hydra_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(type(v))

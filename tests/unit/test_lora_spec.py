@@ -14,19 +14,23 @@ def test_spec_defaults_and_scaling():
     # a list is kept as a tuple (the spec stays hashable and frozen)
     assert LoraSpec(rank=4, alpha=4, targets=["linear_qkv"]).targets == ("linear_qkv",)
     assert LoraSpec(rank=4, alpha=4, targets="linear_fc2").targets == ("linear_fc2",)
+    # the config section's default is off
+    assert not LoraSpec().enabled and LoraSpec().scaling == 0.0 and spec.enabled
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(rank=0, alpha=8), "lora rank 0"),
+    (dict(rank=-1, alpha=8), "model.lora.rank=-1"),
     (dict(rank=2.5, alpha=8), "positive integer"),
-    (dict(rank=True, alpha=8), "lora rank True"),
-    (dict(rank=8, alpha=0), "lora alpha 0"),
+    (dict(rank=True, alpha=8), "model.lora.rank=True"),
+    (dict(rank=8, alpha=0), "model.lora.alpha=0"),
     (dict(rank=8, alpha=float("nan")), "positive number"),
-    (dict(rank=8, alpha=8, dropout=1.0), "lora dropout 1.0"),
+    (dict(rank=8, alpha=8, dropout=1.0), "model.lora.dropout=1.0"),
     (dict(rank=8, alpha=8, dropout=-0.1), "[0, 1)"),
     (dict(rank=8, alpha=8, targets=("q_proj",)), "['q_proj'] unknown"),
-    (dict(rank=8, alpha=8, targets=()), "targets empty"),
-    (dict(rank=8, alpha=8, targets=("linear_qkv", "linear_qkv")), "repeat"),
+    (dict(rank=8, alpha=8, targets=()), "targets is empty"),
+    (dict(rank=8, alpha=8, targets=("linear_qkv", "linear_qkv")), "repeats"),
+    # off (rank 0) still checks the rest: a typo in a disabled section is a typo
+    (dict(rank=0, alpha=-1), "model.lora.alpha=-1"),
 ])
 def test_spec_refuses_bad_values_naming_them(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -45,3 +49,42 @@ def test_slice_follows_megatron_partition_stride():
     for dim, stride, tp, t in [(0, 2, 2, full), (0, 1, 4, full), (1, 1, 3, cols)]:
         parts = [_slice(t, dim, stride, r, tp) for r in range(tp)]
         assert torch.equal(_unslice(parts, dim, stride), t)
+
+
+SAME = {"mode": "static", "rollout": "tp2", "logprob": "tp2", "train": "tp2"}
+
+
+@pytest.mark.parametrize("sections,words", [
+    (dict(layout={"mode": "auto"}), "layout.mode=auto: the layout switcher does not move"),
+    ({}, "layout.rollout=dp2, layout.logprob=tp2, layout.train=tp2: a layout switch"),
+    (dict(layout=dict(SAME, rollout="cp2", logprob="cp2", train="cp2")), "without cp"),
+    (dict(layout=SAME, rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
+    (dict(layout=SAME, run={"init": "/some/hf"}), "drop run.init"),
+    (dict(layout=SAME, sft={"steps": 2}), "set sft.steps=0"),
+    (dict(layout=SAME, model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
+     "use model.lora.targets=[linear_qkv"),
+])
+def test_what_the_loop_cannot_do_with_lora_is_refused_in_one_line(tmp_path, sections, words):
+    from earl_megatron.config.checks import ConfigError
+    from earl_megatron.testing.configs import tiny_connect_four
+
+    model = {"lora": {"rank": 4}, **sections.pop("model", {})}
+    with pytest.raises(ConfigError) as e:
+        tiny_connect_four(str(tmp_path), model=model, **sections)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert "model.lora" in str(e.value)
+
+
+def test_lora_keys_reach_the_model_config(tmp_path):
+    from earl_megatron.testing.configs import tiny_connect_four
+
+    cfg = tiny_connect_four(str(tmp_path), layout=SAME, model={"lora": {
+        "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["linear_qkv", "linear_fc2"]}})
+    assert cfg.model.lora == LoraSpec(4, 8.0, 0.1, ("linear_qkv", "linear_fc2"))
+    assert cfg.model.base.lora == LoraSpec() and cfg.model.base.with_(lora=cfg.model.lora) \
+        == cfg.model
+    # a checkpoint's earl_model_config.json (dataclasses.asdict) reads back to the same config
+    import dataclasses
+    import json
+    from earl_megatron.config.model import ModelConfig
+    assert ModelConfig(**json.loads(json.dumps(dataclasses.asdict(cfg.model)))) == cfg.model
