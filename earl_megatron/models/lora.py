@@ -178,6 +178,32 @@ class LoraLinear(torch.nn.Module):
                 h = reduce_from_tensor_model_parallel_region(h, group=g)
         return F.linear(h, b) * self.scaling
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Megatron dist_checkpointing's view: the base under its ORIGINAL checkpoint keys
+        (``<prefix>weight``: the base linear's own sharded tensors, so a LoRA checkpoint's base
+        reads like an un-adapted model's and loads into one), the adapters under
+        ``<prefix>lora_a`` / ``<prefix>lora_b``, split as their base (column: B on dim 0,
+        replicated A; row: A on dim 1, replicated B). The dict's keys are this module's
+        state_dict keys (``<prefix>base.weight``), what ``load_state_dict`` takes back. SwiGLU's
+        fc1 is ``[gate; up]`` per tp rank: its weight, bias and B go through Megatron's swiglu
+        factory, which MLP applies only under the un-adapted key."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        out = {f"{prefix}base.{k[len(prefix):]}": v for k, v in base.items()}
+        split_name, dim = self.split
+        out.update(make_sharded_tensors_for_checkpoint(
+            {"lora_a": self.lora_a, "lora_b": self.lora_b}, prefix, {split_name: dim},
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+        if self.stride == 2:
+            singleton = metadata.get("singleton_local_shards", False)
+            for key in (f"{prefix}base.weight", f"{prefix}base.bias", f"{prefix}lora_b"):
+                if key in out:
+                    out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+        return out
+
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
         return out + self._update(x).to(out.dtype), bias
