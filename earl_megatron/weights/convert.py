@@ -229,7 +229,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise CheckpointError(f"{src} is not a converted checkpoint (no {CONFIG_JSON} or "
                               "metadata.json); convert it with tools/convert_hf_to_mcore.py")
     with reading(src):
-        cfg = read_model_config(src)
+        cfg = _without_adapters(read_model_config(src), src, "exporting it to HF")
         base_path = src / HF_SUBDIR / "config.json"
         base = json.loads(base_path.read_text()) if base_path.is_file() else None
         stored = FileSystemReader(str(src)).read_metadata().state_dict_metadata
@@ -287,6 +287,16 @@ def _nbytes(entry) -> int:
 
 
 # ----------------------------------------------------------------------------- trainer loading
+def _without_adapters(cfg: ModelConfig, path, what: str) -> ModelConfig:
+    """``cfg``, refused when it has LoRA adapters: the readers here know the base's tensors
+    only and would drop the adapters without a word (issue #46)."""
+    if cfg.lora.enabled:
+        raise CheckpointError(f"{path} holds LoRA adapters (model.lora.rank={cfg.lora.rank}): "
+                              f"{what} is not built yet for LoRA (issue #46); resume the run "
+                              "from its run.output_dir instead")
+    return cfg
+
+
 def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = True,
                 optimizer=None, seed: int = 1234, recompute: Optional[str] = None,
                 pools: Optional[tuple] = None):
@@ -300,7 +310,7 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
     """
     from earl_megatron.runtime.build import build_on_layout
 
-    cfg = read_model_config(path)
+    cfg = _without_adapters(read_model_config(path), path, "loading it as a policy")
     layout.check(layout.world_size if pools else dist.get_world_size(), cfg)
     what = "policy checkpoint" if is_mcore_checkpoint(path) else "HF model"
     if is_mcore_checkpoint(path):
