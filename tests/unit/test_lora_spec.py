@@ -1,4 +1,5 @@
-"""LoraSpec's validation and the adapter's tp slicing rule (single process, no model)."""
+"""LoraSpec's validation (the model.lora section), the loop's one-line refusals of what it cannot do
+with adapters yet, and the adapter's tp slicing rule (single process, no model)."""
 
 import pytest
 import torch
