@@ -62,6 +62,13 @@ def te_available() -> bool:
     return True
 
 
+def te_layers(cfg: ModelConfig) -> bool:
+    """The model's layers are TE's (``layer_spec``): TE is usable and the model has no LoRA
+    adapters (TE's qkv linear fuses the input norm, so an adapter beside it would see the
+    un-normed input; models/lora.py refuses TE linears). Else Megatron's local layers."""
+    return te_available() and not cfg.lora.enabled
+
+
 def sequence_parallel_for(cfg: ModelConfig, layout: ParallelLayout) -> bool:
     """Whether ``layout`` runs ``cfg`` with sequence parallelism (plan/layout.py: MoE with
     tp > 1, which Megatron's MoELayer requires in training)."""
@@ -143,7 +150,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, *, pipeline_dty
             moe_router_dtype="fp32",
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            moe_grouped_gemm=te_available(),
+            moe_grouped_gemm=te_layers(cfg),
             moe_permute_fusion=False,
             moe_enable_routing_replay=routing_replay,
             expert_model_parallel_size=layout.ep,
@@ -171,13 +178,14 @@ def recompute_fields(mode: Optional[str]) -> dict:
 
 def layer_spec(layout: ParallelLayout, cfg: ModelConfig):
     """TE spec when usable, else the local spec (CP attention when cp > 1, InferenceAttention
-    otherwise); both with Megatron's own q/k norms when ``cfg.qk_layernorm``."""
+    otherwise); both with Megatron's own q/k norms when ``cfg.qk_layernorm``. ``te_layers``
+    says which (a model with LoRA adapters takes the local spec on GPUs too)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    moe = dict(num_experts=cfg.num_experts, moe_grouped_gemm=te_available()) if cfg.is_moe \
+    moe = dict(num_experts=cfg.num_experts, moe_grouped_gemm=te_layers(cfg)) if cfg.is_moe \
         else {}
-    if te_available():
+    if te_layers(cfg):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm, **moe)
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm, **moe))
@@ -203,7 +211,7 @@ def build_gpt_model(cfg: ModelConfig, layout: ParallelLayout, *, pre_process: bo
 
     tcfg = config or transformer_config(cfg, layout)
     spec = layer_spec(layout, cfg)
-    if tcfg.sequence_parallel and not te_available():
+    if tcfg.sequence_parallel and not te_layers(cfg):
         # the final norm too: Megatron's block spec would give it WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 

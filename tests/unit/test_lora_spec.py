@@ -89,3 +89,21 @@ def test_lora_keys_reach_the_model_config(tmp_path):
     import json
     from earl_megatron.config.model import ModelConfig
     assert ModelConfig(**json.loads(json.dumps(dataclasses.asdict(cfg.model)))) == cfg.model
+
+
+def test_a_model_with_adapters_builds_megatrons_local_layers_where_te_is_usable(monkeypatch):
+    """TE's qkv linear fuses the input norm (an adapter beside it would see the un-normed
+    input): with TE importable on a GPU, a LoRA model still takes the local spec."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from earl_megatron.config.model import ModelConfig
+    from earl_megatron.models import provider
+    from earl_megatron.plan.layout import ParallelLayout
+
+    monkeypatch.setattr(provider, "te_available", lambda: True)
+    plain, adapted = ModelConfig(), ModelConfig(lora=LoraSpec(rank=4, alpha=8.0))
+    assert provider.te_layers(plain) and not provider.te_layers(adapted)
+    spec = provider.layer_spec(ParallelLayout(), adapted)
+    qkv = spec.submodules.self_attention.submodules.linear_qkv
+    assert spec.submodules.self_attention.module is SelfAttention
+    assert "TE" not in qkv.__name__, qkv
