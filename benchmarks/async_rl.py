@@ -66,8 +66,9 @@ the one rollout rank decode more while the trainers compete with it for the 2 co
 on this host spread by 10-20% (sync and sync' differ by that much). A split record's seconds are
 the train pool's: its wait at the meeting for the rollout pool, the transfer, the handoff and
 the training, whose total is the period; eps/s counts the same iterations as sync. Every row
-runs once per seed of ``--split-seeds`` (default 0 1 2) and pools them: all the episodes its
-runs trained over all their seconds (printed per seed too). A seed's games are one draw of
+runs once per seed of ``--split-seeds`` (default 0 1 2), seed by seed with every row in turn
+(a load that drifts during the script weighs on every row alike), and pools them: all the
+episodes its runs trained over all their seconds (printed per seed too). A seed's games are one draw of
 lengths, and a batch's step grows with its longest game (Connect Four: 0.3 s at 144 tokens,
 2.4 s at 669), so on one seed the splits are ranked by their draws as much as by the split.
 Connect Four's rollout is a sixth of its iteration: little to overlap there, and the rollout
@@ -388,39 +389,42 @@ def _split_config(workload: str, placement, args, out: str, init=None) -> dict:
     return cfg
 
 
-def _split_runs(w: str, placement, args, init, ranks: int):
-    """One row of section 4: ``placement``'s run once per seed of ``--split-seeds`` (the same
-    seeds for every row). Episodes/s pools the seeds (all trained episodes over all their
-    seconds): one seed's games are one draw of lengths, and a batch's step grows with its
-    longest game, so a single seed ranks the splits by the draw as much as by the split. The
-    other columns average the seeds. (summary, train s, wait s, [(seed, auto's pools, first
-    plan)])."""
+def _split_run(w: str, placement, args, init, ranks: int, seed: int):
+    """One run of a section 4 row: ``placement`` on ``seed``. (summary, auto's plans: (seed,
+    its pools and layouts by iteration, first plan, moves) or None)."""
     from earl_megatron.testing.multiproc import run_distributed
 
-    runs, plans = [], []
-    for seed in args.split_seeds:
-        with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
-            cfg = _split_config(w, placement, args, tmp, init)
-            cfg["run"]["seed"] = seed
-            res = run_distributed(_train, ranks, cfg, timeout=args.timeout)
-        s = _summary(res, 1, args.episodes)
-        hist = res[0]["history"]
-        meas = hist[1:]
-        s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
-        s["wait"] = 0.0
-        split = [h for h in meas if "split" in h]   # auto: its split iterations
-        if split:
-            s["rollout_s"] = sum(h["split"]["rollout_s"] for h in split) / len(split)
-            s["wait"] = sum(h["split"]["train_wait_s"] for h in split) / len(split)
-        s["train"] = sum(h["seconds"].get(st, 0.0) for h in meas
-                         for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
-        runs.append(s)
-        if placement == "auto":
-            plans.append((seed, [(h["split"]["rollout_ranks"] if "split" in h else 0,
-                                  h["layouts"]) for h in hist],
-                          hist[0]["split"]["plan"] if "split" in hist[0] else "colocated",
-                          [(h["iteration"], h["seconds"]["move"]) for h in hist
-                           if "move" in h["seconds"]]))
+    with tempfile.TemporaryDirectory(prefix="earl-split-") as tmp:
+        cfg = _split_config(w, placement, args, tmp, init)
+        cfg["run"]["seed"] = seed
+        res = run_distributed(_train, ranks, cfg, timeout=args.timeout)
+    s = _summary(res, 1, args.episodes)
+    hist = res[0]["history"]
+    meas = hist[1:]
+    s["cpu"] = sum(r["cpu"] for r in res) / len(hist)
+    s["wait"] = 0.0
+    split = [h for h in meas if "split" in h]   # auto: its split iterations
+    if split:
+        s["rollout_s"] = sum(h["split"]["rollout_s"] for h in split) / len(split)
+        s["wait"] = sum(h["split"]["train_wait_s"] for h in split) / len(split)
+    s["train"] = sum(h["seconds"].get(st, 0.0) for h in meas
+                     for st in ("old_logprob", "switch", "train", "weight_sync")) / len(meas)
+    plan = None
+    if placement == "auto":
+        plan = (seed, [(h["split"]["rollout_ranks"] if "split" in h else 0, h["layouts"])
+                       for h in hist],
+                hist[0]["split"]["plan"] if "split" in hist[0] else "colocated",
+                [(h["iteration"], h["seconds"]["move"]) for h in hist
+                 if "move" in h["seconds"]])
+    return s, plan
+
+
+def _pooled(runs: list[dict]) -> tuple[dict, float, float]:
+    """A section 4 row from its runs, one per seed of ``--split-seeds`` (the same seeds for
+    every row). Episodes/s pools the seeds (all trained episodes over all their seconds): one
+    seed's games are one draw of lengths, and a batch's step grows with its longest game, so a
+    single seed ranks the splits by the draw as much as by the split. The other columns average
+    the seeds. (summary, train s, wait s)."""
     n = len(runs)
     pooled = {"eps": sum(r["eps"] * r["wall"] for r in runs) / sum(r["wall"] for r in runs),
               "per_seed": [r["eps"] for r in runs],
@@ -428,8 +432,7 @@ def _split_runs(w: str, placement, args, init, ranks: int):
               "dropped": sum(r["dropped"] for r in runs)}
     for key in ("rollout_s", "st_mean", "reward", "cpu"):
         pooled[key] = sum(r[key] for r in runs) / n
-    return (pooled, sum(r["train"] for r in runs) / n, sum(r["wait"] for r in runs) / n,
-            plans)
+    return pooled, sum(r["train"] for r in runs) / n, sum(r["wait"] for r in runs) / n
 
 
 def section_split(args) -> dict:
@@ -460,10 +463,18 @@ def section_split(args) -> dict:
               flush=True)
         rows, plans = {}, []
         order = [None, 1, "auto", "colo", 2, "sync3"] + ([None] if args.bracket else [])
+        # seed by seed, every row in turn: a load that drifts during the script then weighs
+        # on every row alike (row by row, a row's seeds shared one stretch of it)
+        runs: list[list] = [[] for _ in order]
+        for seed in args.split_seeds:
+            for n, placement in enumerate(order):
+                runs[n].append(_split_run(w, placement, args, init,
+                                          2 if placement is None else 3, seed))
         for n, placement in enumerate(order):
             again = n == len(order) - 1 and placement is None and n > 0
             ranks = 2 if placement is None else 3
-            s, train, wait, plans_here = _split_runs(w, placement, args, init, ranks)
+            s, train, wait = _pooled([r for r, _ in runs[n]])
+            plans_here = [plan for _, plan in runs[n] if plan is not None]
             if again:
                 rows[None] = dict(rows[None], eps=2 / (1 / rows[None]["eps"] + 1 / s["eps"]))
             else:
