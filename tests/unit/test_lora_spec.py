@@ -58,7 +58,6 @@ SAME = {"mode": "static", "rollout": "tp2", "logprob": "tp2", "train": "tp2"}
 @pytest.mark.parametrize("sections,words", [
     (dict(layout={"mode": "auto"}), "layout.mode=auto: the layout switcher does not move"),
     ({}, "layout.rollout=dp2, layout.logprob=tp2, layout.train=tp2: a layout switch"),
-    (dict(layout=dict(SAME, rollout="cp2", logprob="cp2", train="cp2")), "without cp"),
     (dict(layout=SAME, rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
     (dict(layout=SAME, run={"init": "/some/hf"}), "drop run.init"),
     (dict(layout=SAME, sft={"steps": 2}), "set sft.steps=0"),
@@ -68,10 +67,12 @@ SAME = {"mode": "static", "rollout": "tp2", "logprob": "tp2", "train": "tp2"}
 def test_what_the_loop_cannot_do_with_lora_is_refused_in_one_line(tmp_path, sections, words):
     from earl_megatron.config.checks import ConfigError
     from earl_megatron.testing.configs import tiny_connect_four
+    from earl_megatron.train import validate
 
     model = {"lora": {"rank": 4}, **sections.pop("model", {})}
     with pytest.raises(ConfigError) as e:
-        tiny_connect_four(str(tmp_path), model=model, **sections)
+        # the static layouts are parsed by the pre-launch check's validate (train.py)
+        validate(tiny_connect_four(str(tmp_path), model=model, **sections), 2)
     assert words in str(e.value) and "\n" not in str(e.value)
     assert "model.lora" in str(e.value)
 
