@@ -299,16 +299,20 @@ def forward_logprobs(on_layout, microbatches: list[dict], *, seq_len: int, micro
     pp_stage (identical across its tp ranks; each dp rank has its own samples); every other
     pp_stage gets ``[]``. Moving them to the consumer is the dispatcher's job.
     """
+    return _forward_only(on_layout, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size,
+                         collect=lambda out, mb: token_logprobs(out, mb, temperature).logp)
+
+
+def _forward_only(on_layout, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+                  collect: Callable[[torch.Tensor, dict], torch.Tensor]) -> list[torch.Tensor]:
+    """``collect(model output, micro-batch)`` of each micro-batch, no grad, in eval mode."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, m):
         mb = next(data_iterator)
-        logits = m(mb["input_ids"], mb["position_ids"], None)
-
-        def collect(out, non_loss_data=False):
-            return token_logprobs(out, mb, temperature).logp
-
-        return logits, collect
+        return m(mb["input_ids"], mb["position_ids"], None), \
+            lambda out, non_loss_data=False: collect(out, mb)
 
     model = on_layout.model
     was_training = model.training
