@@ -10,13 +10,14 @@ a seeded head. One packed batch (4 samples of 16 tokens, micro-batches of 1), on
       logprob layout tests' 1e-5; the values are not trivially 0;
   (b) the gradients of rl/value.value_loss (clipped at 0.2) through
       runtime/step.forward_backward_values, trunk and head gathered whole, equal DP2's within
-      1e-5, and the head and every trunk tensor get a non-zero gradient (a CRITIC TRAIN stage
-      can train both);
-  (c) the Qwen2 critic saved on TP2 (runtime/checkpoint.save_checkpoint; its head's bias set to
-      0.25 first, as training would move it from its init, 0) and loaded on PP2 into a critic
-      built from other weights and another head seed (every tensor differs before the load)
-      gives back TP2's trunk and head bit-exact, and (a)'s values plus 0.25; the checkpoint
-      holds the head as value_head.weight [1, hidden] and value_head.bias [1], no output layer.
+      1e-5, and the head and every trunk tensor get a non-zero gradient; Megatron's Adam then
+      steps (a CRITIC TRAIN step) with the same grad norm as DP2's (the head, replicated over
+      tp, counted once);
+  (c) the Qwen2 critic saved on TP2 after that step (runtime/checkpoint.save_checkpoint, Adam
+      state included) and loaded on PP2 into a critic built from other weights and another
+      head seed (every tensor differs before the load) gives back TP2's trunk and head
+      bit-exact, and TP2's values after the step; the checkpoint holds the head as
+      value_head.weight [1, hidden] and value_head.bias [1], no output layer.
 """
 
 import torch
@@ -27,7 +28,6 @@ TOL = 1e-5
 GLOBAL_BATCH, SEQ, MBS, VOCAB = 4, 16, 1, 64
 MODELS = {"qwen2": ["dp2", "tp2", "pp2", "cp2"], "qwen3_moe": ["dp2", "tp2"]}
 CHECKPOINTED, SAVE_ON, LOAD_ON = "qwen2", "TP2", "PP2"
-BIAS = 0.25
 
 
 def _global(per_mb, lay, coords):
@@ -80,11 +80,11 @@ def _family(family, names, ckpt_root):
     from megatron.core import dist_checkpointing
 
     from earl_megatron.models.sharding import reference_weights, unwrap
-    from earl_megatron.models.value_model import critic_config, critic_loader, value_head
+    from earl_megatron.models.value_model import critic_config, critic_loader
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.rl.value import value_loss
     from earl_megatron.runtime import groups
-    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.build import OptimizerSpec, build_on_layout
     from earl_megatron.runtime.checkpoint import load_checkpoint, save_checkpoint
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.runtime.step import (TokenBatch, forward_backward_values, forward_values,
@@ -105,7 +105,8 @@ def _family(family, names, ckpt_root):
         return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
 
     def build(lay, weights, seed):
-        mol = build_on_layout(cfg, lay, load=critic_loader(weights, cfg, lay, seed=seed))
+        mol = build_on_layout(cfg, lay, load=critic_loader(weights, cfg, lay, seed=seed),
+                              optimizer=OptimizerSpec(lr=1e-3))
         return mol, local_microbatches(batch, lay, mol.coords, MBS, model=cfg)
 
     out = {"tied": "output_layer.weight" not in weights}
@@ -120,13 +121,14 @@ def _family(family, names, ckpt_root):
                     r["reference"] = unwrap(mol.model)(
                         batch.tokens[:, :-1], torch.arange(SEQ).expand(GLOBAL_BATCH, -1),
                         None)[..., 0].double()
+            mol.optimizer.zero_grad()   # a CRITIC TRAIN step, ordered as step.train_step's
             res = forward_backward_values(mol.model, mol.tcfg, mbs, lay, loss_fn=loss, **kw)
             r.update(loss=res.loss, grads=_critic_full(mol, cfg, "grad"))
+            ok, r["grad_norm"], _ = mol.optimizer.step()
+            assert ok
             if family == CHECKPOINTED and str(lay) == SAVE_ON:
-                head = value_head(mol.model)
-                if head is not None:   # a trained head's bias (its init, 0, would load as 0)
-                    head.bias.data.fill_(BIAS)
                 r["params"] = _critic_full(mol, cfg, "param")
+                r["stepped_values"] = _global(forward_values(mol, mbs, **kw), lay, mol.coords)
                 saved = save_checkpoint(mol, ckpt_root, 1, {"iteration": 1})
                 r["stored"] = {k: tuple(t.global_shape) for k, t in
                                dist_checkpointing.load_tensors_metadata(str(saved)).items()
@@ -155,6 +157,8 @@ def test_critic_values_gradients_and_checkpoint_across_layouts(tmp_path):
             r = out[lay]
             assert (r["values"] - ref["reference"]).abs().max() < TOL, (family, lay)  # (a)
             assert abs(r["loss"] - ref["loss"]) < TOL, (family, lay)
+            # Megatron's grad norm counts the head (replicated over tp) once on every layout
+            assert abs(r["grad_norm"] - ref["grad_norm"]) < TOL, (family, lay)
             assert r["grads"].keys() == ref["grads"].keys(), (family, lay)            # (b)
             for name, grad in r["grads"].items():
                 diff = (grad - ref["grads"][name]).abs().max().item()
@@ -176,5 +180,6 @@ def test_critic_values_gradients_and_checkpoint_across_layouts(tmp_path):
     for name, t in saved.items():
         assert not torch.equal(loaded["before"][name], t), name
         assert torch.equal(loaded["after"][name], t), name
-    ref = results[CHECKPOINTED]["DP2"]["reference"]
-    assert (loaded["values"] - ref - BIAS).abs().max() < TOL
+    stepped = results[CHECKPOINTED][SAVE_ON]["stepped_values"]
+    assert (loaded["values"] - stepped).abs().max() < TOL
+    assert (stepped - results[CHECKPOINTED]["DP2"]["reference"]).abs().max() > 100 * TOL
