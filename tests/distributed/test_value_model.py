@@ -17,7 +17,8 @@ a seeded head. One packed batch (4 samples of 16 tokens, micro-batches of 1), on
       state included) and loaded on PP2 into a critic built from other weights and another
       head seed (every tensor differs before the load) gives back TP2's trunk and head
       bit-exact, and TP2's values after the step; the checkpoint holds the head as
-      value_head.weight [1, hidden] and value_head.bias [1], no output layer.
+      value_head.weight [1, hidden] and value_head.bias [1], no output layer;
+  (d) building a critic with the policy's tied config is refused, naming critic_config.
 """
 
 import torch
@@ -136,6 +137,12 @@ def _family(family, names, ckpt_root):
             groups.destroy_groups()
             out[str(lay)] = r
         if family == CHECKPOINTED:
+            lay = ParallelLayout.parse("dp2", world_size=dist.get_world_size(), model=cfg)
+            try:   # the policy's (tied) config where the critic's belongs
+                build_on_layout(policy, lay, load=critic_loader(weights, policy, lay))
+            except ValueError as e:
+                out["refusal"] = str(e)
+            groups.destroy_groups()
             lay = ParallelLayout.parse(LOAD_ON, world_size=dist.get_world_size(), model=cfg)
             mol, mbs = build(lay, reference_weights(policy, seed=8), 12)
             before = _critic_full(mol, cfg, "param")
@@ -153,7 +160,7 @@ def test_critic_values_gradients_and_checkpoint_across_layouts(tmp_path):
         ref = out["DP2"]
         assert (ref["values"] - ref["reference"]).abs().max() < TOL, family       # (a)
         assert ref["values"].abs().max() > 100 * TOL, family
-        for lay in (k for k in out if k not in ("DP2", "tied", "loaded")):
+        for lay in (k for k in out if k not in ("DP2", "tied", "loaded", "refusal")):
             r = out[lay]
             assert (r["values"] - ref["reference"]).abs().max() < TOL, (family, lay)  # (a)
             assert abs(r["loss"] - ref["loss"]) < TOL, (family, lay)
@@ -170,6 +177,7 @@ def test_critic_values_gradients_and_checkpoint_across_layouts(tmp_path):
         dead = [n for n, grad in ref["grads"].items() if not grad.abs().max() > 10 * TOL]
         assert not dead, f"{family}: no gradient reaches {dead}"
     assert results[CHECKPOINTED]["tied"]            # the critic unties; it never reads one
+    assert "build_on_layout(critic_config(cfg)" in results[CHECKPOINTED]["refusal"]
     assert results["qwen3_moe"]["TP2"]["sequence_parallel"]   # the head's gather ran
     saved, loaded = results[CHECKPOINTED][SAVE_ON]["params"], results[CHECKPOINTED]["loaded"]
     # the head under its own keys, whole: a policy checkpoint (output_layer.weight) cannot load
