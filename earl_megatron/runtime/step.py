@@ -24,6 +24,10 @@ The logits path serves losses that need the entropy (``entropy_coef > 0``) or a 
 temperature, and the LOGPROB stage (``forward_logprobs``: old and reference logprobs, no grad).
 On the same weights and data the two paths give the same logp (to rounding) in every layout.
 
+The critic (models/value_model.py, PPO) has a third output and the same two uses:
+
+    forward_backward_values / forward_values  model(...)           -> values [b, s] (fp32)
+
 Mixture of experts (Megatron's router, load-balancing ``aux_loss`` when
 ``moe_aux_loss_coeff > 0``): the aux loss never enters the reported loss (Megatron's router
 attaches it to the activations with ``MoEAuxLossAutoScaler``, whose backward adds its gradient,
@@ -299,16 +303,32 @@ def forward_logprobs(on_layout, microbatches: list[dict], *, seq_len: int, micro
     pp_stage (identical across its tp ranks; each dp rank has its own samples); every other
     pp_stage gets ``[]``. Moving them to the consumer is the dispatcher's job.
     """
+    return _forward_only(on_layout, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size,
+                         collect=lambda out, mb: token_logprobs(out, mb, temperature).logp)
+
+
+def forward_values(on_layout, microbatches: list[dict], *, seq_len: int,
+                   micro_batch_size: int) -> list[torch.Tensor]:
+    """The critic's values for each micro-batch (``on_layout`` built with
+    models/value_model.critic_loader): a VALUES stage, as ``forward_logprobs`` in every respect
+    but the output (fp32 [b, s_local] on the last pp_stage, ``[]`` elsewhere)."""
+    from earl_megatron.models.value_model import critic_values
+
+    return _forward_only(on_layout, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size,
+                         collect=lambda out, mb: critic_values(out))
+
+
+def _forward_only(on_layout, microbatches: list[dict], *, seq_len: int, micro_batch_size: int,
+                  collect: Callable[[torch.Tensor, dict], torch.Tensor]) -> list[torch.Tensor]:
+    """``collect(model output, micro-batch)`` of each micro-batch, no grad, in eval mode."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, m):
         mb = next(data_iterator)
-        logits = m(mb["input_ids"], mb["position_ids"], None)
-
-        def collect(out, non_loss_data=False):
-            return token_logprobs(out, mb, temperature).logp
-
-        return logits, collect
+        return m(mb["input_ids"], mb["position_ids"], None), \
+            lambda out, non_loss_data=False: collect(out, mb)
 
     model = on_layout.model
     was_training = model.training
@@ -322,6 +342,29 @@ def forward_logprobs(on_layout, microbatches: list[dict], *, seq_len: int, micro
     finally:
         model.train(was_training)
     return list(out) if on_layout.post_process else []
+
+
+ValueLoss = Callable[[torch.Tensor, dict], torch.Tensor]
+"""(the critic's values [b, s_local] fp32 of a micro-batch, micro-batch) -> per-token loss
+(rl/value.value_loss with the micro-batch's old values and returns)."""
+
+
+def forward_backward_values(model, tcfg, microbatches: list[dict], layout: ParallelLayout, *,
+                            seq_len: int, micro_batch_size: int,
+                            loss_fn: ValueLoss) -> ForwardBackwardResult:
+    """``forward_backward`` for the critic: ``loss_fn`` sees the values. Same normalisation
+    (masked per-token sum over the global token count, so the gradients are the same in every
+    layout); a CRITIC TRAIN stage wraps it as ``train_step`` does (``_train_step``)."""
+    from earl_megatron.models.value_model import critic_values
+
+    def forward_step(data_iterator, m):
+        mb = next(data_iterator)
+        return m(mb["input_ids"], mb["position_ids"], None), _masked_loss_func(
+            lambda out: loss_fn(critic_values(out), mb), mb)
+
+    return _run_schedule(model, tcfg, microbatches, seq_len=seq_len,
+                         micro_batch_size=micro_batch_size, forward_only=False,
+                         forward_step=forward_step)
 
 
 def _global_loss(reduced: list[dict]) -> tuple[float, int]:
