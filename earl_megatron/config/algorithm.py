@@ -257,8 +257,9 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
                               "clip_eps >= 0")
         if self.name == "ppo":
-            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic yet (no value "
-                              "model); PPO-clip without a critic over several epochs is "
+            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic yet (its "
+                              "value model is not in the loop, issue #45); PPO-clip without a "
+                              "critic over several epochs is "
                               "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
                               "algorithm=reinforce_pp_multi_epoch)")
         if self.name not in ESTIMATORS:

@@ -96,8 +96,9 @@ BAD = [  # (overrides, the whole message)
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
     # names that say what trains, and knobs that would do nothing in the mode chosen
     ({"algorithm": {"name": "ppo"}},
-     "algorithm.name=ppo: earl_megatron trains no critic yet (no value model); PPO-clip "
-     "without a critic over several epochs is algorithm.name=reinforce_pp with "
+     "algorithm.name=ppo: earl_megatron trains no critic yet (its value model is not in the "
+     "loop, issue #45); PPO-clip without a critic over several epochs is "
+     "algorithm.name=reinforce_pp with "
      "algorithm.epochs=2 (the recipe algorithm=reinforce_pp_multi_epoch)"),
     ({"algorithm": {"name": "grpo", "group_size": 4, "gamma": 0.9}},
      "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (it scores whole episodes, "
