@@ -51,6 +51,8 @@ def reference_weights(cfg: ModelConfig, seed: int = 1234) -> dict[str, torch.Ten
     g = torch.Generator().manual_seed(seed)
     out = {}
     for row in tensor_table(cfg).full_rows:
+        if row.adapter:   # models/lora.py draws adapters from (seed, name)
+            continue
         norm = row.split_dim is None
         out[row.name] = (1.0 if norm else 0.0) + torch.randn(*row.shape, generator=g) * (
             0.1 if norm else 0.02)

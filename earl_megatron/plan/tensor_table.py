@@ -49,6 +49,18 @@ router and, for each expert e = 0..E-1 (global index; TE grouped-GEMM name in br
   own). With pp == 1 it is the embedding itself (no parameter); with pp > 1 the last pp_stage
   holds a replica under ``output_layer.weight`` that Megatron keeps equal.
 
+With LoRA (``cfg.lora.enabled``, models/lora.py) each targeted linear of each layer (not an
+expert's) is followed by its adapter's two rows, split like the base row they are derived from
+(``_adapter_rows``; no HF tensor, ``combine`` "lora")::
+
+    decoder.layers.i.<path>.linear_qkv.lora_a  [r, in]    -     1   (column-parallel: A whole)
+    decoder.layers.i.<path>.linear_qkv.lora_b  [out, r]   0     s   (B's rows split as the base's)
+    decoder.layers.i.<path>.linear_proj.lora_a [r, in]    1     1   (row-parallel: A's columns)
+    decoder.layers.i.<path>.linear_proj.lora_b [out, r]   -     1   (B whole)
+
+  and the wrapped base's live names ``<linear>.base.weight`` / ``.base.bias`` are aliases of the
+  base rows (``TensorTable.row`` accepts them): a LoRA model switches like any other.
+
 Invariant: ``sum(row.numel for row in table.full_rows)`` is the model's parameter count; the
 local elements of every (layout, rank) are ``elements_on(pp_rank, tp, pp, ep, etp)``, and
 ``held_on(layout, rank)`` are the rows that rank's model has as parameters.
@@ -95,9 +107,15 @@ class TensorRow:
     hf: tuple[str, ...]
     """HF tensors it is built from ((q, k, v), (gate, up) or one); () when tied."""
     combine: str
-    """How the HF tensors combine: "copy", "qkv" (grouped per KV group) or "fc1" ([gate; up])."""
+    """How the HF tensors combine: "copy", "qkv" (grouped per KV group) or "fc1" ([gate; up]);
+    "lora" for an adapter's A or B (no HF tensor: ``adapter``)."""
     expert: Optional[int] = None
     """Global expert index of an expert's fc1 / fc2 (split over the expert grid); else None."""
+
+    @property
+    def adapter(self) -> bool:
+        """A LoRA adapter's A or B: a parameter of the model with no HF tensor."""
+        return self.combine == "lora"
 
     @property
     def numel(self) -> int:
@@ -166,6 +184,11 @@ class TensorTable:
     def _by_name(self) -> dict[str, TensorRow]:
         out = {r.name: r for r in self.rows}
         out.update({r.te_name: r for r in self.rows})
+        for r in self.rows:   # LoraLinear keeps the base linear as ``<linear>.base``
+            if r.name.endswith(".lora_a"):
+                linear = r.name[:-len(".lora_a")]
+                out.update({f"{linear}.base.{k}": out[f"{linear}.{k}"] for k in ("weight", "bias")
+                            if f"{linear}.{k}" in out})
         return out
 
     @property
@@ -318,12 +341,43 @@ def tensor_table(cfg: ModelConfig) -> TensorTable:
                          (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"))
         rows.append(_row(m + "mlp.linear_fc2.weight", (h, f), 1, 1, i,
                          (p + "mlp.down_proj.weight",), "copy"))
+    if cfg.lora.enabled:
+        rows = _with_adapters(rows, cfg.lora.rank, cfg.lora.targets)
     rows.append(_row(FINAL_NORM, (h,), None, 1, None, ("model.norm.weight",), "copy"))
     if cfg.tie_word_embeddings:
         rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, (), "copy", tied_to=EMBEDDING))
     else:
         rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, ("lm_head.weight",), "copy"))
     return TensorTable(cfg, tuple(rows))
+
+
+def _adapter_rows(base: TensorRow, rank: int) -> tuple[TensorRow, TensorRow]:
+    """A [r, in] and B [out, r] of the adapter on ``base`` (a linear's weight row), split as
+    models/lora.py does: the factor that keeps the base's split dim takes its split and stride
+    (column: B's rows, fc1's stride 2; row: A's columns), the other is whole on every tp rank."""
+    linear, (out, inp), column = base.name[:-len(".weight")], base.shape, base.split_dim == 0
+
+    def adapter(which: str, shape: tuple[int, int], split: bool) -> TensorRow:
+        n = f"{linear}.{which}"
+        return TensorRow(n, n, shape, base.split_dim if split else None,
+                         base.stride if split else 1, base.layer, None, (), "lora")
+    return adapter("lora_a", (rank, inp), not column), adapter("lora_b", (out, rank), column)
+
+
+def _with_adapters(rows: list[TensorRow], rank: int, targets: tuple[str, ...]
+                   ) -> list[TensorRow]:
+    """``rows`` with each targeted dense linear's adapter after its weight (and bias), the order
+    LoraLinear registers them in."""
+    out, pending = [], []
+    for row in rows:
+        if pending and not row.name.startswith(pending[0].name.rsplit(".", 1)[0] + "."):
+            out.extend(pending)
+            pending = []
+        out.append(row)
+        if row.expert is None and row.layer is not None and row.name.endswith(".weight") \
+                and row.name.rsplit(".", 2)[-2] in targets:
+            pending = list(_adapter_rows(row, rank))
+    return out + pending
 
 
 def _moe_rows(cfg: ModelConfig, i: int) -> list[TensorRow]:

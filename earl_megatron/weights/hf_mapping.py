@@ -58,7 +58,7 @@ class SourceSlice:
 # ----------------------------------------------------------------------------- names
 def rules(cfg: ModelConfig) -> tuple[TensorRow, ...]:
     """Every Megatron tensor of ``cfg`` that has HF sources, in model order."""
-    return tensor_table(cfg).full_rows
+    return tuple(r for r in tensor_table(cfg).full_rows if not r.adapter)
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
