@@ -226,15 +226,9 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
 
 def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     """What the loop does not do yet with LoRA adapters (issue #46), naming the limit and the
-    fix; None: it runs. The adapters live only in the policy's own model: nothing may move it
-    to another layout (the switcher's tensor table keys on the base's parameter names), hand
-    it to SGLang or another pool, or start it from a checkpoint."""
-    lay, r = cfg.layout, cfg.rollout
-    if lay.mode != "static":
-        return (f"layout.mode={lay.mode}: the layout switcher does not move adapters yet "
-                "(issue #46); use layout.mode=static with one layout for every stage")
-    # the static layouts themselves (one for every stage, no cp): train.py validate, which
-    # parses them
+    fix; None: it runs. The layout switcher moves adapters (the tensor table has their rows),
+    but nothing may hand the model to SGLang or another pool, or start it from a checkpoint."""
+    r = cfg.rollout
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: only the embedded engine runs the adapters yet "
                 "(issue #46); use rollout.engine=embedded")

@@ -152,13 +152,6 @@ def validate(cfg: TrainConfig, world: int) -> None:
             problem = stage == "rollout" and rollout_layout_problem(lay, cfg.rollout.engine)
             if problem:
                 raise ConfigError(f"layout.rollout={text}: {problem}")
-    lora, lay = cfg.model.lora, cfg.layout
-    if lora.enabled and len(set(layouts.values())) > 1:   # (the rollout's has no cp: none has)
-        given = ", ".join(f"layout.{s}={getattr(lay, s)}" for s in STAGE_NAMES)
-        raise ConfigError(
-            f"model.lora.rank={lora.rank} with {given}: a layout switch between stages does not "
-            "move adapters yet (issue #46); give every stage the same layout (e.g. "
-            f"layout.logprob={lay.rollout} layout.train={lay.rollout})")
     if cfg.rollout.episodes_per_iteration < world:
         raise ConfigError(f"rollout.episodes_per_iteration={cfg.rollout.episodes_per_iteration} "
                           f"< world size {world}: some dp rank would train on nothing")

@@ -13,6 +13,11 @@ plain one. Per optimizer:
   step count equal the reference's after 2 steps bit for bit; every base parameter is frozen
   (``requires_grad`` False) and every adapter trains in the new layout; then one more step on
   TP2 gives the reference's third loss.
+
+And the trainer: ``tiny_connect_four`` with the adapters, 2 iterations with KL in the loss, on
+its switching layouts (rollout DP2, logprob and train TP2) and on DP2 for every stage (no
+switch): the same rewards and KL to the base each iteration (an adapter lost or redrawn in a
+switch would make iteration 1's KL 0 or different).
 """
 
 import pytest
@@ -75,6 +80,7 @@ def _job(out_dir):
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
     from earl_megatron.runtime.switcher import SwitchStats, switch_layout
     from earl_megatron.testing.configs import tiny_connect_four
+    from earl_megatron.train import run
 
     cfg = replace(tiny_connect_four(out_dir).model, lora=LoraSpec(rank=4, alpha=8))
     ref = reference_weights(cfg, seed=13)
@@ -113,6 +119,11 @@ def _job(out_dir):
                                     if k == "exp_avg" and n.endswith(".lora_a")),
                                 sorted({k for _, k in s0}), step0,
                                 sorted(n for n, _ in s0 if "lora_" not in n))
+    lora = {"lora": {"rank": 4, "alpha": 8}}
+    kl = {"kl_mode": "loss", "kl_coef": 0.1}
+    out["trainer"] = {name: [(h["layouts"], h["reward"], h["kl"]) for h in run(tiny_connect_four(
+        f"{out_dir}/{name}", model=lora, algorithm=kl, layout=layout, run={"iterations": 2}))]
+        for name, layout in (("switched", {}), ("dp2", {"logprob": "dp2", "train": "dp2"}))}
     return out
 
 
@@ -143,3 +154,12 @@ def test_adapters_base_and_adam_state_move_bit_exact(job, distributed):
     assert losses[:2] == base[:2]
     assert abs(losses[2] - base[2]) < 1e-6, (base, losses)
     assert base[2] != base[1]
+
+
+def test_the_trainer_switches_a_lora_model_between_stages(job):
+    switched, still = job["trainer"]["switched"], job["trainer"]["dp2"]
+    assert [h[0] for h in switched] == [{"rollout": "DP2", "logprob": "TP2", "train": "TP2"}] * 2
+    assert [h[0] for h in still] == [{"rollout": "DP2", "logprob": "DP2", "train": "DP2"}] * 2
+    assert [h[1] for h in switched] == [h[1] for h in still]
+    assert switched[0][2] == 0.0 and switched[1][2] > 1e-5   # the adapters moved the policy
+    assert abs(switched[1][2] - still[1][2]) < 1e-6 * still[1][2], (switched, still)

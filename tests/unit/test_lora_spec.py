@@ -52,16 +52,11 @@ def test_slice_follows_megatron_partition_stride():
         assert torch.equal(_unslice(parts, dim, stride), t)
 
 
-SAME = {"mode": "static", "rollout": "tp2", "logprob": "tp2", "train": "tp2"}
-
-
 @pytest.mark.parametrize("sections,words", [
-    (dict(layout={"mode": "auto"}), "layout.mode=auto: the layout switcher does not move"),
-    ({}, "layout.rollout=dp2, layout.logprob=tp2, layout.train=tp2: a layout switch"),
-    (dict(layout=SAME, rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
-    (dict(layout=SAME, run={"init": "/some/hf"}), "drop run.init"),
-    (dict(layout=SAME, sft={"steps": 2}), "set sft.steps=0"),
-    (dict(layout=SAME, model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
+    (dict(rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
+    (dict(run={"init": "/some/hf"}), "drop run.init"),
+    (dict(sft={"steps": 2}), "set sft.steps=0"),
+    (dict(model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
      "use model.lora.targets=[linear_qkv"),
 ])
 def test_what_the_loop_cannot_do_with_lora_is_refused_in_one_line(tmp_path, sections, words):
@@ -77,10 +72,19 @@ def test_what_the_loop_cannot_do_with_lora_is_refused_in_one_line(tmp_path, sect
     assert "model.lora" in str(e.value)
 
 
+@pytest.mark.parametrize("layout", [{}, {"mode": "auto"}], ids=["dp2_tp2_tp2", "auto"])
+def test_lora_runs_on_switching_layouts(tmp_path, layout):
+    """The switcher moves adapters (tests/distributed/test_lora_switch.py): stages may differ."""
+    from earl_megatron.testing.configs import tiny_connect_four
+    from earl_megatron.train import validate
+
+    validate(tiny_connect_four(str(tmp_path), model={"lora": {"rank": 4}}, layout=layout), 2)
+
+
 def test_lora_keys_reach_the_model_config(tmp_path):
     from earl_megatron.testing.configs import tiny_connect_four
 
-    cfg = tiny_connect_four(str(tmp_path), layout=SAME, model={"lora": {
+    cfg = tiny_connect_four(str(tmp_path), model={"lora": {
         "rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["linear_qkv", "linear_fc2"]}})
     assert cfg.model.lora == LoraSpec(4, 8.0, 0.1, ("linear_qkv", "linear_fc2"))
     assert cfg.model.base.lora == LoraSpec() and cfg.model.base.with_(lora=cfg.model.lora) \
