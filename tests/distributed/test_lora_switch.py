@@ -46,8 +46,9 @@ def _snapshot(mol):
     shards = {}
     for local, p in mol.module().named_parameters():
         row = table.source_on(local, lay, me)
+        st = state.get(local, {})
         shards[row.name] = (row.tp_rank_of(lay, me), p.detach().clone(),
-                            {k: (t.clone(), ranges[local]) for k, t in state.get(local, {}).items()})
+                            {k: (t.clone(), ranges[local]) for k, t in st.items()})
     flags = all(p.requires_grad == ("lora_" in n) for n, p in mol.module().named_parameters())
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (adapters, shards, flags))
