@@ -140,13 +140,11 @@ def validate(cfg: TrainConfig, world: int) -> None:
         return
     if cfg.rollout.placement != "colocated":
         raise ConfigError(f"rollout.placement={cfg.rollout.placement!r}")
-    layouts = {}
     for stage in STAGE_NAMES:
         text = cfg.layout.static(stage)
         if text is not None:
             try:
-                lay = layouts[stage] = ParallelLayout.parse(text, world_size=world,
-                                                            model=cfg.model)
+                lay = ParallelLayout.parse(text, world_size=world, model=cfg.model)
             except InvalidLayoutError as e:
                 raise ConfigError(f"layout.{stage}={text}: {e}") from e
             problem = stage == "rollout" and rollout_layout_problem(lay, cfg.rollout.engine)
