@@ -99,7 +99,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     them (``weights`` does; so does the switcher's transfer, which checks it). TransformerEngine
     specs always initialise (their TP attributes are set their own way, not checked here)."""
     from earl_megatron.models.provider import (
-        build_gpt_model, te_available, transformer_config, wrap_ddp)
+        build_gpt_model, te_layers, transformer_config, wrap_ddp)
     from earl_megatron.models.sharding import load_full_weights
 
     if weights is not None and load is not None:
@@ -108,7 +108,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     # the pool's groups, handed to Megatron explicitly (the same ones runtime/megatron_globals.py
     # installs for the code of the pinned Megatron-Core that reads parallel_state's globals)
     pgc = groups.current_pg_collection()
-    init = (weights is None and load is None if init is None else init) or te_available()
+    init = (weights is None and load is None if init is None else init) or te_layers(cfg)
     # Without init, Megatron 0.16 would not set the TP attributes (tensor_model_parallel,
     # partition_dim, partition_stride: set only inside its init functions) and grad clipping
     # would count TP shards as duplicates; build_gpt_model sets them itself then
