@@ -9,6 +9,9 @@ Terms (bytes per rank; the estimate is for the pp_stage that needs the most):
   Mixture of experts: an expert's rows are on its ep rank only, split ``etp`` ways
   (``tensor_table.elements_on(pp_rank, tp, pp, ep, etp)``): expert bytes per rank are the
   model's expert bytes / (ep x etp) exactly; the router and every dense row as for a dense model.
+- LoRA (``model.lora.rank`` >= 1, plan/lora_memory.py): weights count the frozen base and the
+  adapters; grads and optimizer the adapters only; TRAIN activations add the adapters' own;
+  every stage's layers are Megatron's local ones (unfused attention), on GPUs too.
 - grads (TRAIN): the DDP ``main_grad`` buffer, one element per local parameter in ``grad_dtype``
   (experts' in Megatron's expert-parallel buffers, the same count).
   Megatron pads each bucket to a multiple of lcm(dp*cp, 128) elements; that padding is ignored.
@@ -66,6 +69,7 @@ from earl_megatron.plan.activations import (  # noqa: F401 - re-exported for cal
     layer_activation_bytes, moe_dispatch_buffer_bytes, moe_layer_activation_bytes,
     moe_routed_tokens, train_layer_bytes)
 from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.lora_memory import trained_elements_on, with_adapters
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.plan.specs import (ClusterSpec, DecodeEngine, Stage, StageWorkload,
                                      TrainOptions, human_bytes)
@@ -102,9 +106,13 @@ def _pp_stage_expert_elements(model: ModelConfig, pp_rank: int, pp: int) -> int:
 def train_state_split(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
                       opts: TrainOptions) -> tuple[int, int]:
     """(grad bytes, optimizer bytes) of one rank of ``pp_rank``: the distributed optimizer
-    shards dense params over dp x cp and expert params over the expert-dp group (edp)."""
-    params = param_count_per_rank(model, layout, pp_rank)
-    experts = expert_param_count_per_rank(model, layout, pp_rank)
+    shards dense params over dp x cp and expert params over the expert-dp group (edp). With
+    LoRA only the adapters have either (plan/lora_memory.py)."""
+    if model.lora.enabled:   # the base is frozen: the adapters alone (dense, never experts)
+        params, experts = trained_elements_on(model, layout, pp_rank), 0
+    else:
+        params = param_count_per_rank(model, layout, pp_rank)
+        experts = expert_param_count_per_rank(model, layout, pp_rank)
     obpp = opts.optimizer_bytes_per_param(model)
     dense_shard = layout.dp * layout.cp if opts.distributed_optimizer else 1
     expert_shard = layout.edp if opts.distributed_optimizer else 1
@@ -228,6 +236,8 @@ def _memory_for_pp_rank(model: ModelConfig, layout: ParallelLayout, pp_rank: int
         in_flight = min(pp - pp_rank, _micro_batches_per_replica(workload, layout))
         layer = train_layer_bytes(model, layout, mb, longest, b, fused_attention=fused,
                                   recompute=opts.recompute)
+        if model.lora.enabled:
+            layer = with_adapters(layer, model, layout, mb, b, opts.recompute)
         activations = in_flight * layers * layer.stored + layer.transient
         logits = local_mb * vocab_local * (2 * b + 8) if last else 0
         comm = (4 * local_mb * h * b if pp > 1 else 0) + dispatch
@@ -291,7 +301,9 @@ def memory_by_pp_rank(model: ModelConfig, layout: ParallelLayout, workload: Stag
     """One estimate per pp_stage (all ranks of a pp_stage need the same memory)."""
     if resident_bytes < 0:
         raise ValueError(f"resident_bytes must be >= 0, got {resident_bytes}")
-    fused = True if cluster is None else cluster.fused_attention
+    # a LoRA model builds Megatron's local layers on GPUs too (models/provider.py te_layers:
+    # its adapters do not wrap TE's linears), whose unfused attention keeps the scores
+    fused = (True if cluster is None else cluster.fused_attention) and not model.lora.enabled
     reserved = 0 if cluster is None else cluster.reserved_bytes
     return tuple(_memory_for_pp_rank(model, layout, r, workload, train_opts, fused, reserved,
                                      resident_bytes, cluster) for r in range(layout.pp))

@@ -17,6 +17,10 @@ plain optimizer (``use_distributed_optimizer=False``, ``TrainOptions(distributed
 False)``): weights, grads and the Adam moments (exp_avg + exp_avg_sq) are EQUAL to the model;
 torch's ``step`` scalars add 4 B per parameter tensor, which the model omits (asserted as such).
 
+LoRA (the tiny llama, rank 4, on five layouts and both optimizers): the same assertions, with
+the trained parameters (the adapters, ``requires_grad``) in place of every parameter: the grad
+buffers and Adam's moments hold the adapters only, as the model counts.
+
 distributed optimizer (on two of the models): the moments of a dp x cp group together equal
 the model's unsharded 8 B/param exactly; one rank's moments differ from the model's
 ``ceil(8 * params / (dp*cp))`` because Megatron shards the padded buffer (each param's start
@@ -43,6 +47,9 @@ DIST_OPT_MODELS = (("llama", False), ("qwen2", True))   # both also with the dis
 # The tiny qwen3_moe (4 experts of width 32, top 2) on expert layouts, both optimizers: dense
 # params sharded over dp x cp, expert params over the expert-dp group (two kinds of buffer)
 MOE_LAYOUTS = ("dp4", "ep2", "ep4", "ep2xtp2", "ep2xtp2xetp1")
+# The tiny llama with rank-4 adapters on all four linears (frozen base), both optimizers: the
+# weights count base and adapters, grads and Adam state the adapters only (plan/lora_memory.py)
+LORA_LAYOUTS = ("tp2xdp2", "pp2xdp2", "cp2xdp2", "tp4", "tp2xpp2")
 ALIGN = 64                      # Megatron pads each param start to 64 elements (dist. optimizer)
 
 
@@ -88,7 +95,9 @@ def _measure_all(distributed_optimizer_models):
     rank = dist.get_rank()
     rows = []
     batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=5)
+    from earl_megatron.config.lora import LoraSpec
     from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.plan.lora_memory import trained_elements_on
     from earl_megatron.plan.memory_model import expert_param_count_per_rank
 
     cases = [(family, tied, ModelConfig.tiny(family, tie_word_embeddings=tied),
@@ -98,6 +107,9 @@ def _measure_all(distributed_optimizer_models):
     moe = ModelConfig.tiny("qwen3_moe")
     cases.append(("qwen3_moe", False, moe, [ParallelLayout.parse(x, WORLD, moe)
                                             for x in MOE_LAYOUTS], [False, True]))
+    lora = ModelConfig.tiny("llama").with_(lora=LoraSpec(rank=4, alpha=8.0))
+    cases.append(("llama_lora", False, lora, [ParallelLayout.parse(x, WORLD, lora)
+                                              for x in LORA_LAYOUTS], [False, True]))
     with cpu_backend():
         for family, tied, cfg, layouts, kinds in cases:
             for lay in layouts:
@@ -111,6 +123,7 @@ def _measure_all(distributed_optimizer_models):
                     module = mol.module()
                     weights = sum(p.numel() * p.element_size() for p in module.parameters())
                     n_params = sum(1 for _ in module.parameters())
+                    n_trained = sum(1 for p in module.parameters() if p.requires_grad)
                     buffers = mol.model.buffers + mol.model.expert_parallel_buffers
                     grads = sum(b.numel_unpadded * b.grad_data.element_size() for b in buffers)
                     grads_padded = sum(b.numel * b.grad_data.element_size() for b in buffers)
@@ -129,6 +142,9 @@ def _measure_all(distributed_optimizer_models):
                         family=family, tied=tied, layout=str(lay), dist_opt=dist_opt,
                         rank=rank, pp_rank=pp_rank, n_params=n_params,
                         param_count=param_count_per_rank(cfg, lay, pp_rank),
+                        n_trained=n_trained,
+                        trained=(trained_elements_on(cfg, lay, pp_rank) if cfg.lora.enabled
+                                 else param_count_per_rank(cfg, lay, pp_rank)),
                         weights=weights, grads=grads, grads_padded=grads_padded,
                         moments=moments, steps=steps, state_tensors=state_tensors,
                         group_moments=int(group_moments.item()),
@@ -157,7 +173,9 @@ def test_covers_every_layout_and_model(rows):
     plain = {(r["family"], r["tied"], r["layout"]) for r in rows if not r["dist_opt"]}
     moe = {("qwen3_moe", False, str(ParallelLayout.parse(x, WORLD, ModelConfig.tiny("qwen3_moe"))))
            for x in MOE_LAYOUTS}
-    assert plain == {(f, t, lay) for f, t in MODELS for lay in layouts} | moe
+    lora = {("llama_lora", False, str(ParallelLayout.parse(x, WORLD, ModelConfig.tiny())))
+            for x in LORA_LAYOUTS}
+    assert plain == {(f, t, lay) for f, t in MODELS for lay in layouts} | moe | lora
     assert {r["rank"] for r in rows} == set(range(WORLD))
 
 
@@ -185,10 +203,25 @@ def test_grads_equal_unpadded_grad_buffer_plain_optimizer(rows):
 
 def test_optimizer_moments_equal_adam_state_plain_optimizer(rows):
     for r in (r for r in rows if not r["dist_opt"]):
-        assert r["moments"] == r["model_optimizer"] == 8 * r["param_count"], r
-        # torch's Adam keeps a float32 scalar "step" per parameter tensor: not in the model
-        assert r["state_tensors"] == r["n_params"], r
-        assert r["steps"] == 4 * r["n_params"], r
+        assert r["moments"] == r["model_optimizer"] == 8 * r["trained"], r
+        # torch's Adam keeps a float32 scalar "step" per trained tensor: not in the model
+        assert r["state_tensors"] == r["n_trained"], r
+        assert r["steps"] == 4 * r["n_trained"], r
+        if r["family"] != "llama_lora":
+            assert (r["trained"], r["n_trained"]) == (r["param_count"], r["n_params"]), r
+
+
+def test_lora_trains_the_adapters_only(rows):
+    lora = [r for r in rows if r["family"] == "llama_lora"]
+    assert len(lora) == len(LORA_LAYOUTS) * 2 * WORLD
+    for r in lora:
+        # 8 adapter tensors (A, B of 4 linears) per layer: 4 layers over pp
+        pp = 2 if "PP2" in r["layout"] else 1
+        assert r["n_trained"] == 8 * 4 // pp, r
+        # tiny, rank 4: 3,328 adapter elements per layer; on tp2 2,176, on tp4 1,600
+        # (qkv 256 + 128, proj 64 + 256, fc1 256 + 256, fc2 128 + 256)
+        tp = 4 if "TP4" in r["layout"] else 2 if "TP2" in r["layout"] else 1
+        assert r["trained"] == {1: 3328, 2: 2176, 4: 1600}[tp] * 4 // pp, r
 
 
 def test_moe_distributed_optimizer_shards_experts_over_edp(rows):
@@ -204,7 +237,7 @@ def test_moe_distributed_optimizer_shards_experts_over_edp(rows):
 
 def test_distributed_optimizer_shards_sum_to_model(rows):
     dist_rows = [r for r in rows if r["dist_opt"] and r["family"] != "qwen3_moe"]
-    assert len(dist_rows) == 2 * 10 * WORLD
+    assert len(dist_rows) == (2 * 10 + len(LORA_LAYOUTS)) * WORLD
     for r in dist_rows:
         # the dp x cp group holds exactly one unsharded copy of the moments between them
         assert r["group_moments"] == r["model_unsharded"], r
