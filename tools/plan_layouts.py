@@ -18,6 +18,12 @@ A mixture-of-experts preset (``--model qwen3-30b-a3b``) plans every expert-paral
 (``EP4xTP2xDP4``; ``ETP1``: experts not tensor-split); each plan's reason says what its EP
 holds per rank, what the token all-to-all costs, and what the same layout at EP1 would need.
 
+``--lora-rank R`` (with ``--lora-targets``, default all four linears) plans a LoRA run of the
+model: the frozen base holds no gradient or optimizer state (plan/lora_memory.py). The tables
+are the LoRA model's; under them a TRAIN table per context compares the full fine-tune with
+LoRA: the layout each gets on this cluster, and the fewest devices (1, 2, 4, ... within a node,
+then whole nodes) on which TRAIN fits at all (docs/lora.md).
+
 ``--compare tp4,tp8`` instead prices the named layouts side by side for one stage (``--stage``):
 for ROLLOUT, ``--responses`` then counts responses PER ROLLOUT REPLICA (as engine benchmarks and
 the EARL paper do: a TP4 layout runs twice the replicas of a TP8 one, so twice the responses),
@@ -33,6 +39,8 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from earl_megatron.config.checks import ConfigError
+from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
@@ -65,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--kv-heads", "num_query_groups"), ("--vocab", "vocab_size")]:
         m.add_argument(flag, dest=field, type=int, help=f"override {field}")
     m.add_argument("--tie-embeddings", action="store_true", default=None)
+    m.add_argument("--lora-rank", type=int, default=0,
+                   help="plan a LoRA run with adapters of this rank (the trainer's "
+                        "model.lora.rank): only the adapters train; 0: a full fine-tune")
+    m.add_argument("--lora-targets", help="comma-separated linears the adapters wrap (any of "
+                   f"{','.join(TARGETS)}; default all; model.lora.targets)")
     c = p.add_argument_group("cluster (H100-80GB SXM defaults)")
     c.add_argument("--cluster", choices=CLUSTER_PRESETS, default="h100")
     c.add_argument("--nodes", type=int, default=1)
@@ -121,6 +134,18 @@ def model_from_args(args) -> ModelConfig:
                                              "vocab_size") if getattr(args, k) is not None}
     if args.tie_embeddings:
         changes["tie_word_embeddings"] = True
+    if args.lora_targets and not args.lora_rank:
+        raise SystemExit("--lora-targets needs --lora-rank R (R >= 1): without a rank every "
+                         "parameter trains")
+    if args.lora_rank:
+        targets = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip()) \
+            if args.lora_targets else TARGETS
+        try:
+            changes["lora"] = LoraSpec(rank=args.lora_rank, targets=targets)
+            return model.with_(**changes)
+        except ConfigError as e:
+            raise SystemExit(f"--lora-rank {args.lora_rank} --lora-targets "
+                             f"{','.join(targets)}: {e}") from None
     return model.with_(**changes) if changes else model
 
 
@@ -389,9 +414,88 @@ def print_split(rows: list[dict], split: str, header: str, reasons: bool, out=No
                 print(f"  {_k(r['context'])} x {r['responses']} {key}: {why}", file=stream)
 
 
+def device_counts(args) -> list[int]:
+    """World sizes the fewest-devices search tries: 1, 2, 4, ... below a node, then whole nodes
+    (1, 2, 4, ... of them, and the cluster's own)."""
+    per, nodes = args.gpus_per_node, args.nodes
+    counts = [w for w in (2 ** k for k in range(per.bit_length())) if w < per]
+    counts += [per * n for n in sorted({2 ** k for k in range(nodes.bit_length())} | {nodes})
+               if n <= nodes]
+    return counts
+
+
+def _on_devices(args, world: int) -> ClusterSpec:
+    """``cluster_from_args`` with ``world`` devices: part of one node, or whole nodes."""
+    per = args.gpus_per_node
+    part = argparse.Namespace(**{**vars(args), "nodes": max(1, world // per),
+                                 "gpus_per_node": min(world, per)})
+    return cluster_from_args(part)
+
+
+def lora_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConfig,
+              load: int) -> list[dict]:
+    """Per context, TRAIN of ``load`` sequences for the full fine-tune (``model.base``) and the
+    LoRA ``model``: the plan on the cluster of ``args`` (or its NoLayoutFitsError), and the
+    fewest devices (``device_counts``) with a fitting layout, as (devices, plan) or None."""
+    rows = []
+    for ctx in args.contexts:
+        wl = _workload(Stage.TRAIN, ctx, load, args.micro_batch_tokens, args.decode_fraction)
+        row: dict = {"context": ctx}
+        for key, m in (("full", model.base), ("lora", model)):
+            row[key] = row[key + "_fewest"] = None
+            for world in device_counts(args):
+                sel = Selector(m, _on_devices(args, world), opts, config)
+                try:
+                    plan, _ = sel.plan(wl)
+                except NoLayoutFitsError as e:
+                    plan = e
+                if row[key + "_fewest"] is None and isinstance(plan, LayoutPlan):
+                    row[key + "_fewest"] = (world, plan)
+                if world == cluster_from_args(args).world_size:
+                    row[key] = plan
+        rows.append(row)
+    return rows
+
+
+def print_lora(rows: list[dict], model: ModelConfig, load: int, world: int, out=None) -> None:
+    stream = out or sys.stdout
+    lora = f"lora r={model.lora.rank}"
+
+    def plan_cell(p) -> str:
+        if not isinstance(p, LayoutPlan):
+            return "OOM"
+        return f"{_choice(p.chosen)} {p.predicted_memory_bytes / 2**30:.0f}G"
+
+    def fewest(x) -> str:
+        return f"none of <= {world}" if x is None else f"{x[0]}: {plan_cell(x[1])}"
+
+    print(f"train, full fine-tune against {lora} ({load} sequences per context): the layout "
+          f"each gets on these {world} devices, and the fewest devices on which TRAIN fits",
+          file=stream)
+    print(f"{'context':>8}  {'full ft':<22} {lora:<22} {'fewest, full ft':<30} "
+          f"{'fewest, ' + lora:<30}", file=stream)
+    for r in rows:
+        print(f"{_k(r['context']):>8}  {plan_cell(r['full']):<22} {plan_cell(r['lora']):<22} "
+              f"{fewest(r['full_fewest']):<30} {fewest(r['lora_fewest']):<30}", file=stream)
+    print("cells: chosen layout (and recompute mode unless none) and GiB per rank; fewest: "
+          "devices, then the layout chosen there", file=stream)
+
+
+def _lora_header(model: ModelConfig) -> str:
+    if not model.lora.enabled:
+        return ""
+    n = sum(r.numel for r in tensor_table(model).rows if r.adapter)
+    base = num_parameters(model.base)
+    return (f"; LoRA r={model.lora.rank} on {','.join(model.lora.targets)}: {n / 1e6:.2f}M "
+            f"adapter parameters train ({n / base:.2%} of the base), the base is frozen")
+
+
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
+    if model.lora.enabled and (args.split or args.sglang_mem_fraction is not None):
+        raise SystemExit("--lora-rank with --split / --sglang-mem-fraction: a LoRA run rolls out "
+                         "on the embedded engine, colocated, today (docs/lora.md); drop either")
     cluster = cluster_from_args(args)
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),
@@ -404,7 +508,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
                         SelectorConfig(memory_margin=args.margin, max_tp=args.max_tp,
                                        auto_recompute=auto), profile)
     stages = [Stage(s.strip()) for s in args.stages.split(",") if s.strip()]
-    n = num_parameters(model)
+    n = num_parameters(model.base)
     size = (f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M") + " parameters"
     if model.is_moe:        # MoE: layouts include every ep (and etp = tp or 1)
         active = tensor_table(model).active_elements()
@@ -413,7 +517,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     header = (f"{args.model}: {size} on {cluster.name} "
               f"({cluster.world_size} devices, budget {human_bytes(selector.budget_bytes)} per "
               f"rank after a {args.margin:.0%} margin); recompute={args.recompute}, "
-              f"micro-batch {args.micro_batch_tokens} tokens")
+              f"micro-batch {args.micro_batch_tokens} tokens{_lora_header(model)}")
     stream = out or sys.stdout
     if args.split:
         if args.split != "auto" and not args.split.isdigit():
@@ -443,6 +547,10 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens,
                      args.decode_fraction)
     print_tables(grid, stages, args.contexts, args.in_flight, header, out, args.reasons)
+    if model.lora.enabled and Stage.TRAIN in stages:
+        load = max(args.in_flight)
+        print_lora(lora_rows(model, args, opts, selector.config, load), model, load,
+                   cluster.world_size, stream)
     if args.png:
         write_png(grid, stages, args.contexts, args.in_flight, args.png, header)
         print(f"wrote {args.png}", file=stream)

@@ -1,5 +1,5 @@
 """The planner knows about LoRA (issue #46 item 2): plan/lora_memory.py, the memory model's LoRA
-terms and the selector's smaller TRAIN layouts.
+terms, the selector's smaller TRAIN layouts and ``earl plan --lora-rank``.
 
 Every number is derived in a comment from the model's shapes. The tiny model (4 layers, hidden
 64, ffn 128, 8 heads of 8, 4 KV groups: qkv 64 + 2 x 32 = 128 rows) with rank-4 adapters on all
@@ -14,6 +14,7 @@ measured in docs/lora.md).
 import io
 
 import pytest
+from test_plan_layouts_cli import tool  # noqa: F401 - the fixture loading tools/plan_layouts.py
 
 from earl_megatron.config.lora import LoraSpec
 from earl_megatron.config.model import ModelConfig
@@ -177,3 +178,41 @@ def test_seven_b_train_fits_without_tensor_parallelism_with_lora():
     m = single.chosen.memory
     assert str(single.layout) == "TP1" and (m.grads, m.optimizer) == (4 * A7B, 12 * A7B)
     assert m.total == 44_563_606_528 <= 72e9
+
+
+def test_earl_plan_lora_rank_prints_full_against_lora(tool):
+    out = io.StringIO()
+    argv = ["--model", "qwen2.5-7b", "--lora-rank", "16", "--stages", "train", "--contexts",
+            str(CTX), "--responses", "8", "--micro-batch-tokens", str(CTX), "--recompute", "none"]
+    assert tool.main(argv, out=out) == 0
+    text = out.getvalue()
+    assert "7.62B parameters" in text                      # the base's size
+    assert "LoRA r=16 on linear_qkv,linear_proj,linear_fc1,linear_fc2: 35.55M adapter " \
+           "parameters train (0.47% of the base)" in " ".join(text.split())
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("2K") and ":" in ln)
+    # the fewest devices: the full fine-tune neither 1 (137e9 B of state) nor 2 (TP2: 2 + 4 B
+    # + 12 B unsharded per parameter / 2 = 68.5e9 B before activations) but 4; LoRA one GPU at
+    # 44,563,606,528 B = 41.5 GiB (the test above)
+    fewest_full, fewest_lora = row.split("G")[2:4]
+    assert fewest_full.strip().startswith("4:") and fewest_lora.strip() == "1: TP1 42", row
+    assert tool.device_counts(tool.build_parser().parse_args(["--nodes", "16"])) == \
+        [1, 2, 4, 8, 16, 32, 64, 128]
+    assert tool.device_counts(tool.build_parser().parse_args(["--nodes", "3"])) == \
+        [1, 2, 4, 8, 16, 24]
+
+
+def test_earl_plan_lora_flags_refuse_bad_input(tool):
+    parse = tool.build_parser().parse_args
+    assert tool.model_from_args(parse(["--model", "qwen2.5-7b"])).lora.rank == 0
+    m = tool.model_from_args(parse(["--lora-rank", "8", "--lora-targets", "linear_qkv"]))
+    assert (m.lora.rank, m.lora.targets) == (8, ("linear_qkv",))
+    with pytest.raises(SystemExit, match="--lora-targets needs --lora-rank"):
+        tool.model_from_args(parse(["--lora-targets", "linear_qkv"]))
+    with pytest.raises(SystemExit, match=r"\['qkv'\] unknown; use any of"):
+        tool.model_from_args(parse(["--lora-rank", "8", "--lora-targets", "qkv"]))
+    with pytest.raises(SystemExit, match="model.lora.rank=-2: use a positive integer"):
+        tool.model_from_args(parse(["--lora-rank", "-2"]))
+    with pytest.raises(SystemExit, match="experts' linears"):
+        tool.model_from_args(parse(["--model", "qwen3-30b-a3b", "--lora-rank", "8"]))
+    with pytest.raises(SystemExit, match="embedded engine, colocated"):
+        tool.main(["--lora-rank", "8", "--split", "auto"], out=io.StringIO())
