@@ -437,13 +437,15 @@ def lora_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConf
     """Per context, TRAIN of ``load`` sequences for the full fine-tune (``model.base``) and the
     LoRA ``model``: the plan on the cluster of ``args`` (or its NoLayoutFitsError), and the
     fewest devices (``device_counts``) with a fitting layout, as (devices, plan) or None."""
-    rows = []
+    rows, world_size = [], cluster_from_args(args).world_size
     for ctx in args.contexts:
         wl = _workload(Stage.TRAIN, ctx, load, args.micro_batch_tokens, args.decode_fraction)
         row: dict = {"context": ctx}
         for key, m in (("full", model.base), ("lora", model)):
             row[key] = row[key + "_fewest"] = None
             for world in device_counts(args):
+                if row[key + "_fewest"] is not None and world != world_size:
+                    continue                        # found: only the whole cluster's row is left
                 sel = Selector(m, _on_devices(args, world), opts, config)
                 try:
                     plan, _ = sel.plan(wl)
@@ -451,7 +453,7 @@ def lora_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConf
                     plan = e
                 if row[key + "_fewest"] is None and isinstance(plan, LayoutPlan):
                     row[key + "_fewest"] = (world, plan)
-                if world == cluster_from_args(args).world_size:
+                if world == world_size:
                     row[key] = plan
         rows.append(row)
     return rows
