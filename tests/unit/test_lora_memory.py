@@ -108,7 +108,7 @@ def test_train_estimate_adds_the_adapters_and_drops_the_base_state():
     # the other stages hold no grads or optimizer state either way: weights differ by adapters
     for stage in (Stage.LOGPROB, Stage.ROLLOUT):
         w = StageWorkload.of(stage, 16, 2, micro_batch_tokens=16)
-        a, b = memory_breakdown(TINY, layout, w, **cpu), memory_breakdown(TINY_LORA, layout, w, **cpu)
+        a, b = (memory_breakdown(m, layout, w, **cpu) for m in (TINY, TINY_LORA))
         assert b.total - a.total == 4 * 8704 and b.grads == b.optimizer == 0
 
 
