@@ -6,7 +6,8 @@ rank 4 on all four linears, alpha 8, every B filled from a seed (a fresh adapter
 would change nothing), built from the same weights on tp2 and on pp2, and the tiny Qwen3-MoE
 with adapters on its attention (experts carry none) on tp2 (sequence parallel); each model's
 logits through Megatron's schedule and its checkpoint. Then, in this process,
-tools/convert_mcore_to_hf exports each checkpoint as a PEFT adapter and ``--merged``:
+tools/convert_mcore_to_hf exports each checkpoint as a PEFT adapter and ``--merged``
+(earl_megatron/testing/peft_check.py):
 
 - ``PeftModel.from_pretrained(base, OUT)``'s logits equal the Megatron model's (1e-4), and
   differ from the base's by far more, so the adapters are really applied; every adapter tensor
@@ -18,7 +19,6 @@ tools/convert_mcore_to_hf exports each checkpoint as a PEFT adapter and ``--merg
 """
 
 import json
-import zlib
 
 import pytest
 import torch
@@ -47,24 +47,22 @@ def _tokens():
 def _save(root):
     import torch.distributed as dist
 
-    from earl_megatron.models.lora import lora_layers
     from earl_megatron.models.sharding import reference_weights
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.checkpoint import save_checkpoint
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.testing.logits import megatron_logits
+    from earl_megatron.testing.peft_check import fill_adapters
 
     out = {}
     with cpu_backend():
         for family, name in RUNS:
             cfg = _cfg(family)
-            weights = reference_weights(cfg.base, seed=7)
             lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
-            mol = build_on_layout(cfg, lay, weights=weights, ddp=False, seed=11)
-            for lname, m in lora_layers(mol.model).items():
-                gen = torch.Generator().manual_seed(zlib.crc32(lname.encode()))
-                m.load_full(b=torch.randn(m.out_features, cfg.lora.rank, generator=gen) * 0.05)
+            mol = build_on_layout(cfg, lay, weights=reference_weights(cfg.base, seed=7),
+                                  ddp=False, seed=11)
+            fill_adapters(mol.model)
             got = megatron_logits(mol, _tokens())
             path = save_checkpoint(mol, f"{root}/{family}_{name}/checkpoints", 0,
                                    {"iteration": 0})
@@ -72,24 +70,12 @@ def _save(root):
     return out
 
 
-def _export(*argv: str) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_mcore_to_hf.py"
-    spec = importlib.util.spec_from_file_location("convert_mcore_to_hf", tool)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main([*argv, "--no-progress"]) == 0
-
-
 @pytest.mark.timeout(600)
 def test_peft_loads_the_exported_adapter_with_megatrons_logits(tmp_path):
-    from peft import AutoPeftModelForCausalLM, PeftModel, get_peft_model_state_dict
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.testing.peft_check import exported_logits
     from earl_megatron.weights.hf_io import write_hf_dir
     from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
 
@@ -104,41 +90,23 @@ def test_peft_loads_the_exported_adapter_with_megatrons_logits(tmp_path):
         run = tmp_path / f"{family}_{name}"
         if name == "tp2":   # the run record a trainer writes: run.init names the HF base
             (run / "resolved.json").write_text(json.dumps({"run": {"init": str(hf_dir)}}))
-
-        def load_base():
-            return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-
         ckpt = next(r[family, name][0] for r in results)
         megatron = next(r[family, name][1] for r in results if r[family, name][1] is not None)
-        out, merged = run / "peft", run / "merged"
-        _export(ckpt, str(out), *(["--base-model", str(hf_dir)] if name == "pp2" else []))
-        _export(ckpt, str(merged), "--merged")
+        got, files[family, name], conf = exported_logits(
+            ckpt, run, hf_dir, _tokens(), base_model=str(hf_dir) if name == "pp2" else None,
+            auto=name == "tp2")
 
-        conf = json.loads((out / "adapter_config.json").read_text())
         assert (conf["peft_type"], conf["task_type"], conf["r"], conf["lora_alpha"]) == \
             ("LORA", "CAUSAL_LM", 4, 8), conf
         assert conf["target_modules"] == MODULES[family] and \
             conf["base_model_name_or_path"] == str(hf_dir), conf
-        files[family, name] = load_file(out / "adapter_model.safetensors")
         assert len(files[family, name]) == 4 * len(MODULES[family]) * 2  # layers x modules x 2
         assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in \
             files[family, name]
-
-        peft_model = PeftModel.from_pretrained(load_base(), out).eval()
-        held = get_peft_model_state_dict(peft_model)
-        assert held.keys() == files[family, name].keys(), \
-            sorted(set(held) ^ set(files[family, name]))[:4]
-        assert all(torch.equal(held[k], v) for k, v in files[family, name].items())
         with torch.no_grad():
-            base_logits = load_base()(_tokens()).logits
-            got = {"peft": peft_model(_tokens()).logits,
-                   "merged": AutoModelForCausalLM.from_pretrained(
-                       merged, dtype=torch.float32).eval()(_tokens()).logits}
-            if name == "tp2":   # base_model_name_or_path leads to the base
-                got["auto"] = AutoPeftModelForCausalLM.from_pretrained(
-                    out, dtype=torch.float32).eval()(_tokens()).logits
+            base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+            adapter_effect = (megatron - base(_tokens()).logits).abs().max().item()
         gaps = {k: f"{(v - megatron).abs().max().item():.2g}" for k, v in got.items()}
-        adapter_effect = (megatron - base_logits).abs().max().item()
         print(f"{family} {name}: |logits - Megatron's| {gaps}; adapters move the logits by "
               f"{adapter_effect:.3g}")
         assert all(float(g) < TOL for g in gaps.values()), (family, name, gaps)
