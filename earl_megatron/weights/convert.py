@@ -306,8 +306,6 @@ def _region(entry) -> dcp.Region:
     return entry.key, tuple(entry.data.shape)
 
 
-
-
 # ----------------------------------------------------------------------------- trainer loading
 def _without_adapters(cfg: ModelConfig, path, what: str) -> ModelConfig:
     """``cfg``, refused when it has LoRA adapters: ``load_policy`` knows the base's tensors
