@@ -56,6 +56,10 @@ setup(
         "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", *TRACKERS_ALL, *AGENTS,
                 *AGENT_FRAMEWORKS, *ENVS, "pyarrow",   # pyarrow: parquet task files
                 "selenium",    # earl view's browser test (Debian's chromium: make browser)
+                # loads the exported LoRA adapter in tests/distributed/test_peft_export.py; the
+                # export itself writes safetensors + json and never imports it. Pinned: the
+                # adapter_config.json fields and key names are checked against this version
+                "peft==0.21.2",
                 *VERIFIERS],
         # SGLang pins its own torch and ~11 GB of packages: it lives in a separate venv and is
         # reached over HTTP with the standard library, so this extra installs nothing here. See

@@ -1,4 +1,4 @@
-"""Convert a Megatron-Core checkpoint written by convert_hf_to_mcore.py back to Hugging Face.
+"""Convert a Megatron-Core checkpoint (converted or a training run's) back to Hugging Face.
 
     python tools/convert_mcore_to_hf.py /ckpt/qwen2.5-7b-mcore /models/qwen2.5-7b-trained
 
@@ -6,6 +6,11 @@ Writes config.json (the source config with the model fields updated), safetensor
 most ``--shard-mb`` with model.safetensors.index.json (one model.safetensors when it fits), and
 copies tokenizer files from the checkpoint's hf/ folder or ``--tokenizer-from``. The result
 loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Runs in one process on CPU.
+
+A LoRA checkpoint (model.lora.rank > 0) becomes a PEFT adapter: adapter_model.safetensors and
+adapter_config.json (HF module names; ``peft.PeftModel.from_pretrained(base, OUT)`` loads it
+onto the original HF model) plus the tokenizer files; ``--merged`` writes the full HF model
+with the adapters merged instead (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ def main(argv=None) -> int:
                    help="largest safetensors shard (default 2048)")
     p.add_argument("--tokenizer-from", default=None,
                    help="copy tokenizer files from this directory instead of the checkpoint's hf/")
+    p.add_argument("--merged", action="store_true",
+                   help="LoRA checkpoint: write the full HF model with W + (alpha/r) B A merged "
+                        "instead of a PEFT adapter")
+    p.add_argument("--base-model", default=None,
+                   help="LoRA checkpoint: the adapter_config.json's base_model_name_or_path "
+                        "(default: the run's run.init, when it is an HF model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
@@ -44,7 +55,8 @@ def main(argv=None) -> int:
                                     part_bytes=int(args.part_mb * 2**20),
                                     max_shard_bytes=int(args.shard_mb * 2**20),
                                     tokenizer_from=args.tokenizer_from,
-                                    progress=not args.no_progress)
+                                    progress=not args.no_progress, merged=args.merged,
+                                    base_model=args.base_model)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"wrote {args.out_dir}: {stats.tensors} tensors, {stats.bytes / 1e6:.1f} MB in "
               f"{stats.seconds:.1f} s ({stats.mb_per_s:.1f} MB/s), peak RSS {rss:.0f} MiB")

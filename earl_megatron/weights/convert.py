@@ -20,6 +20,8 @@ How memory stays near one part, not the model (``part_bytes``, default 256 MiB):
 Keys and shapes come from a GPTModel built on the meta device (no weights allocated). Converting
 back reads up to ``part_bytes`` of layer regions at a time (``read_regions``: torch DCP's load with
 a planner that asks for one layer of a stacked key) and streams HF shards out (hf_io.HFWriter).
+A LoRA checkpoint goes out as a PEFT adapter, or with ``merged`` each adapted linear is read
+with its adapter and merged (weights/peft_export.py).
 Conversions run in one process on CPU. ``progress=True`` (the tools' default) shows the bytes
 converted of the model's total: a rich bar on a terminal, a line per tenth otherwise, then
 "done: N bytes" (earl_megatron/progress.py).
@@ -47,6 +49,7 @@ from earl_megatron.progress import ByteProgress
 from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
+from earl_megatron.weights import peft_export as peft
 from earl_megatron.weights.hf_io import HFCheckpoint, HFWriter, release_freed_memory
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
 
@@ -219,8 +222,12 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
 def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         part_bytes: int = 256 << 20, max_shard_bytes: int = 2 << 30,
                         tokenizer_from: Optional[str | os.PathLike] = None,
-                        progress: bool = False) -> ConversionStats:
-    """Converted checkpoint -> HF directory (config.json, safetensors shards, tokenizer files)."""
+                        progress: bool = False, merged: bool = False,
+                        base_model: Optional[str] = None) -> ConversionStats:
+    """Converted or training checkpoint -> HF directory (config.json, safetensors shards,
+    tokenizer files). A LoRA checkpoint becomes a PEFT adapter (``adapter_model.safetensors``,
+    ``adapter_config.json`` naming ``base_model`` or the run's recorded base, and the tokenizer
+    files), or with ``merged`` a full HF model with the adapters merged (weights/peft_export)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     t0 = time.perf_counter()
@@ -229,10 +236,13 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise CheckpointError(f"{src} is not a converted checkpoint (no {CONFIG_JSON} or "
                               "metadata.json); convert it with tools/convert_hf_to_mcore.py")
     with reading(src):
-        cfg = _without_adapters(read_model_config(src), src, "exporting it to HF")
+        cfg = read_model_config(src)
         base_path = src / HF_SUBDIR / "config.json"
         base = json.loads(base_path.read_text()) if base_path.is_file() else None
         stored = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    if merged and not cfg.lora.enabled:
+        raise CheckpointError(f"--merged merges LoRA adapters, and {src} has none "
+                              "(model.lora.rank=0): drop --merged")
     extra = Path(tokenizer_from) if tokenizer_from else src / HF_SUBDIR
     if tokenizer_from and not extra.is_dir():
         raise CheckpointError(f"--tokenizer-from {extra} is not a folder; pass the folder that "
@@ -241,59 +251,70 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         if extra.is_dir() else []
     rules = hfm.rules(cfg)
     with conversion_process(cfg):
-        template = sharded_template(cfg)
-    for r in rules:  # every key and shape checked against the model before anything is written
-        dcp.region_request(template[r.name], r.name, stored, src)
+        template = sharded_template(cfg.base)
+    adapters = peft.adapter_groups(cfg, template)
+    # every key and shape checked against the model before anything is written
+    for name, region in [(r.name, _region(template[r.name])) for r in rules] + \
+            [kv for g in adapters.values() for kv in g.items()]:
+        dcp.region_request(region, name, stored, src)
     with new_output_dir(out_dir, inputs=[src] + ([extra] if tokenizer_from else [])) as out, \
             reading(src):
+        if cfg.lora.enabled and not merged:
+            n, nbytes, n_parts = peft.write_adapter(
+                src, out, cfg, adapters, stored, base_model or peft.recorded_base(src),
+                part_bytes, progress)
+            for f in copy:
+                shutil.copy2(f, out / f.name)
+            return ConversionStats(n, nbytes, time.perf_counter() - t0, n_parts)
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
-        n_parts = _mcore_to_hf(src, cfg, template, stored, writer, part_bytes, progress)
+        n_parts = _mcore_to_hf(src, cfg, template, stored, writer, part_bytes, progress,
+                               adapters if merged else {})
         writer.finish(hfm.to_hf_config(cfg, base), copy)
     return ConversionStats(len(rules), writer.total_bytes, time.perf_counter() - t0, n_parts)
 
 
 def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writer: HFWriter,
-                 part_bytes: int, progress: bool) -> int:
-    """Stream the checkpoint's tensors out, up to ``part_bytes`` of regions per read."""
+                 part_bytes: int, progress: bool, adapters: dict) -> int:
+    """Stream the checkpoint's tensors out, up to ``part_bytes`` of regions per read; each
+    linear in ``adapters`` ({weight name: {A name: region, B name: region}}) is read with its
+    adapter and written merged."""
     rules = hfm.rules(cfg)
-    by_name = {r.name: r for r in rules}
+    groups = [{r.name: _region(template[r.name]), **adapters.get(r.name, {})} for r in rules]
     n_parts = done = 0
-    total = sum(_nbytes(template[r.name]) for r in rules)
+    # the bar counts the bytes written (a merged adapter's are read, not written)
+    total = sum(dcp.region_bytes(g[r.name], stored) for r, g in zip(rules, groups))
+    todo = iter(zip(rules, groups))
     with ByteProgress("Megatron-Core -> HF", total, enabled=progress) as prog:
-        i = 0
-        while i < len(rules):
-            requests: dict[str, tuple[str, tuple[int, ...], torch.Tensor]] = {}
-            size = 0
-            while i < len(rules) and (not requests or size < part_bytes):
-                r = rules[i]
-                requests[r.name] = dcp.region_request(template[r.name], r.name, stored, src)
-                size += _nbytes(template[r.name])
-                i += 1
-            dcp.read_regions(src, requests)
+        for part in dcp.read_groups(src, stored, groups, part_bytes):
             n_parts += 1
-            for name, (_, _, dest) in requests.items():
-                full = dest[(0,) * len(dcp.stack_index(name))]
-                for hf_name, t in hfm.split(by_name[name], cfg, full).items():
+            for got in part:
+                rule, group = next(todo)
+                full = got[rule.name]
+                if rule.name in adapters:
+                    a, b = (got[n] for n in adapters[rule.name])
+                    full = peft.merged(full, a, b, cfg.lora.scaling)
+                for hf_name, t in hfm.split(rule, cfg, full).items():
                     writer.add(hf_name, t)
-                done += _nbytes(template[name])
+                done += dcp.region_bytes(group[rule.name], stored)
                 prog.update(done)
-            del requests, full
+            del part, got, full
             release_freed_memory()
     return n_parts
 
 
-def _nbytes(entry) -> int:
-    return entry.data.numel() * entry.data.element_size()
+def _region(entry) -> dcp.Region:
+    return entry.key, tuple(entry.data.shape)
 
 
 # ----------------------------------------------------------------------------- trainer loading
 def _without_adapters(cfg: ModelConfig, path, what: str) -> ModelConfig:
-    """``cfg``, refused when it has LoRA adapters: the readers here know the base's tensors
+    """``cfg``, refused when it has LoRA adapters: ``load_policy`` knows the base's tensors
     only and would drop the adapters without a word (issue #46)."""
     if cfg.lora.enabled:
         raise CheckpointError(f"{path} holds LoRA adapters (model.lora.rank={cfg.lora.rank}): "
                               f"{what} is not built yet for LoRA (issue #46); resume the run "
-                              "from its run.output_dir instead")
+                              "from its run.output_dir, or export it merged (earl convert "
+                              "mcore-to-hf --merged) and load that")
     return cfg
 
 

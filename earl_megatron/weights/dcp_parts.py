@@ -9,7 +9,9 @@ Two operations Megatron-Core's ``dist_checkpointing`` does not offer in a one-ra
   shifted to the part's first layer, storage index following the renamed files), as
   Megatron-Core's own ``remove_sharded_tensors`` rewrites that file.
 - ``region_request`` + ``read_regions``: read regions of stored keys (one layer of a stacked key)
-  without reading the rest, with a DCP load planner that asks only for those regions.
+  without reading the rest, with a DCP load planner that asks only for those regions;
+  ``read_groups`` streams groups of regions (a linear's weight with its LoRA adapter) in parts
+  of a byte budget.
 
 Stacked keys: Megatron stores ``decoder.layers.*`` tensors under one key with a leading layer axis
 (num_layers, ...), and an MoE expert's fc1 / fc2 under one key with two leading axes
@@ -35,7 +37,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -192,21 +194,54 @@ def merge_parts(part_dirs: list[Path], shifts: list[dict[str, Index]], num_layer
         shutil.copy2(part_dirs[0] / name, out / name)
 
 
-def region_request(entry, name: str, stored: dict, src: Path):
+Region = tuple[str, tuple[int, ...]]
+"""(checkpoint key, the tensor's shape without the stacked axes): one tensor ``read_groups``
+reads (a template entry's ``key`` and ``data.shape``, or an adapter's key and table shape)."""
+
+
+def region_request(region: Region, name: str, stored: dict, src: Path):
     """(checkpoint key, offsets, empty destination) for one Megatron tensor (layer i of a
     stacked key is the (1, ...) region at offset i; expert e of layer i the (1, 1, ...) region
     at (i, e))."""
-    if entry.key not in stored:
-        raise KeyError(f"{src} has no tensor {entry.key!r}; it was not written for this model "
+    key, shape = region
+    if key not in stored:
+        raise KeyError(f"{src} has no tensor {key!r}; it was not written for this model "
                        "config (earl_model_config.json)")
-    meta = stored[entry.key]
-    shape = tuple(entry.data.shape)
+    meta = stored[key]
     index = stack_index(name)
-    offsets, shape = index + (0,) * len(shape), (1,) * len(index) + shape
+    offsets, shape = index + (0,) * len(shape), (1,) * len(index) + tuple(shape)
     if any(o + n > m for o, n, m in zip(offsets, shape, meta.size)):
-        raise ValueError(f"{src}: {entry.key} has shape {tuple(meta.size)}, too small for "
+        raise ValueError(f"{src}: {key} has shape {tuple(meta.size)}, too small for "
                          f"{name} of this model config")
-    return entry.key, offsets, torch.empty(shape, dtype=meta.properties.dtype)
+    return key, offsets, torch.empty(shape, dtype=meta.properties.dtype)
+
+
+def read_groups(src: Path, stored: dict, groups: list[dict[str, Region]], part_bytes: int
+                ) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Read each group of regions ({name: region}, in order) and yield them part by part: a
+    list of {name: tensor}, one per group, for every DCP read of about ``part_bytes``. A group
+    is never split (a merged linear needs its weight and its adapter at once), and only one
+    part's regions are allocated at a time."""
+    i = 0
+    while i < len(groups):
+        batch, size = [], 0
+        while i < len(groups) and (not batch or size < part_bytes):
+            batch.append(groups[i])
+            size += sum(region_bytes(r, stored) for r in groups[i].values())
+            i += 1
+        requests = {n: region_request(r, n, stored, src) for g in batch for n, r in g.items()}
+        read_regions(src, requests)
+        yield [{n: requests[n][2][(0,) * len(stack_index(n))] for n in g} for g in batch]
+        del requests
+
+
+def region_bytes(region: Region, stored: dict) -> int:
+    """Bytes of one region as stored (0 for a key the checkpoint lacks: region_request names
+    it)."""
+    n = stored[region[0]].properties.dtype.itemsize if region[0] in stored else 0
+    for s in region[1]:
+        n *= s
+    return n
 
 
 def read_regions(path: str | os.PathLike,

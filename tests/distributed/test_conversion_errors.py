@@ -69,6 +69,7 @@ def _cases(root: str) -> dict:
     (r / "a_file").write_text("x")
     out["unwritable"] = _tool("convert_mcore_to_hf", str(mc), str(r / "a_file" / "sub"))
     out["no_ckpt"] = _tool("convert_mcore_to_hf", str(r / "nowhere"), str(r / "o_nowhere"))
+    out["merged_no_lora"] = _tool("convert_mcore_to_hf", str(mc), str(r / "o_merged"), "--merged")
     # HF side
     bad_hf = r / "bad_hf"
     shutil.copytree(hf, bad_hf)
@@ -154,6 +155,8 @@ def test_output_folders_refused_and_nothing_overwritten(results):
     assert not list((root / "mc" / "hf").glob("*.safetensors"))
     _one_line(res["unwritable"], "cannot write the output folder", "writable location")
     _one_line(res["no_ckpt"], "not a converted checkpoint", "convert_hf_to_mcore")
+    _one_line(res["merged_no_lora"], "--merged merges LoRA adapters", "drop --merged")
+    assert not (root / "o_merged").exists()
     _one_line(res["hf_into_itself"], "choose an output folder outside it")
     _one_line(res["hf_other_config"], "not empty")
     assert json.loads((root / "other" / "config.json").read_text()) == {"mine": 1}
