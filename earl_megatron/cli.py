@@ -3,6 +3,7 @@
     earl train --nproc-per-node 4 [torchrun options] [Hydra overrides]
     earl plan --model qwen2.5-72b --nodes 16 ...          (tools/plan_layouts.py)
     earl convert hf-to-mcore HF_DIR OUT | mcore-to-hf CKPT OUT    (tools/convert_*.py)
+                 [--merged] [--base-model HF]  (LoRA: a PEFT adapter, or merged)
     earl view RUN_DIR [--port P] [--host H]               a web page of a run (viewer/)
     earl serve run.init=DIR [overrides]                   OpenAI's API over a checkpoint (serve.py)
 
