@@ -226,15 +226,16 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
 
 def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     """What the loop does not do yet with LoRA adapters (issue #46), naming the limit and the
-    fix; None: it runs. The layout switcher moves adapters (the tensor table has their rows),
-    but nothing may hand the model to SGLang or another pool, or start it from a checkpoint."""
+    fix; None: it runs. The layout switcher and split placement's handoff move adapters (the
+    tensor table has their rows), but nothing hands them to SGLang or starts them from a
+    checkpoint."""
     r = cfg.rollout
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: only the embedded engine runs the adapters yet "
                 "(issue #46); use rollout.engine=embedded")
-    if r.placement != "colocated":
-        return (f"rollout.placement={r.placement}: the handoff to the rollout pool does not "
-                "move adapters yet (issue #46); use rollout.placement=colocated")
+    if r.placement == "auto":
+        return ("rollout.placement=auto: moving a LoRA run between placements is not tested "
+                "yet (issue #46); use rollout.placement=split or colocated")
     if cfg.run.init is not None:
         return (f"run.init={cfg.run.init}: starting adapters over a checkpoint's base is not "
                 "built yet (issue #46); drop run.init (a random init from run.seed)")

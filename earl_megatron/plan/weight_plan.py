@@ -141,13 +141,16 @@ def _add_row(sent: dict, landed: dict, moves, numel: int, full_ranks, eb: int) -
 
 def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_bytes: int,
                  world_size: Optional[int] = None, element_bytes: Optional[int] = None,
-                 devices_per_node: Optional[int] = None) -> WeightPlan:
+                 devices_per_node: Optional[int] = None,
+                 adapters_only: bool = False) -> WeightPlan:
     """The plan that moves ``src``'s shards to ``destinations`` (module docstring) in buckets
     of at most ``bucket_bytes`` per rank. ``world_size``: the ranks there are (default: the
     largest rank named, source or destination, plus one). ``devices_per_node`` (ranks
     ``k * devices_per_node ...`` share node k, as torchrun numbers them): a row comes from a
     replica on the receiver's node when there is one, so fewer bytes cross nodes; None:
-    the least-loaded replica anywhere. Bytes per rank are the same either way."""
+    the least-loaded replica anywhere. Bytes per rank are the same either way.
+    ``adapters_only``: the LoRA adapters' rows alone (``TensorRow.adapter``), for destinations
+    that hold the frozen base already; ``model_bytes`` is then the adapters' bytes."""
     dests = tuple(destinations)
     if not dests:
         raise ValueError("a weight plan needs at least one destination (FullAt or ShardsIn)")
@@ -168,6 +171,10 @@ def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_
                              f"{d.layout.world_size}; name one global rank per layout rank")
     eb = DTYPE_BYTES[cfg.params_dtype] if element_bytes is None else element_bytes
     table = tensor_table(cfg)
+    rows = tuple(r for r in table.full_rows if r.adapter or not adapters_only)
+    if not rows:
+        raise ValueError("adapters_only: the model has no LoRA adapters (model.lora.rank=0); "
+                         "plan the full weights")
     before = placement(cfg, src)
     afters = [placement(cfg, d.layout) if isinstance(d, ShardsIn) else None for d in dests]
     full_ranks = tuple(d.rank for d in dests if isinstance(d, FullAt))
@@ -177,7 +184,7 @@ def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_
     names, transfers, local = [], [], []
     sent: dict[int, int] = {}
     landed: dict[int, int] = {}
-    for row in table.full_rows:
+    for row in rows:
         dim = row.split_dim or 0
         per_row = row.numel // row.shape[dim]
         wants: list[Holding] = []
@@ -208,8 +215,8 @@ def plan_weights(cfg: ModelConfig, src: ParallelLayout, destinations, *, bucket_
     buckets.append(_bucket(names, transfers, local))
     return WeightPlan(src=src, destinations=dests, world_size=world, element_bytes=eb,
                       bucket_bytes=bucket_bytes, buckets=tuple(buckets),
-                      model_bytes=sum(r.numel for r in table.full_rows) * eb,
-                      row_shapes=tuple((r.name, r.shape) for r in table.full_rows))
+                      model_bytes=sum(r.numel for r in rows) * eb,
+                      row_shapes=tuple((r.name, r.shape) for r in rows))
 
 
 def _bucket(names, transfers, local) -> WeightBucket:

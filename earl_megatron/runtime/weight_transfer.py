@@ -66,10 +66,12 @@ class WeightPlanError(RuntimeError):
 
 @functools.lru_cache(maxsize=64)
 def cached_plan(cfg, src, destinations: tuple, bucket_bytes: int, world_size: int,
-                devices_per_node: Optional[int] = None) -> WeightPlan:
+                devices_per_node: Optional[int] = None, adapters_only: bool = False
+                ) -> WeightPlan:
     """``plan_weights``, memoised: a run pushes from the same few train layouts every iteration."""
     return plan_weights(cfg, src, destinations, bucket_bytes=bucket_bytes,
-                        world_size=world_size, devices_per_node=devices_per_node)
+                        world_size=world_size, devices_per_node=devices_per_node,
+                        adapters_only=adapters_only)
 
 
 def full_weights_at(policy: ModelOnLayout, pushers, bucket_bytes: int,
@@ -99,16 +101,18 @@ def load_shards(policy: ModelOnLayout, target: ModelOnLayout, bucket_bytes: int 
 
 def hand_off(model: ModelOnLayout, train: ParallelLayout, rollout: ParallelLayout,
              bucket_bytes: int = 64 << 20, traffic: Optional[Traffic] = None,
-             group=None) -> None:
+             group=None, adapters_only: bool = False) -> None:
     """Split placement's handoff (runtime/groups.py ``build_pool_groups((train, rollout))``):
     the train pool (ranks 0 .. n_t - 1, ``train``) sends every rollout-pool rank (ranks n_t ..,
     ``rollout``) its shard of the weights, by the weight plan, each row once. Collective over
     the world: every rank calls it with its own pool's model (the policy on the train pool, the
     rollout model on the rollout pool). ``group``: the process group every op runs on (None:
-    the world; it must hold every rank); a failure raises ``WeightPlanError``."""
+    the world; it must hold every rank); a failure raises ``WeightPlanError``.
+    ``adapters_only``: the LoRA adapters alone, when the rollout pool holds the frozen base."""
     n_t = train.world_size
     dest = ShardsIn(rollout, tuple(range(n_t, n_t + rollout.world_size)))
-    plan = cached_plan(model.cfg, train, (dest,), bucket_bytes, dist.get_world_size())
+    plan = cached_plan(model.cfg, train, (dest,), bucket_bytes, dist.get_world_size(),
+                       adapters_only=adapters_only)
     _, params = plan_params(model)
     sender = dist.get_rank() < n_t
     for _ in run_weight_plan(plan, params if sender else {}, dst=None if sender else params,

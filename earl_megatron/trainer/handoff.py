@@ -10,7 +10,9 @@ since it is done again: the handoff cannot checkpoint, its world is broken). Fau
 
 With SGLang the rollout pool holds no model: full buckets are assembled at the servers'
 leaders from the train pool's shards (``hand_off_full``) and kept there; the leaders push them
-into their servers after the meeting, outside the handoff's bound.
+into their servers after the meeting, outside the handoff's bound. With LoRA adapters
+(``model.lora``) the embedded rollout pool gets the whole model at the first handoff between two
+pools and the adapters alone at every later one: the base is frozen.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ class Handoff:
 
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.base_held: Optional[tuple] = None   # the pools whose rollout side holds the base
         dist.barrier()   # every rank arrives together: the group's setup has that timeout too
         self.group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
 
@@ -71,7 +75,12 @@ class Handoff:
                 else:
                     rollout.receive(buckets, traffic)
             else:
-                hand_off(split.model, t, r, traffic=traffic, group=self.group)
+                # LoRA: the base is frozen, so once these pools' rollout side holds it (their
+                # first handoff) only the adapters move
+                lora = split.tr.cfg.model.lora.enabled
+                hand_off(split.model, t, r, traffic=traffic, group=self.group,
+                         adapters_only=lora and self.base_held == (t, r))
+                self.base_held = (t, r) if lora else None
             got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
             try:
                 dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)

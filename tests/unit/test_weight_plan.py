@@ -222,3 +222,28 @@ def test_rows_come_from_the_pushers_node_and_the_link_model_prices_that():
     want = lack / cluster.intra_node_bandwidth + len(near.buckets) * cluster.intra_node_latency_s
     assert transfer_seconds(near, cluster) == pytest.approx(want)
     assert transfer_seconds(anywhere, cluster) > transfer_seconds(near, cluster)
+
+
+def test_adapters_only_moves_the_lora_rows_alone():
+    """Split placement's later handoffs (trainer/handoff.py): the rollout pool holds the frozen
+    base, so the plan moves each adapter's A and B, split as on the destination, and nothing
+    else; a model without adapters is refused with the fix."""
+    from earl_megatron.config.lora import LoraSpec
+
+    cfg = ModelConfig.tiny("llama", lora=LoraSpec(rank=4), **SMALL)
+    table = tensor_table(cfg)
+    adapters = {r.name: r.numel for r in table.full_rows if r.adapter}
+    assert adapters and len(adapters) < len(table.full_rows)
+    train = ParallelLayout.parse("tp2", world_size=2, model=cfg)
+    rollout = ParallelLayout.parse("dp2", world_size=2, model=cfg)
+    plan = plan_weights(cfg, train, (ShardsIn(rollout, (2, 3)),), bucket_bytes=1 << 20,
+                        adapters_only=True)
+    assert {n for b in plan.buckets for n in b.names} == set(adapters)
+    assert plan.model_bytes == 4 * sum(adapters.values())
+    # each rollout replica (rank 2, rank 3) lands every adapter whole, from the tp2 shards
+    assert plan.recv_bytes() == (0, 0, plan.model_bytes, plan.model_bytes)
+    full = plan_weights(cfg, train, (ShardsIn(rollout, (2, 3)),), bucket_bytes=1 << 20)
+    assert full.recv_bytes()[2] == full.model_bytes == 4 * num_parameters(cfg)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        plan_weights(ModelConfig.tiny("llama", **SMALL), train, (ShardsIn(rollout, (2, 3)),),
+                     bucket_bytes=1 << 20, adapters_only=True)
