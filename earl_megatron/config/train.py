@@ -233,9 +233,6 @@ def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: only the embedded engine runs the adapters yet "
                 "(issue #46); use rollout.engine=embedded")
-    if r.placement == "auto":
-        return ("rollout.placement=auto: moving a LoRA run between placements is not tested "
-                "yet (issue #46); use rollout.placement=split or colocated")
     if cfg.run.init is not None:
         return (f"run.init={cfg.run.init}: starting adapters over a checkpoint's base is not "
                 "built yet (issue #46); drop run.init (a random init from run.seed)")

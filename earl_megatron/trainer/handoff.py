@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,14 +41,15 @@ class Handoff:
 
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.base_held: Optional[tuple] = None   # the pools whose rollout side holds the base
         dist.barrier()   # every rank arrives together: the group's setup has that timeout too
         self.group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
 
-    def run(self, split, j: int) -> tuple[float, int]:
+    def run(self, split, j: int, first: bool = False) -> tuple[float, int]:
         """Weights v_j from ``split``'s train pool to its rollout pool (world); (seconds, bytes
-        the busiest rank received). Every rank arrives first (a world barrier), then the
-        handoff runs on its own group: ``HandoffFailed`` when it times out or fails here."""
+        the busiest rank received). ``first``: these pools' first handoff (a LoRA model's
+        frozen base moves then, its adapters every time). Every rank arrives first (a world
+        barrier), then the handoff runs on its own group: ``HandoffFailed`` when it times out
+        or fails here."""
         t, r = split.pools
         rollout, train_side = split.tr.rollout, split.train_side
         traffic = Traffic()
@@ -75,12 +75,10 @@ class Handoff:
                 else:
                     rollout.receive(buckets, traffic)
             else:
-                # LoRA: the base is frozen, so once these pools' rollout side holds it (their
-                # first handoff) only the adapters move
-                lora = split.tr.cfg.model.lora.enabled
+                # LoRA: the base is frozen, so after these pools' first handoff only the
+                # adapters move
                 hand_off(split.model, t, r, traffic=traffic, group=self.group,
-                         adapters_only=lora and self.base_held == (t, r))
-                self.base_held = (t, r) if lora else None
+                         adapters_only=split.tr.cfg.model.lora.enabled and not first)
             got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
             try:
                 dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)

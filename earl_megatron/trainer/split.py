@@ -205,7 +205,7 @@ class Split:
             self.tr.pool.k = self.tr.cfg.algorithm.max_staleness
         if evaluate and self.train_side:
             self.tr.evaluate_into("start", self.models)
-        self.handoff.run(self, j)
+        self.handoff.run(self, j, first=True)
         self.seg_start = self.held = j
 
     def play(self, j: int):

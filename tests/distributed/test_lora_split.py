@@ -42,3 +42,35 @@ def test_lora_split_hands_off_the_adapters_alone(tmp_path):
         assert h["split"]["handoff_bytes"] == adapters, (h["split"], adapters, model)
         assert h["layouts"] == {"rollout": "TP1", "logprob": "TP2", "train": "TP2"}
         assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0
+
+
+def test_lora_auto_moves_between_split_and_colocated(tmp_path):
+    """auto placement with adapters (auto's decisions forced, split_audit.train_scheduled): a
+    split of 1 rollout rank, colocated at meeting 2, a split again before stage 4; each move goes
+    through a checkpoint holding base and adapters. Every episode sent trains exactly once and
+    after every handoff both pools' weights hash equal."""
+    from split_audit import train_scheduled
+
+    from earl_megatron.config.train import TrainConfig
+
+    out, audit = tmp_path / "run", tmp_path / "audit"
+    cfg = TrainConfig.from_dict({
+        "model": {"vocab_size": 32, "lora": {"rank": 4, "alpha": 8.0}},
+        "layout": {"mode": "auto"},
+        "env": {"name": "connect_four", "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
+                "eval_opponents": []},
+        "rollout": {"episodes_per_iteration": 6, "max_turns": 4, "placement": "auto"},
+        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
+                      "max_staleness": 1},
+        "run": {"iterations": 5, "output_dir": str(out), "eval_episodes": 2,
+                "live_view": False, "checkpoint_every": 0},
+    })
+    hist = run_distributed(train_scheduled, 3, cfg, str(audit), [1, 1, 0, 0, 1],
+                           timeout=600)[0]
+    where = [h["split"]["rollout_ranks"] if "split" in h else 0 for h in hist]
+    assert where == [1, 1, 0, 0, 1], where
+    rows = read_audit(audit)
+    check_exactly_once(rows, 5, per_batch=6)
+    assert len(check_handoffs(rows)) >= 2
+    for h in hist:
+        assert h["staleness_max"] <= 1 and h["pool_dropped"] == 0
