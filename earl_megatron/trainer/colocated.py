@@ -22,6 +22,7 @@ import contextlib
 import time
 from typing import Optional
 
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.plan.split import env_seconds, scored_rates
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
@@ -65,10 +66,14 @@ class Colocated:
 
     def start(self) -> tuple[int, list[str]]:
         tr = self.tr
+        ppo = tr.cfg.algorithm.name == "ppo"
+        if ppo:   # counted in every plan from the first (trainer/planner.py)
+            tr.planner.critic_layout = ParallelLayout.parse(
+                tr.cfg.layout.static("train"), world_size=tr.world, model=tr.cfg.model)
         begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on,
                              any_placement=self.auto is not None)
         self.models = begin.models
-        if tr.cfg.algorithm.name == "ppo":
+        if ppo:
             self._add_critic(begin.checkpoint)
         tr.history.extend(begin.history)
         tr.saved, tr.sft_start, tr.sft_history = begin.saved, begin.sft_step, begin.sft_history
@@ -88,13 +93,11 @@ class Colocated:
     def _add_critic(self, checkpoint) -> None:
         """ppo: the critic in layout.train beside the policy (trainer/critic.py), its weights
         and Adam state from ``checkpoint``'s critic/ when resuming one."""
-        from earl_megatron.plan.layout import ParallelLayout
         from earl_megatron.trainer.critic import build_critic, load_critic
 
-        cfg, models = self.tr.cfg, self.models
-        lay = ParallelLayout.parse(cfg.layout.static("train"), world_size=self.tr.world,
-                                   model=cfg.model)
-        models.add_critic(build_critic(cfg, models.policy_in(models.policy.layout), lay))
+        tr, models = self.tr, self.models
+        models.add_critic(build_critic(tr.cfg, models.policy_in(models.policy.layout),
+                                       tr.planner.critic_layout))
         if checkpoint is not None:
             load_critic(models.critic, checkpoint)
 

@@ -12,7 +12,9 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
 - the critic's checkpoint (critic/ in the iteration's directory) holds weights other than its
   initial ones, every trunk tensor and the head (it trained);
 - a run of 2 iterations resumed to 3 (the critic's weights and Adam state from critic/) records
-  the same iterations, every metric but the timings, as the uninterrupted run.
+  the same iterations, every metric but the timings, as the uninterrupted run;
+- algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
+  seed) scored by another critic (its trunk the trained policy's).
 """
 
 import math
@@ -29,8 +31,9 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean
               "return_mean", "value_grad_norm")
 
 
-def _cfg(out, iterations):
-    return tiny_connect_four(out, algorithm=PPO, run={"iterations": iterations})
+def _cfg(out, iterations, **critic):
+    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic}},
+                             run={"iterations": iterations})
 
 
 def _critic_changed(root, cfg):
@@ -69,9 +72,13 @@ def _all(root):
     full = run(_cfg(f"{root}/full", 3))
     run(_cfg(f"{root}/resumed", 2))
     resumed = run(_cfg(f"{root}/resumed", 3))
+    # critic.init: the trunk from the full run's last checkpoint (its trained policy), the
+    # policy from the seed as before: the same first batch, other values
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "records_equal": strip(full) == strip(resumed),
-            "iterations": [h["iteration"] for h in resumed],
+            "iterations": [h["iteration"] for h in resumed], "init": init[0],
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3))}
 
 
@@ -95,6 +102,10 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         assert "loss" not in hist[0] and "weight_sync" not in hist[0]["seconds"], hist[0]
         assert all(math.isfinite(h["loss"]) and "kl" in h for h in hist[1:]), hist
         assert r["records_equal"], r
+        first, init = hist[0], r["init"]
+        same = ("reward", "mean_context", "max_context")   # the batch (GAE's returns move
+        assert [init[k] for k in same] == [first[k] for k in same]   # with the values, lam < 1)
+        assert init["value_mean"] != first["value_mean"], (init, first)
         changed = r["changed"]
         assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
         assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)

@@ -87,3 +87,29 @@ def test_the_recipe_composes_on_static_layouts():
     a = TrainConfig.from_dict(d).algorithm
     assert (a.name, a.gamma, a.lam, a.policy_loss) == ("ppo", 1.0, 0.95, "ppo_clip")
     assert a.critic == CriticConfig(lr=1e-3, clip=0.2, warmup=0, init=None)
+
+
+def test_the_static_check_counts_the_critic_in_every_stage(tmp_path):
+    """The critic's weights, grads and Adam state (its layout: layout.train) are resident beside
+    every stage: each static check predicts exactly that much more with it than without."""
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.trainer.planner import StagePlanner
+    from earl_megatron.trainer.stages import BatchShape
+
+    cfg = _ppo(tmp_path)
+
+    def predicted(critic: bool) -> dict:
+        p = StagePlanner(cfg.model, cfg.layout, cfg.cluster, 2, distributed_optimizer=False,
+                         episodes=8, batch=BatchShape(4))
+        if critic:
+            p.critic_layout = ParallelLayout.parse("tp2", world_size=2, model=cfg.model)
+        for stage in ("rollout", "logprob", "train"):
+            p.plan(stage, [100, 200], None)
+        return p.predicted_memory, p
+
+    without, _ = predicted(False)
+    with_critic, p = predicted(True)
+    state = p.train_bytes(p.critic_layout)
+    assert state > 0
+    assert {s: with_critic[s] - without[s] for s in without} == \
+        {"rollout": state, "logprob": state, "train": state}
