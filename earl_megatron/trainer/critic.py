@@ -45,7 +45,7 @@ from earl_megatron.rl.value import (explained_variance, explained_variance_input
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
 from earl_megatron.runtime.reduce import global_moments, global_sum
 from earl_megatron.trainer.scoring import normalized, owns_samples
-from earl_megatron.trainer.stages import _over_world, dispatched_microbatches, scored_on
+from earl_megatron.trainer.stages import over_world, dispatched_microbatches, scored_on
 
 CRITIC_DIR = "critic"
 """The critic's subdirectory of a checkpoint directory."""
@@ -72,8 +72,9 @@ def build_critic(cfg, policy: ModelOnLayout, layout: ParallelLayout) -> ModelOnL
         from earl_megatron.weights.convert import load_policy
         source = load_policy(a.critic.init, policy.layout, ddp=False, seed=seed)
         if critic_config(source.cfg) != critic_config(cfg.model):
-            raise ValueError(f"algorithm.critic.init={a.critic.init} holds another architecture "
-                             "than the policy's: give a checkpoint of model's shape")
+            raise ValueError(f"algorithm.critic.init={a.critic.init} holds another "
+                             "architecture than the policy's (model.*): give a checkpoint of "
+                             "the policy's shape, or drop it (the policy's initial weights)")
     weights = gather_full(source.model, source.cfg, source.layout)
     ccfg = critic_config(cfg.model)
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
@@ -112,13 +113,11 @@ def gae_advantages(policy: ModelOnLayout, ids: list[int], samples: dict, values:
             t.token_rewards
         raw[s], returns[s] = gae(rewards, old[s], t.loss_mask, gamma, lam)
     adv = normalized(policy, ids, samples, raw)
-    x, group = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    # each owned sample's returns (group 0) and residuals R - V (group 1), counted once
     mine = [explained_variance_inputs(old[s], returns[s], samples[s].loss_mask) for s in ids] \
         if owns_samples(policy) else []
-    if mine:
-        # each sample's (returns, residuals) pair: group 0 the returns, group 1 R - V
-        x = torch.cat([m[0] for m in mine])
-        group = torch.cat([m[1] for m in mine])
+    x = torch.cat([m[0] for m in mine]) if mine else torch.zeros(0, dtype=torch.float64)
+    group = torch.cat([m[1] for m in mine]) if mine else torch.zeros(0, dtype=torch.long)
     moments = global_moments(x, group, 2, unbiased=False)
     mean_r, mean_res = float(moments.mean[0]), float(moments.mean[1])
     return adv, returns, old, {"explained_variance": explained_variance(moments),
@@ -152,7 +151,7 @@ def train_critic(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int]
 
         r = train_step_values(critic, batches, seq_len=plan.longest,
                               micro_batch_size=plan.max_rows, loss_fn=loss_fn)
-        sums = _over_world(critic, clips, 2)
+        sums = over_world(critic, clips, 2)
     return {"value_loss": r.loss, "value_grad_norm": r.grad_norm,
             "value_clip_frac": sums[0].item() / max(sums[1].item(), 1.0),
             "value_bytes": received}

@@ -235,12 +235,12 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
                                         loss_fn=_entropy_loss_fn(loss, sums, ratios), **kwargs)
             if epoch == 0:
                 # the sampling policy's entropy (before this batch's first update)
-                acc = _over_world(policy, sums, 2)
+                acc = over_world(policy, sums, 2)
                 entropy = acc[0].item() / max(acc[1].item(), 1.0)
         else:
             with replayed(policy, batches, routes):
                 r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
-        ratio = _over_world(policy, ratios, 3)
+        ratio = over_world(policy, ratios, 3)
     tokens = max(ratio[2].item(), 1.0)
     return TrainStageResult(loss=r.loss if r is not None else math.nan,
                             grad_norm=r.grad_norm if r is not None else math.nan,
@@ -249,7 +249,7 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
                             clip_fraction=ratio[1].item() / tokens)
 
 
-def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
+def over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
     """Per-micro-batch sums added over the world: the last pp_stage's tp rank 0 counts (tp
     ranks hold the same values), cp chunks and dp ranks add up. Collective."""
     acc = torch.zeros(width, dtype=torch.float64)
