@@ -1,7 +1,8 @@
 """Benchmark: the algorithm menu's learning table (issue 44; docs/algorithms.md).
 
 Every recipe of recipes/algorithm/ trains on two workloads, each a real
-``torchrun -m earl_megatron.train`` on ``--nproc`` CPU ranks with ``layout=auto``:
+``torchrun -m earl_megatron.train`` on ``--nproc`` CPU ranks with ``layout=auto`` (``STATIC``'s
+recipes: static layouts):
 
 - **Connect Four** (the main job's recipe, recipes/config.yaml: tiny Llama against a
   uniform-random opponent, 64 episodes per iteration) for ``--c4-iterations`` iterations; the
@@ -38,6 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # `python benchmarks/NAME.py`: this checkout's earl_megatron
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml"))
+STATIC = {"ppo": ["layout.mode=static", "layout.rollout=tp1", "layout.logprob=tp1",
+                  "layout.train=tp1", "layout.memory_budget_gb=null"]}
+"""Recipes that do not run with layout=auto yet (ppo's critic stays in layout.train, issue #45):
+static layouts, data parallel over --nproc (tp1: dp inferred), without the demo's 0.25 GB
+budget (which is there to make the selector move stages, not to be checked statically)."""
 
 
 def train(args, out: Path, overrides: list[str], config: str = "config",
@@ -110,7 +116,8 @@ def main() -> None:
     for recipe in recipes:
         row = {}
         for seed in args.seeds:
-            common = [f"algorithm={recipe}", f"run.seed={seed}", "run.checkpoint_every=0"]
+            common = [f"algorithm={recipe}", f"run.seed={seed}", "run.checkpoint_every=0",
+                      *STATIC.get(recipe, [])]
             if "connect_four" in workloads:
                 out = root / f"c4_{recipe}_s{seed}"
                 wall = train(args, out, common + [f"run.iterations={args.c4_iterations}"],

@@ -19,13 +19,14 @@ lines (config/train.py ``config_notes``). Pure Python: no torch, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.checks import at_least as _at_least
+from earl_megatron.config.critic import CriticConfig
 
-ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "grpo", "rloo")
+ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "grpo", "rloo", "ppo")
 GROUPED = ("reinforce_pp_baseline", "grpo", "rloo")
 """The estimators whose baseline is the group's (they need group_size >= 2)."""
 POLICY_LOSSES = ("ppo_clip", "gspo", "gspo_token", "cispo")
@@ -56,8 +57,10 @@ class AlgorithmConfig:
     returns normalised over the batch's policy tokens); "reinforce_pp_baseline" (the episode
     reward minus its group's mean, then normalised over the batch's policy tokens); "grpo"
     (episode rewards normalised within groups; ``norm_by_std=false``: Dr. GRPO's unscaled
-    r - mean); "rloo" (the reward minus the mean of the group's other rewards). None trains a
-    critic; ``epochs`` > 1 reuses each batch (algorithm=reinforce_pp_multi_epoch)."""
+    r - mean); "rloo" (the reward minus the mean of the group's other rewards); "ppo" (GAE
+    over the policy tokens with a learned critic, ``lam`` and ``critic``, normalised over the
+    batch's policy tokens: trainer/critic.py). ``epochs`` > 1 reuses each batch
+    (algorithm=reinforce_pp_multi_epoch), the critic's too under ppo."""
     lr: float = 1e-3
     """Adam's learning rate (Megatron's optimizer)."""
     weight_decay: float = 0.0
@@ -98,8 +101,14 @@ class AlgorithmConfig:
     norm_by_std: bool = True
     """grpo: divide r - mean by the group's std (false: Dr. GRPO's unscaled advantages)."""
     gamma: float = 1.0
-    """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards).
-    GRPO scores whole episodes, so it takes only 1."""
+    """Per-turn discount of the REINFORCE++ returns (1: every turn gets all later rewards);
+    under ppo GAE's per-POLICY-TOKEN discount (rl/value.py). GRPO scores whole episodes, so it
+    takes only 1."""
+    lam: float = 1.0
+    """ppo: GAE's lambda (``lambda`` is Python's keyword): 1 the Monte-Carlo return minus the
+    value, 0 the one-step TD error. Other estimators refuse another value."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """ppo: the value model (``CriticConfig``); its keys are refused off ppo."""
     kl_mode: str = "off"
     """KL to the reference policy (the initial one, frozen): "off"; "loss" (k3 estimator in the
     per-token loss); or "reward" (k1 = logp - ref_logp subtracted from the rewards, REINFORCE++
@@ -225,6 +234,28 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.overlong_buffer={self.overlong_buffer} and "
                               f"overlong_penalty={self.overlong_penalty} must be >= 0")
 
+    def _check_ppo(self) -> None:
+        """ppo's keys: GAE's lambda in [0, 1] and the critic's section valid under ppo;
+        both refused at anything but their defaults under another estimator."""
+        if self.name != "ppo":
+            given = [("lam", self.lam, 1.0)] + [
+                (f"critic.{f.name}", getattr(self.critic, f.name), f.default)
+                for f in fields(CriticConfig)]
+            for key, value, default in given:
+                if value != default:
+                    raise ConfigError(f"algorithm.{key}={value} does nothing under algorithm."
+                                      f"name={self.name} (no critic): drop it, or use "
+                                      "algorithm.name=ppo (the recipe algorithm=ppo)")
+            return
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"algorithm.lam={self.lam}: use GAE's lambda in [0, 1] (1: "
+                              "Monte-Carlo returns, 0: one-step TD)")
+        self.critic._check()
+        if self.max_staleness:
+            raise ConfigError(f"algorithm.name=ppo with algorithm.max_staleness="
+                              f"{self.max_staleness}: the critic is not in the asynchronous "
+                              "loop yet (issue #45); set algorithm.max_staleness=0")
+
     @property
     def off_policy_weights(self) -> Optional[tuple[str, float]]:
         """(mode, cap) of the off-policy weights, or None (off_policy=none)."""
@@ -256,12 +287,8 @@ class AlgorithmConfig:
         if self.lr <= 0 or self.weight_decay < 0 or self.clip_grad < 0 or self.clip_eps < 0:
             raise ConfigError(f"algorithm.lr={self.lr} must be > 0 and weight_decay, clip_grad, "
                               "clip_eps >= 0")
-        if self.name == "ppo":
-            raise ConfigError("algorithm.name=ppo: earl_megatron trains no critic yet (its "
-                              "value model is not in the loop, issue #45); PPO-clip without a "
-                              "critic over several epochs is "
-                              "algorithm.name=reinforce_pp with algorithm.epochs=2 (the recipe "
-                              "algorithm=reinforce_pp_multi_epoch)")
+        if isinstance(self.critic, dict):   # resolved.json and from_dict's callers' mappings
+            object.__setattr__(self, "critic", CriticConfig(**self.critic))
         if self.name not in ESTIMATORS:
             raise ConfigError(f"algorithm.name={self.name!r}: use {', '.join(ESTIMATORS)}")
         if self.kl_mode not in ("off", "loss", "reward"):
@@ -278,10 +305,12 @@ class AlgorithmConfig:
         if self.name in GROUPED and self.group_size < 2:
             raise ConfigError(f"algorithm.name={self.name} needs algorithm.group_size >= 2 (its "
                               "baseline is the group's)")
-        if self.name != "reinforce_pp" and self.gamma != 1.0:
+        if self.name not in ("reinforce_pp", "ppo") and self.gamma != 1.0:
             raise ConfigError(f"algorithm.gamma={self.gamma} does nothing under "
                               f"algorithm.name={self.name} (it scores whole episodes, no "
-                              "per-turn returns): drop it, or use algorithm.name=reinforce_pp")
+                              "per-turn returns): drop it, or use algorithm.name=reinforce_pp "
+                              "or ppo")
+        self._check_ppo()
         if self.entropy_coef < 0:
             raise ConfigError(f"algorithm.entropy_coef={self.entropy_coef} must be >= 0")
         if self.off_policy not in ("none", "tis", "decoupled"):
@@ -309,4 +338,5 @@ class AlgorithmConfig:
                               "sampled by older weights, which algorithm.off_policy=none leaves "
                               "uncorrected: drop algorithm.off_policy (auto: decoupled, with "
                               "old_logprobs=recompute) or set it to decoupled or tis")
+
 

@@ -1,8 +1,8 @@
 """PPO's critic math: GAE over agent turns, the clipped value loss and explained variance (pure
-tensor math; issue #45, docs/algorithms.md "PPO (in progress, issue #45)").
+tensor math; issue #45, docs/algorithms.md "PPO (issue #45)").
 
-Nothing here is wired into the trainer yet (nor is models/value_model.py); ``algorithm.name=ppo``
-stays refused until it is. Per-sample tensors are rl/advantages.py's label-aligned [T] rows:
+The trainer calls it under ``algorithm.name=ppo`` (trainer/critic.py: GAE on the VALUES stage's
+values, the value loss in the CRITIC TRAIN stage, the metrics). Per-sample tensors are rl/advantages.py's label-aligned [T] rows:
 position t predicts token t + 1, ``mask`` is 1 where that token is a policy token (the actions)
 and 0 on prompt, environment, tool and padding positions, and ``token_rewards`` holds each turn's
 reward on the turn's last policy token. ``values`` are the critic's outputs at the same positions:

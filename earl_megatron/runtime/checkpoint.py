@@ -42,7 +42,7 @@ HF_SUBDIR = "hf"
 """The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
 def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dict[str, Any],
                     keep_last: Optional[int] = None, *, tokenizer=None,
-                    hf_config: Optional[Path] = None) -> Path:
+                    hf_config: Optional[Path] = None, also=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory. ``keep_last``: keep
     that many complete checkpoints (this one included) and delete older ones; None keeps all.
     ``tokenizer`` (saved with ``save_pretrained``) and ``hf_config`` (the HF config.json the run
@@ -50,7 +50,8 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
     then gets the run's tokenizer, and tools/convert_mcore_to_hf.py exports a complete HF
     directory from it. ``on_layout`` None: this rank holds no state of the run's model (split
     placement's rollout pool, whose weights are the train pool's) and joins with nothing;
-    rank 0 must hold it."""
+    rank 0 must hold it. ``also(directory)``: a collective call that writes more into the
+    directory before it is published (PPO's critic, trainer/critic.py)."""
     from megatron.core import dist_checkpointing
 
     if keep_last is not None and keep_last < 1:
@@ -61,18 +62,14 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {}
-    if on_layout is not None:
-        msd = on_layout.module().sharded_state_dict()
-        state["model"] = msd
-        if on_layout.optimizer is not None:
-            state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd,
-                                                                        metadata=_OPT_META)
+    state = _sharded_state(on_layout) if on_layout is not None else {}
     # a rank without the model's state has no common state either (the optimizer's param
     # groups): Megatron's check that every rank's equals rank 0's would warn for nothing
     with _quiet("megatron.core.dist_checkpointing.validation", on_layout is None):
         dist_checkpointing.save(state, str(tmp))
     dist.barrier()
+    if also is not None:
+        also(tmp)
     if dist.get_rank() == 0:
         _write_synced(tmp / "loop.json", json.dumps(loop_state, indent=1, sort_keys=True))
         # the model config beside the weights: tools/convert_mcore_to_hf.py exports the policy
@@ -88,6 +85,30 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
         _publish(tmp, final, keep_last, iteration)
     dist.barrier()
     return final
+
+
+def _sharded_state(on_layout, is_loading: bool = False) -> dict:
+    """{"model": the sharded state dict, "optimizer": its optimizer's (when it has one)}."""
+    msd = on_layout.module().sharded_state_dict()
+    state = {"model": msd}
+    if on_layout.optimizer is not None:
+        if is_loading:
+            _ensure_optimizer_state(on_layout.optimizer)
+        state["optimizer"] = on_layout.optimizer.sharded_state_dict(
+            msd, metadata=_OPT_META, **({"is_loading": True} if is_loading else {}))
+    return state
+
+
+def save_model_state(on_layout, path: Path) -> None:
+    """Collective: one more model's weights and optimizer state into ``path`` (a new
+    subdirectory of a checkpoint directory being written: ``save_checkpoint``'s ``also``)."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(on_layout), str(path))
+    dist.barrier()
 
 
 @contextlib.contextmanager
@@ -126,12 +147,16 @@ def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
         with reading(path, "training checkpoint"):
             dist_checkpointing.load({}, str(path))
         return loop
-    msd = on_layout.module().sharded_state_dict()
-    state = {"model": msd}
-    if on_layout.optimizer is not None:
-        _ensure_optimizer_state(on_layout.optimizer)
-        state["optimizer"] = on_layout.optimizer.sharded_state_dict(msd, is_loading=True,
-                                                              metadata=_OPT_META)
+    load_model_state(on_layout, path)
+    return loop
+
+
+def load_model_state(on_layout, path: Path) -> None:
+    """Collective: weights (and optimizer state when ``on_layout`` has an optimizer) from the
+    dist_checkpointing directory ``path``, exactly."""
+    from megatron.core import dist_checkpointing
+
+    state = _sharded_state(on_layout, is_loading=True)
     # a truncated or missing file: one line (torch's CheckpointException is a BaseException)
     with reading(path, "training checkpoint"):
         try:
@@ -143,7 +168,6 @@ def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
     on_layout.module().load_state_dict(loaded["model"])
     if on_layout.optimizer is not None:
         _load_optimizer(on_layout.optimizer, loaded["optimizer"])
-    return loop
 
 
 def _per_optimizer(state: dict, n: int) -> list[dict]:

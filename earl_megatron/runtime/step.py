@@ -27,6 +27,7 @@ On the same weights and data the two paths give the same logp (to rounding) in e
 The critic (models/value_model.py, PPO) has a third output and the same two uses:
 
     forward_backward_values / forward_values  model(...)           -> values [b, s] (fp32)
+      train_step_values
 
 Mixture of experts (Megatron's router, load-balancing ``aux_loss`` when
 ``moe_aux_loss_coeff > 0``): the aux loss never enters the reported loss (Megatron's router
@@ -365,6 +366,15 @@ def forward_backward_values(model, tcfg, microbatches: list[dict], layout: Paral
     return _run_schedule(model, tcfg, microbatches, seq_len=seq_len,
                          micro_batch_size=micro_batch_size, forward_only=False,
                          forward_step=forward_step)
+
+
+def train_step_values(on_layout, microbatches: list[dict], *, seq_len: int,
+                      micro_batch_size: int, loss_fn: ValueLoss) -> TrainStepResult:
+    """The critic's optimizer step (a CRITIC TRAIN stage): ``forward_backward_values`` ordered
+    as ``train_step`` orders the policy's."""
+    return _train_step(on_layout, lambda: forward_backward_values(
+        on_layout.model, on_layout.tcfg, microbatches, on_layout.layout, seq_len=seq_len,
+        micro_batch_size=micro_batch_size, loss_fn=loss_fn))
 
 
 def _global_loss(reduced: list[dict]) -> tuple[float, int]:

@@ -22,12 +22,14 @@ import contextlib
 import time
 from typing import Optional
 
+from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.plan.split import env_seconds, scored_rates
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
 from earl_megatron.seeds import episode_seeds, rollout_sample_seed
 from earl_megatron.trainer import resume
 from earl_megatron.trainer.audit import RunAudit
+from earl_megatron.trainer.critic import critic_saver
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.record import StageTimer, gather_by_sample
@@ -64,9 +66,15 @@ class Colocated:
 
     def start(self) -> tuple[int, list[str]]:
         tr = self.tr
+        ppo = tr.cfg.algorithm.name == "ppo"
+        if ppo:   # counted in every plan from the first (trainer/planner.py)
+            tr.planner.critic_layout = ParallelLayout.parse(
+                tr.cfg.layout.static("train"), world_size=tr.world, model=tr.cfg.model)
         begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on,
                              any_placement=self.auto is not None)
         self.models = begin.models
+        if ppo:
+            self._add_critic(begin.checkpoint)
         tr.history.extend(begin.history)
         tr.saved, tr.sft_start, tr.sft_history = begin.saved, begin.sft_step, begin.sft_history
         messages = begin.messages
@@ -81,6 +89,17 @@ class Colocated:
         if self.auto is not None:
             messages.append(self.describe())
         return begin.iteration, messages
+
+    def _add_critic(self, checkpoint) -> None:
+        """ppo: the critic in layout.train beside the policy (trainer/critic.py), its weights
+        and Adam state from ``checkpoint``'s critic/ when resuming one."""
+        from earl_megatron.trainer.critic import build_critic, load_critic
+
+        tr, models = self.tr, self.models
+        models.add_critic(build_critic(tr.cfg, models.policy_in(models.policy.layout),
+                                       tr.planner.critic_layout))
+        if checkpoint is not None:
+            load_critic(models.critic, checkpoint)
 
     def warm_start(self) -> bool:
         """The warm start on the world's policy; KL on: the reference is then the warmed
@@ -302,7 +321,8 @@ class Colocated:
             ref_layout=str(ref.layout) if ref is not None else None,
             selector=tr.planner.state_json(done["selector"]),
             profile=tr.planner.profile_json(),
-            pool=tr.pool.state() if tr.pool is not None else None))
+            pool=tr.pool.state() if tr.pool is not None else None),
+            also=critic_saver(self.models))   # ppo: the critic under critic/
 
 
 class _Move:

@@ -22,6 +22,10 @@ The reference is the initial policy (the seed's init, or run.init), frozen, with
 with LoRA (``model.lora``) the base model without adapters, which is the initial policy.
 It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
+
+PPO's critic (``algorithm.name=ppo``, trainer/critic.py) sits beside them: ``critic_in(layout)``
+makes its groups current like the others', but it never switches: it lives in the TRAIN layout
+(static layouts only), whose groups stay cached.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ class ModelPair:
         self.pools = pools
         """Split placement's pools (the train pool first): the models switch inside it."""
         self._live = live
-        """Whose process groups are current: "policy" or "reference" (the model built last)."""
+        """Whose process groups are current: "policy", "reference" or "critic" (the model
+        built last)."""
+        self.critic: Optional[ModelOnLayout] = None
+        """PPO's value model (``add_critic``); None for every other estimator."""
 
     def policy_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.policy = self._live_in(self.policy, layout, "policy")
@@ -60,6 +67,20 @@ class ModelPair:
     def reference_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.reference = self._live_in(self.reference, layout, "reference")
         return self.reference
+
+    def add_critic(self, critic: ModelOnLayout) -> None:
+        """PPO: the critic just built (its groups current)."""
+        self.critic, self._live = critic, "critic"
+
+    def critic_in(self, layout: ParallelLayout) -> ModelOnLayout:
+        """The critic with its groups current; it lives in one layout (module docstring)."""
+        if layout != self.critic.layout or not (self._live == "critic" or
+                                                groups.activate(layout)):
+            raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
+                               f"{layout} or be regrouped (issue #45): keep layout.train fixed "
+                               "and cluster.group_cache_layouts >= 2")
+        self._live = "critic"
+        return self.critic
 
     def _live_in(self, model: ModelOnLayout, layout: ParallelLayout, who: str) -> ModelOnLayout:
         pools = None if self.pools is None else (layout,) + tuple(self.pools[1:])

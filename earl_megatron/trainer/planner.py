@@ -7,7 +7,10 @@ static: the config's layout, checked against the same memory model and budget fi
 
 Memory of the other model: the reference shard stays resident while the policy rolls out and
 trains, and the policy's weights, grads and Adam state stay resident while the reference scores:
-``resident_bytes`` carries it into each stage's plan or check.
+``resident_bytes`` carries it into each stage's plan or check. PPO's critic (``critic_layout``)
+adds its weights, grads and Adam state (the policy's shape: the value head is counted as the
+output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages run in
+the TRAIN layout and are taken as covered by the policy's LOGPROB and TRAIN estimates.
 
 SGLang rollouts (``sglang_mem_fraction`` given): the cluster's decode engine is the servers
 (``DecodeEngine.sglang_servers`` with the fraction they are started with: weights / tp plus a
@@ -95,6 +98,9 @@ class StagePlanner:
         self.recompute: dict[str, str] = {}
         """The TRAIN stage's recompute mode of the last plan ({"train": "full"})."""
         self.last_lengths: list[int] = []
+        self.critic_layout: Optional[ParallelLayout] = None
+        """ppo: the critic's layout (trainer/critic.py); its weights, grads and Adam state are
+        resident beside every stage, counted in every plan and static check."""
 
     def plan(self, stage: str, lengths: list[int], current: Optional[ParallelLayout],
              resident_bytes: int = 0, *, fixed: Optional[ParallelLayout] = None
@@ -104,6 +110,8 @@ class StagePlanner:
         ``fixed``: this layout, checked as a static one is (split placement's train pool, whose
         layout the split's plan chose)."""
         wl = self._workload(stage, lengths)
+        if self.critic_layout is not None:   # the critic's TRAIN is counted as the policy's
+            resident_bytes += self.train_bytes(self.critic_layout)
         if not self.auto or fixed is not None:
             lay = fixed or ParallelLayout.parse(self.layout_cfg.static(stage),
                                                 world_size=self.world, model=self.model)

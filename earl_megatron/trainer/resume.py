@@ -48,6 +48,8 @@ class Start:
     """The warm start's records so far."""
     pool: Optional[dict] = None
     """Asynchronous RL: the episodes in flight the checkpoint held (trainer/episode_pool.py)."""
+    checkpoint: Optional[Path] = None
+    """The RL checkpoint resumed from (ppo loads its critic from it); None: none."""
 
 
 def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
@@ -98,7 +100,8 @@ def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
         notes = [m for m in (found.message(), elastic) if m is not None]
         return Start(state["iteration"] + 1, models, notes + [
             f"resumed from {ckpt} at iteration {state['iteration'] + 1}"],
-            history=list(state["history"]), saved=state["iteration"], pool=state.get("pool"))
+            history=list(state["history"]), saved=state["iteration"], pool=state.get("pool"),
+            checkpoint=ckpt)
     if cfg.sft.steps and cfg.run.resume:
         from earl_megatron.trainer.warm_start import warm_start_state
         warm = warm_start_state(out)

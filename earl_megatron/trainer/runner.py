@@ -7,6 +7,7 @@ rollout.
         [kl on] the reference scores them in its layout      (dispatched there and back)
         advantages                                           (global stats by all-reduce)
         switch the policy to TRAIN's layout; train           (dispatched point to point)
+        [ppo] VALUES before the advantages (GAE), the critic's train step after TRAIN
         [colocated] the trained weights to the rollout engine; record
 
 The loop around it is trainer/loop.py's, one for every placement (trainer/colocated.py,
@@ -72,6 +73,7 @@ from earl_megatron.trainer.stages import (BatchShape, micro_batch_plan, referenc
                                           train_on)
 from earl_megatron.trainer.auto import Auto
 from earl_megatron.trainer.colocated import Colocated
+from earl_megatron.trainer.critic import critic_scores, critic_step
 from earl_megatron.trainer.split import Split
 from earl_megatron.trainer.stop import StopControl
 
@@ -84,8 +86,7 @@ def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
     return AgentSpec.from_env_kwargs(dict(cfg.env.kwargs), concurrency=r.agent_concurrency,
                                      timeout_s=r.agent_timeout_s, host=r.agent_host,
                                      port=r.agent_port, public_url=r.agent_public_url,
-                                     max_body_mb=r.agent_max_body_mb,
-                                     max_batch=r.agent_max_batch)
+                                     max_body_mb=r.agent_max_body_mb, max_batch=r.agent_max_batch)
 
 
 def agent_programs_on_moe(cfg: TrainConfig) -> bool:
@@ -109,9 +110,8 @@ class Trainer:
                                      kind=a.policy_loss,
                                      kl_estimator=a.kl_estimator if a.kl_mode == "loss"
                                      else "k3")
-        self.adv = AdvantageConfig(a.name, a.gamma,
-                                   a.group_size, a.kl_coef if a.kl_mode == "reward" else 0.0,
-                                   norm_by_std=a.norm_by_std)
+        self.adv = AdvantageConfig(a.name, a.gamma, a.group_size,
+                                   a.kl_coef if a.kl_mode == "reward" else 0.0, a.norm_by_std)
         self.loss_agg_tokens = a.loss_agg_tokens or r.max_turns * r.max_action_tokens
         """seq_mean_token_sum_norm's constant (algorithm.loss_agg_tokens, or the most policy
         tokens an episode can sample)."""
@@ -262,8 +262,12 @@ class Trainer:
         if ref is not None:
             kl, kl_metrics = kl_to_reference(policy, ids, samples, a.kl_estimator)
             metrics.update(kl_metrics)  # beside the engine's (rollout_engine, logprob diffs)
-        adv = advantages(self.adv, policy, ids, samples, n,
-                         kl=kl if self.adv.kl_coef else None)
+        if models.critic is not None:   # ppo: GAE on the critic's values (trainer/critic.py)
+            adv, ppo = critic_scores(self, models, policy, layouts, ids, episodes, tokens,
+                                     samples, kl, t, metrics)
+        else:
+            adv, ppo = advantages(self.adv, policy, ids, samples, n,
+                                  kl=kl if self.adv.kl_coef else None), None
         metrics.update(advantage_check(self.adv, policy, ids, samples, adv, n))
         if tis:  # off-policy weights: w * A trains exactly w * surrogate (rl/advantages.py)
             adv = {s: tis_weighted(adv[s], tis[s]) for s in ids}
@@ -273,21 +277,26 @@ class Trainer:
         if a.overlong_filter or a.overlong_buffer:
             metrics.update(overlong_metrics(policy, ids, cut, penalties, n))
         weights = loss_weights(a.loss_agg, policy, ids, samples, self.loss_agg_tokens)
-        with t("switch"):
-            trainee = models.trainee(layouts["train"], plan.recompute["train"])
-        with t("train"):
-            res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
-                           cfg.algorithm.epochs, routes=routes, weights=weights)
-        if sync:
+        res = None   # ppo's critic warm-up (algorithm.critic.warmup): the policy waits
+        if it >= a.critic.warmup:
+            with t("switch"):
+                trainee = models.trainee(layouts["train"], plan.recompute["train"])
+            with t("train"):
+                res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
+                               cfg.algorithm.epochs, routes=routes, weights=weights)
+        if ppo is not None:   # timed as "critic_train"
+            metrics.update(critic_step(models, policy, layouts, ids, samples, ppo, train_plan,
+                                       a, t))
+        if sync and res is not None:
             with t("weight_sync"):
                 self.rollout.sync(trainee)
             metrics.update(self.rollout.metrics())
         plan.last_lengths = lengths
-        metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
-                       clip_fraction=res.clip_fraction,
-                       dispatch_bytes=res.bytes_received + moved_lp)
-        if res.entropy is not None:
-            metrics["entropy"] = res.entropy
+        if res is not None:
+            metrics.update(loss=res.loss, grad_norm=res.grad_norm, ratio_mean=res.ratio_mean,
+                           clip_fraction=res.clip_fraction,
+                           dispatch_bytes=res.bytes_received + moved_lp,
+                           **({"entropy": res.entropy} if res.entropy is not None else {}))
         if t.peaks:   # a GPU: each stage's peak device memory beside the predicted
             metrics["measured_memory_gb"] = t.peaks_gb()
         self.sample_writer.write(it, ids, episodes,  # a few decoded, <run>/samples
@@ -368,19 +377,10 @@ class Trainer:
         return warm.run(models, planner or self.planner, self.stop.world_should_stop)
 
     def warmed_reference(self, reference) -> None:
-        """KL after a warm start: the reference becomes the warmed policy (the newest warm-start
-        checkpoint, written at its last step), as a peer's reference is its SFT model. Collective
-        over the world: ``reference`` None on a rank that holds none (split's rollout pool)."""
-        from earl_megatron.runtime.checkpoint import load_checkpoint
-        from earl_megatron.trainer.warm_start import warm_start_state
-
-        warm = warm_start_state(self.out)
-        if warm is None or warm["sft_step"] != self.cfg.sft.steps - 1:
-            raise RuntimeError(f"the warm start's last checkpoint (step {self.cfg.sft.steps - 1})"
-                               f" is missing under {self.out / 'checkpoints' / 'sft'}: the KL "
-                               "reference is the warmed policy; rerun the warm start "
-                               "(a new run.output_dir)")
-        load_checkpoint(reference, warm["path"])
+        """KL after a warm start: the reference becomes the warmed policy (trainer/warm_start.py
+        ``load_warmed``). Collective: ``reference`` None on a rank that holds none."""
+        from earl_megatron.trainer.warm_start import load_warmed
+        load_warmed(self.out, self.cfg.sft.steps, reference)
 
     def checkpoint_due(self, done: int, stop: bool) -> bool:
         """Whether iteration ``done`` is checkpointed at its safe point: a stop, the last
@@ -390,10 +390,11 @@ class Trainer:
                                                                  (done + 1) % every == 0)
         return due and self.saved != done
 
-    def write_checkpoint(self, model, state) -> None:
+    def write_checkpoint(self, model, state, also=None) -> None:
         """The one checkpoint writer: ``model`` (None on a rank that holds no trained weights)
-        and the loop state (trainer/loop.py ``LoopState``), atomically, with retention."""
+        and the loop state (trainer/loop.py ``LoopState``), atomically, with retention;
+        ``also(directory)`` writes more before it is published (ppo: the critic)."""
         save_checkpoint(model, self.out / "checkpoints", state.iteration, state.to_json(),
                         keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
-                        hf_config=base_hf_config(self.cfg.run.init))
+                        hf_config=base_hf_config(self.cfg.run.init), also=also)
         self.saved = state.iteration

@@ -105,11 +105,20 @@ def advantages(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samp
     else:
         returns = {s: token_returns(samples[s].token_rewards, samples[s].loss_mask, cfg.gamma,
                                     kl[s] if coef else None, coef) for s in ids}
-    parts = [returns[s].double()[samples[s].loss_mask.bool()] for s in ids] if owner else []
+    return normalized(policy, ids, samples, returns)
+
+
+def normalized(policy: ModelOnLayout, ids: list[int], samples: dict,
+               values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``values`` (per-token, per sample) as ``(x - mean) / (std + eps)`` with the mean and the
+    population std over every policy token of the GLOBAL batch (REINFORCE++'s normalisation,
+    and PPO's of its GAE advantages); 0 off the policy tokens."""
+    parts = [values[s].double()[samples[s].loss_mask.bool()] for s in ids] \
+        if owns_samples(policy) else []
     vals = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     moments = global_moments(vals, torch.zeros(vals.numel(), dtype=torch.long), 1,
                              unbiased=False)
-    return {s: normalize(returns[s], samples[s].loss_mask, moments) for s in ids}
+    return {s: normalize(values[s], samples[s].loss_mask, moments) for s in ids}
 
 
 def advantage_check(cfg: AdvantageConfig, policy: ModelOnLayout, ids: list[int], samples: dict,

@@ -133,6 +133,21 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     """
     from earl_megatron.runtime.step import forward_logprobs
 
+    return scored_on(ref, producer, ids, token_ids, tokens, pad_id, shape, routes=routes,
+                     forward=lambda model, batches, **kw: forward_logprobs(
+                         model, batches, temperature=temperature, **kw))
+
+
+def scored_on(model: ModelOnLayout, producer: ParallelLayout, ids: list[int],
+              token_ids: dict[int, list[int]], tokens: dict[int, int], pad_id: int,
+              shape: BatchShape, forward, routes: Optional[dict[int, torch.Tensor]] = None
+              ) -> tuple[dict[int, torch.Tensor], int]:
+    """A per-token forward of ``model`` over this replica's episodes, on every rank of the
+    replica: the LOGPROB stage (``forward`` = runtime/step.forward_logprobs) and the critic's
+    VALUES stage (forward_values). ``forward(model, batches, seq_len=, micro_batch_size=)``
+    returns a [b, s_local] tensor per micro-batch on the last pp_stage; the result is
+    ({sample id: [tokens - 1]}, bytes received), as ``reference_logprobs``'."""
+    ref = model
     problem = rollout_layout_problem(producer, "embedded")
     if problem:   # replicas must hold whole episodes
         raise ValueError(f"episodes produced in another layout than a rollout's: {problem}")
@@ -147,8 +162,7 @@ def reference_logprobs(ref: ModelOnLayout, producer: ParallelLayout, ids: list[i
     batches, groups_of_ids, received, blocks = _dispatched(ref, producer, ids, local, plan,
                                                            tensors, fill=False)
     with replayed(ref, batches, routes):
-        out = forward_logprobs(ref, batches, seq_len=plan.longest,
-                               micro_batch_size=plan.max_rows, temperature=temperature)
+        out = forward(ref, batches, seq_len=plan.longest, micro_batch_size=plan.max_rows)
     back = {REF_LOGPROBS.name: {s: lp[i] for mb, lp in zip(groups_of_ids, out)
                                 for i, s in enumerate(mb)}}
     # the way back: producer = L's last pp_stage (cp chunks), consumer = every rank of replica d
@@ -221,12 +235,12 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
                                         loss_fn=_entropy_loss_fn(loss, sums, ratios), **kwargs)
             if epoch == 0:
                 # the sampling policy's entropy (before this batch's first update)
-                acc = _over_world(policy, sums, 2)
+                acc = over_world(policy, sums, 2)
                 entropy = acc[0].item() / max(acc[1].item(), 1.0)
         else:
             with replayed(policy, batches, routes):
                 r = train_step(policy, batches, loss_fn=_loss_fn(loss, ratios), **kwargs)
-        ratio = _over_world(policy, ratios, 3)
+        ratio = over_world(policy, ratios, 3)
     tokens = max(ratio[2].item(), 1.0)
     return TrainStageResult(loss=r.loss if r is not None else math.nan,
                             grad_norm=r.grad_norm if r is not None else math.nan,
@@ -235,7 +249,7 @@ def train_on(policy: ModelOnLayout, producer: ParallelLayout, ids: list[int], sa
                             clip_fraction=ratio[1].item() / tokens)
 
 
-def _over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
+def over_world(policy: ModelOnLayout, sums: list, width: int) -> torch.Tensor:
     """Per-micro-batch sums added over the world: the last pp_stage's tp rank 0 counts (tp
     ranks hold the same values), cp chunks and dp ranks add up. Collective."""
     acc = torch.zeros(width, dtype=torch.float64)

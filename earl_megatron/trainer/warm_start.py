@@ -65,6 +65,21 @@ class TraceSource:
     """run.seed: the expert's episodes use seeds derived from it (earl_megatron/seeds.py expert_seeds)."""
 
 
+def load_warmed(out: Path, steps: int, reference) -> None:
+    """KL after a warm start of ``steps`` steps: the reference becomes the warmed policy (the
+    newest warm-start checkpoint under ``out``, written at its last step), as a peer's reference
+    is its SFT model. Collective over the world: ``reference`` None on a rank that holds none
+    (split's rollout pool)."""
+    from earl_megatron.runtime.checkpoint import load_checkpoint
+
+    warm = warm_start_state(out)
+    if warm is None or warm["sft_step"] != steps - 1:
+        raise RuntimeError(f"the warm start's last checkpoint (step {steps - 1}) is missing "
+                           f"under {out / 'checkpoints' / 'sft'}: the KL reference is the "
+                           "warmed policy; rerun the warm start (a new run.output_dir)")
+    load_checkpoint(reference, warm["path"])
+
+
 def check_warm_start(scfg: SFTConfig, source: TraceSource) -> None:
     """The warm start's inputs, before any model exists (module doc); nothing when sft.steps=0.
     Reads sft.data in full (a bad line is named now, not after model setup) and plays the

@@ -96,13 +96,11 @@ BAD = [  # (overrides, the whole message)
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
     # names that say what trains, and knobs that would do nothing in the mode chosen
     ({"algorithm": {"name": "ppo"}},
-     "algorithm.name=ppo: earl_megatron trains no critic yet (its value model is not in the "
-     "loop, issue #45); PPO-clip without a critic over several epochs is "
-     "algorithm.name=reinforce_pp with "
-     "algorithm.epochs=2 (the recipe algorithm=reinforce_pp_multi_epoch)"),
+     "algorithm.name=ppo with layout.mode=auto: the critic does not move between layouts yet "
+     "(issue #45); use layout.mode=static (it lives in layout.train)"),
     ({"algorithm": {"name": "grpo", "group_size": 4, "gamma": 0.9}},
      "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (it scores whole episodes, "
-     "no per-turn returns): drop it, or use algorithm.name=reinforce_pp"),
+     "no per-turn returns): drop it, or use algorithm.name=reinforce_pp or ppo"),
     ({"cluster": {"inter_node_gbps": 100.0}},
      "cluster.inter_node_gbps=100.0 does nothing under cluster.preset=cpu (one host, no network "
      "between ranks): drop it, or use cluster=h100"),

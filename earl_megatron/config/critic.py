@@ -1,0 +1,79 @@
+"""The ``algorithm.critic`` section (PPO's value model, issue #45) and what ``algorithm.name=ppo``
+does not run with yet (``ppo_problem``). Pure Python.
+
+``CriticConfig`` is read only under ``algorithm.name=ppo`` (config/algorithm.py refuses its keys
+at anything but their defaults under another estimator, and checks them under ppo with
+``_check``: each bad value one ``ConfigError`` naming ``algorithm.critic.<key>`` and the fix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from earl_megatron.config.checks import ConfigError
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The ``algorithm.critic`` section: PPO's value model (models/value_model.py,
+    trainer/critic.py). Read only under ``algorithm.name=ppo``; another estimator refuses a
+    value other than the defaults (it trains no critic)."""
+
+    lr: float = 1e-3
+    """The critic's Adam learning rate (its own Megatron optimizer; weight_decay and clip_grad
+    are the policy's)."""
+    clip: Optional[float] = 0.2
+    """Value clipping: the new value is kept within ``clip`` of the value the batch was scored
+    with (PPO2's clipped value loss, rl/value.py); null: the plain squared error."""
+    warmup: int = 0
+    """Iterations at the start of the run that train only the critic (the policy is not
+    updated, its weights stay those the rollout played with) before the policy uses it."""
+    init: Optional[str] = None
+    """The critic's trunk: an HF directory or converted checkpoint of the policy's
+    architecture (null: the policy's initial weights, run.init or the seed's init); the value
+    head is always new."""
+
+    def _check(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"algorithm.critic.lr={self.lr} must be > 0 (e.g. 1e-5 for a "
+                              "real model, 1e-3 for the tiny one)")
+        if self.clip is not None and not self.clip > 0:
+            raise ConfigError(f"algorithm.critic.clip={self.clip} must be > 0 (or null: no "
+                              "value clipping)")
+        if isinstance(self.warmup, bool) or self.warmup < 0:
+            raise ConfigError(f"algorithm.critic.warmup={self.warmup} must be an integer >= 0 "
+                              "(iterations that train only the critic)")
+        if self.init is not None and not str(self.init).strip():
+            raise ConfigError("algorithm.critic.init is empty: give a directory (an HF "
+                              "directory or converted checkpoint), or null for the policy's "
+                              "initial weights")
+
+
+def ppo_problem(cfg) -> Optional[str]:
+    """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
+    naming the limit and the fix; None: it runs (the colocated loop on static layouts with the
+    embedded engine, trainer/critic.py)."""
+    if cfg.algorithm.name != "ppo":
+        return None
+    r = cfg.rollout
+    if r.placement != "colocated":
+        return (f"rollout.placement={r.placement}: the critic trains on the colocated loop only "
+                "yet (issue #45); use rollout.placement=colocated")
+    if cfg.layout.mode != "static":
+        return ("layout.mode=auto: the critic does not move between layouts yet (issue #45); "
+                "use layout.mode=static (it lives in layout.train)")
+    if r.engine != "embedded":
+        return (f"rollout.engine={r.engine}: ppo is tested on the embedded engine only yet "
+                "(issue #45); use rollout.engine=embedded")
+    if cfg.model.lora.enabled:
+        return ("model.lora: a critic beside a LoRA policy is not built yet (issue #45); set "
+                "model.lora.rank=0")
+    if cfg.cluster.group_cache_layouts < 2:
+        return (f"cluster.group_cache_layouts={cfg.cluster.group_cache_layouts}: the critic "
+                "is re-activated in its layout's cached groups, not rebuilt yet (issue #45); set "
+                "cluster.group_cache_layouts >= 2")
+    if cfg.sft.steps:
+        return (f"sft.steps={cfg.sft.steps}: the critic would start from the policy before its "
+                "warm start (issue #45); set sft.steps=0")
+    return None

@@ -1,0 +1,225 @@
+"""PPO's critic in the colocated loop (``algorithm.name=ppo``, issue #45): its build, the VALUES
+stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
+
+    build       the value model (models/value_model.py) in layout.train, its trunk the policy's
+                initial weights (or algorithm.critic.init's), its own Megatron optimizer
+                (algorithm.critic.lr) and DDP
+    VALUES      the critic's value of every prediction of the batch, on its layout's
+                micro-batches, dispatched there and back like the reference's logprobs
+                (trainer/stages.scored_on)
+    advantages  GAE over each episode's policy tokens (rl/value.py; KL in the reward comes off
+                the token rewards first), normalised over the batch's policy tokens like
+                REINFORCE++'s; the returns are the critic's targets
+    TRAIN       the policy's PPO-clip step as for every estimator (skipped during
+                algorithm.critic.warmup)
+    CRITIC      ``epochs`` optimizer steps of the clipped value loss (rl/value.value_loss,
+    TRAIN       token-mean over the global batch) on the train layout's micro-batches
+
+Placement: the critic lives in the policy's TRAIN layout for the whole run (static layouts
+only: config/algorithm.ppo_problem refuses layout.mode=auto), so it never switches; its groups
+are the train layout's, cached (runtime/groups), re-activated in place.
+
+Checkpoint: the critic's weights and Adam state are saved in the policy's checkpoint directory,
+under ``critic/`` (Megatron dist_checkpointing, the value head under ``value_head.*``), before
+the directory is published, and loaded from there on resume.
+
+Metrics (global): ``value_loss`` (the last epoch's loss before its step), ``value_grad_norm``,
+``value_clip_frac`` (tokens whose clipped term decided the loss), ``explained_variance``,
+``value_mean`` and ``return_mean`` (of the values the batch was scored with and of the GAE
+returns, per policy token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from earl_megatron.plan.batching import MicroBatchPlan
+from earl_megatron.plan.layout import ParallelLayout
+from earl_megatron.plan.placement import TensorSpec
+from earl_megatron.rl.value import (explained_variance, explained_variance_inputs, gae,
+                                    value_clip_sums, value_loss)
+from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.runtime.reduce import global_moments, global_sum
+from earl_megatron.trainer.scoring import normalized, owns_samples
+from earl_megatron.trainer.stages import over_world, dispatched_microbatches, scored_on
+
+CRITIC_DIR = "critic"
+"""The critic's subdirectory of a checkpoint directory."""
+
+CRITIC_TENSORS = (
+    TensorSpec("input_ids", "int64", per_token=True, pp_stages="first"),
+    TensorSpec("loss_mask", "float32", per_token=True, pp_stages="last"),
+    TensorSpec("old_values", "float32", per_token=True, pp_stages="last"),
+    TensorSpec("returns", "float32", per_token=True, pp_stages="last"),
+)
+"""What the CRITIC TRAIN stage reads: its input (first pp_stage) and the loss's terms (last)."""
+
+
+def build_critic(cfg, policy: ModelOnLayout, layout: ParallelLayout) -> ModelOnLayout:
+    """The critic in ``layout`` with its optimizer. Collective over the world, with the
+    policy's groups current: its trunk is the policy's weights gathered whole (or
+    ``algorithm.critic.init``'s, loaded in the policy's layout), its head new from run.seed."""
+    from earl_megatron.models.value_model import critic_config, critic_loader
+    from earl_megatron.weights.gather import gather_full
+
+    a, seed = cfg.algorithm, cfg.run.seed
+    source = policy
+    if a.critic.init:
+        from earl_megatron.weights.convert import load_policy
+        source = load_policy(a.critic.init, policy.layout, ddp=False, seed=seed)
+        if critic_config(source.cfg) != critic_config(cfg.model):
+            raise ValueError(f"algorithm.critic.init={a.critic.init} holds another "
+                             "architecture than the policy's (model.*): give a checkpoint of "
+                             "the policy's shape, or drop it (the policy's initial weights)")
+    weights = gather_full(source.model, source.cfg, source.layout)
+    ccfg = critic_config(cfg.model)
+    spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
+                         use_distributed_optimizer=a.use_distributed_optimizer)
+    return build_on_layout(ccfg, layout, load=critic_loader(weights, ccfg, layout, seed=seed),
+                           optimizer=spec, seed=seed)
+
+
+def values_of(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int], episodes: list,
+              tokens: dict[int, int], pad_id: int, shape) -> tuple[dict, int]:
+    """The VALUES stage: {sample id: the critic's values [tokens - 1], label-aligned} of this
+    replica's episodes on every rank of the replica, and the bytes received."""
+    from earl_megatron.runtime.step import forward_values
+
+    return scored_on(critic, producer, ids, {s: e.token_ids for s, e in zip(ids, episodes)},
+                     tokens, pad_id, shape, forward=forward_values)
+
+
+def _padded(row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like, dtype=torch.float32)
+    out[:row.numel()] = row.float()
+    return out
+
+
+def gae_advantages(policy: ModelOnLayout, ids: list[int], samples: dict, values: dict,
+                   gamma: float, lam: float, kl: Optional[dict] = None, kl_coef: float = 0.0
+                   ) -> tuple[dict, dict, dict, dict[str, float]]:
+    """(advantages normalised over the batch's policy tokens, returns, old values, metrics) of
+    this rank's samples, each [length] of its TRAIN sample; ``kl`` (k1 per token) with
+    ``kl_coef``: KL in the reward, off each policy token's reward before GAE."""
+    raw, returns, old = {}, {}, {}
+    for s in ids:
+        t = samples[s]
+        old[s] = _padded(values[s], t.loss_mask) * t.loss_mask
+        rewards = t.token_rewards - kl_coef * kl[s] * t.loss_mask if kl_coef else \
+            t.token_rewards
+        raw[s], returns[s] = gae(rewards, old[s], t.loss_mask, gamma, lam)
+    adv = normalized(policy, ids, samples, raw)
+    # each owned sample's returns (group 0) and residuals R - V (group 1), counted once
+    mine = [explained_variance_inputs(old[s], returns[s], samples[s].loss_mask) for s in ids] \
+        if owns_samples(policy) else []
+    x = torch.cat([m[0] for m in mine]) if mine else torch.zeros(0, dtype=torch.float64)
+    group = torch.cat([m[1] for m in mine]) if mine else torch.zeros(0, dtype=torch.long)
+    moments = global_moments(x, group, 2, unbiased=False)
+    mean_r, mean_res = float(moments.mean[0]), float(moments.mean[1])
+    return adv, returns, old, {"explained_variance": explained_variance(moments),
+                               "return_mean": mean_r, "value_mean": mean_r - mean_res}
+
+
+def train_critic(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
+                 old_values: dict, returns: dict, plan: MicroBatchPlan, clip: Optional[float],
+                 epochs: int) -> dict[str, float]:
+    """The CRITIC TRAIN stage: dispatch this rank's samples to the critic's layout in ``plan``'s
+    micro-batches (the TRAIN plan of the same layout) and run ``epochs`` optimizer steps of the
+    clipped value loss; the global metrics (module docstring) and ``value_bytes``."""
+    from earl_megatron.runtime.step import train_step_values
+
+    local = {spec.name: {} for spec in CRITIC_TENSORS}
+    for s in ids:
+        local["input_ids"][s] = samples[s].input_ids
+        local["loss_mask"][s] = samples[s].loss_mask
+        local["old_values"][s] = old_values[s]
+        local["returns"][s] = returns[s]
+    batches, _, received = dispatched_microbatches(critic, producer, ids, local, plan,
+                                                   CRITIC_TENSORS)
+    r, sums = None, torch.zeros(2, dtype=torch.float64)
+    for _ in range(epochs):
+        clips: list = []
+
+        def loss_fn(v: torch.Tensor, mb: dict) -> torch.Tensor:
+            args = (v, mb["old_values"], mb["returns"], mb["loss_mask"], clip)
+            clips.append(value_clip_sums(*args))
+            return value_loss(*args)
+
+        r = train_step_values(critic, batches, seq_len=plan.longest,
+                              micro_batch_size=plan.max_rows, loss_fn=loss_fn)
+        sums = over_world(critic, clips, 2)
+    return {"value_loss": r.loss, "value_grad_norm": r.grad_norm,
+            "value_clip_frac": sums[0].item() / max(sums[1].item(), 1.0),
+            "value_bytes": received}
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the CRITIC TRAIN stage trains toward, per sample of this rank: the GAE returns and
+    the values the batch was scored with (the clip's centre), and the VALUES stage's bytes."""
+
+    returns: dict
+    old_values: dict
+    moved: int
+
+
+def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[int],
+                  episodes: list, tokens: dict, samples: dict, kl: Optional[dict], t,
+                  metrics: dict) -> tuple[dict, Targets]:
+    """The trainer's VALUES stage (timed as "values") and GAE: (advantages, targets); the
+    value metrics join ``metrics``."""
+    a = tr.cfg.algorithm
+    with t("values"):
+        values, moved = values_of(models.critic_in(layouts["train"]), policy.layout, ids,
+                                  episodes, tokens, tr.tok.pad_token_id, tr.batch)
+    adv, returns, old, found = gae_advantages(policy, ids, samples, values, a.gamma, a.lam, kl,
+                                              tr.adv.kl_coef)
+    metrics.update(found)
+    return adv, Targets(returns, old, moved)
+
+
+def critic_step(models, policy: ModelOnLayout, layouts: dict, ids: list[int], samples: dict,
+                targets: Targets, plan: MicroBatchPlan, a, t) -> dict[str, float]:
+    """The trainer's CRITIC TRAIN stage (timed as "critic_train") in the TRAIN layout and
+    ``plan``; its metrics, ``value_bytes`` the bytes both critic stages' dispatches received
+    over the world."""
+    with t("critic_train"):
+        found = train_critic(models.critic_in(layouts["train"]), policy.layout, ids, samples,
+                             targets.old_values, targets.returns, plan, a.critic.clip, a.epochs)
+    # bytes the critic's two dispatches received, summed over the world (the same on every rank)
+    found["value_bytes"] = int(global_sum(torch.tensor(
+        [found["value_bytes"] + targets.moved], dtype=torch.float64)).item())
+    return found
+
+
+def critic_saver(models):
+    """``save_checkpoint``'s ``also`` for ``models``' critic (its groups made current first);
+    None without a critic."""
+    if models.critic is None:
+        return None
+    return lambda directory: save_critic(models.critic_in(models.critic.layout), directory)
+
+
+def save_critic(critic: ModelOnLayout, directory: Path) -> None:
+    """Collective: the critic's weights and Adam state into ``directory/critic`` (a checkpoint
+    directory before it is published), its groups current."""
+    from earl_megatron.runtime.checkpoint import save_model_state
+
+    save_model_state(critic, directory / CRITIC_DIR)
+
+
+def load_critic(critic: ModelOnLayout, checkpoint: Path) -> None:
+    """Collective: the critic's weights and Adam state from a checkpoint directory's
+    ``critic/``; a checkpoint without one (written by another estimator) is refused."""
+    from earl_megatron.runtime.checkpoint import load_model_state
+    from earl_megatron.runtime.io_errors import CheckpointError
+
+    if not (Path(checkpoint) / CRITIC_DIR).is_dir():
+        raise CheckpointError(f"{checkpoint} holds no critic ({CRITIC_DIR}/): it was written by "
+                              "a run without algorithm.name=ppo; start a new run.output_dir "
+                              "with run.init pointing at it")
+    load_model_state(critic, Path(checkpoint) / CRITIC_DIR)

@@ -1,0 +1,149 @@
+"""PPO with a critic through the trainer (algorithm.name=ppo, issue #45): one 2-rank launch.
+
+tiny_connect_four (rollout dp2, LOGPROB and TRAIN tp2: the critic lives in tp2, the policy
+switches between dp2 and tp2 every iteration), GAE with gamma 0.99 and lam 0.9, one iteration
+of critic warm-up, KL in the loss (the reference beside the critic), 3 iterations:
+
+- every record holds value_loss, explained_variance, value_clip_frac, value_mean and
+  return_mean, finite, the clip fraction in [0, 1]; the advantages have mean 0 over the global
+  batch's policy tokens; the timers are the known ones, "values" and "critic_train" among them;
+- iteration 0 (the warm-up) trains the critic only: no policy loss, no weight sync; 1 and 2
+  train both;
+- the critic's checkpoint (critic/ in the iteration's directory) holds weights other than its
+  initial ones, every trunk tensor and the head (it trained); the trainer's CRITIC TRAIN stage
+  on one fixed batch (no clip) lowers the value loss step after step, to below a tenth;
+- a run of 2 iterations resumed to 3 (the critic's weights and Adam state from critic/) records
+  the same iterations, every metric but the timings, as the uninterrupted run;
+- algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
+  seed) scored by another critic (its trunk the trained policy's).
+"""
+
+import math
+
+import pytest
+
+from earl_megatron.stages import ITERATION_TIMERS
+from earl_megatron.testing.configs import tiny_connect_four
+from earl_megatron.testing.multiproc import run_distributed
+
+PPO = {"name": "ppo", "gamma": 0.99, "lam": 0.9, "kl_mode": "loss", "kl_coef": 0.1,
+       "critic": {"lr": 1e-2, "clip": 0.2, "warmup": 1}}
+VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean",
+              "return_mean", "value_grad_norm")
+
+
+def _cfg(out, iterations, **critic):
+    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic}},
+                             run={"iterations": iterations})
+
+
+def _critic_changed(root, cfg):
+    """{tensor: changed?} of the critic saved at iteration 2 against the critic the run starts
+    with (the policy's seeded initial weights, the head from run.seed)."""
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.models.value_model import critic_config, critic_loader
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.checkpoint import load_model_state
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.weights.gather import gather_full
+
+    ccfg = critic_config(cfg.model)
+    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.model)
+    with cpu_backend():
+        policy = build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed)
+        weights = gather_full(policy.model, cfg.model, lay)
+
+        def critic():
+            return build_on_layout(ccfg, lay, ddp=False, seed=cfg.run.seed,
+                                   load=critic_loader(weights, ccfg, lay, seed=cfg.run.seed))
+
+        start, end = critic(), critic()
+        load_model_state(end, checkpoint_dir(f"{root}/checkpoints", 2) / "critic")
+    s, e = start.module().state_dict(), end.module().state_dict()
+    return {k: not torch.equal(s[k], e[k]) for k in s if not k.endswith("_extra_state")}
+
+
+def _fixed_batch_losses(cfg, steps=6):
+    """The trainer's CRITIC TRAIN stage (trainer/critic.train_critic) ``steps`` times on one
+    fixed batch of 6 episodes (policy tokens after the first 8, returns 0.5 + 0.1 s, no value
+    clip), the critic built by the trainer's build_critic in tp2: each step's value loss."""
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.trainer.critic import build_critic, train_critic
+    from earl_megatron.trainer.data import episode_tensors
+    from earl_megatron.trainer.stages import BatchShape, micro_batch_plan
+
+    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.model)
+    g = torch.Generator().manual_seed(0)
+    ids = list(range(6))
+    tokens = {s: torch.randint(0, cfg.model.vocab_size, (20 + 4 * s,), generator=g).tolist()
+              for s in ids}
+    with cpu_backend():
+        critic = build_critic(cfg, build_on_layout(cfg.model, lay, ddp=False,
+                                                   seed=cfg.run.seed), lay)
+        plan = micro_batch_plan(lay, {s: len(t) for s, t in tokens.items()}, BatchShape(4),
+                                cfg.model)
+        samples = {s: episode_tensors(t, [0] * 8 + [1] * (len(t) - 8), [0.0] * len(t), 1.0,
+                                      plan.length_of[s]) for s, t in tokens.items()}
+        returns = {s: samples[s].loss_mask * (0.5 + 0.1 * s) for s in ids}
+        old = {s: torch.zeros_like(samples[s].loss_mask) for s in ids}
+        return [train_critic(critic, lay, ids, samples, old, returns, plan, None, 1)
+                ["value_loss"] for _ in range(steps)]
+
+
+def _all(root):
+    from earl_megatron.train import run
+
+    full = run(_cfg(f"{root}/full", 3))
+    run(_cfg(f"{root}/resumed", 2))
+    resumed = run(_cfg(f"{root}/resumed", 3))
+    # critic.init: the trunk from the full run's last checkpoint (its trained policy), the
+    # policy from the seed as before: the same first batch, other values
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
+    strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
+    return {"full": full, "records_equal": strip(full) == strip(resumed),
+            "iterations": [h["iteration"] for h in resumed], "init": init[0],
+            "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
+            "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
+
+
+@pytest.mark.timeout(900)
+def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
+    results = run_distributed(_all, 2, str(tmp_path), timeout=800)
+    strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
+    a, b = strip(results[0]["full"]), strip(results[1]["full"])
+    assert a == b, [(k, x[k], y.get(k)) for x, y in zip(a, b) for k in x if x[k] != y.get(k)]
+    for r in results:
+        hist = r["full"]
+        assert [h["iteration"] for h in hist] == [0, 1, 2] and r["iterations"] == [0, 1, 2]
+        for h in hist:
+            for key in VALUE_KEYS:
+                assert math.isfinite(h[key]), (key, h)
+            assert 0.0 <= h["value_clip_frac"] <= 1.0, h
+            assert h["value_loss"] > 0 and abs(h["advantage_mean"]) < 1e-6, h
+            assert {"values", "critic_train"} <= set(h["seconds"]) <= \
+                {*ITERATION_TIMERS, "total"}, h["seconds"]
+        # the warm-up: the critic trains alone at iteration 0, the policy from iteration 1 on
+        assert "loss" not in hist[0] and "weight_sync" not in hist[0]["seconds"], hist[0]
+        assert all(math.isfinite(h["loss"]) and "kl" in h for h in hist[1:]), hist
+        assert r["records_equal"], r
+        first, init = hist[0], r["init"]
+        same = ("reward", "mean_context", "max_context")   # the batch (GAE's returns move
+        assert [init[k] for k in same] == [first[k] for k in same]   # with the values, lam < 1)
+        assert init["value_mean"] != first["value_mean"], (init, first)
+        # one fixed batch: 0.366 -> 0.083 -> 0.022 -> 0.013, then about 0.015 (Adam at 3e-3)
+        losses = r["fixed_batch"]
+        assert losses[0] > losses[1] > losses[2] > losses[3], losses
+        assert max(losses[2:]) < 0.1 * losses[0], losses
+        changed = r["changed"]
+        assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
+        assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)
