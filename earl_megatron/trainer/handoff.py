@@ -75,8 +75,8 @@ class Handoff:
                 else:
                     rollout.receive(buckets, traffic)
             else:
-                # LoRA: the base is frozen, so after these pools' first handoff only the
-                # adapters move
+                # LoRA: the base is frozen, so after these pools' first handoff (the rollout
+                # model is built uninitialised: split_sides.build_sides) only the adapters move
                 hand_off(split.model, t, r, traffic=traffic, group=self.group,
                          adapters_only=split.tr.cfg.model.lora.enabled and not first)
             got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
