@@ -15,7 +15,10 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
 - a run of 2 iterations resumed to 3 (the critic's weights and Adam state from critic/) records
   the same iterations, every metric but the timings, as the uninterrupted run;
 - algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
-  seed) scored by another critic (its trunk the trained policy's).
+  seed) scored by another critic (its trunk the trained policy's);
+- algorithm.max_staleness=1 (asynchronous, 3 iterations): iterations 1 and 2 train tokens one
+  version old (staleness_max 1), their values scored by the critic of the iteration that
+  trains them; every value metric finite.
 """
 
 import math
@@ -32,8 +35,9 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean
               "return_mean", "value_grad_norm")
 
 
-def _cfg(out, iterations, **critic):
-    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic}},
+def _cfg(out, iterations, algorithm=None, **critic):
+    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic},
+                                             **(algorithm or {})},
                              run={"iterations": iterations})
 
 
@@ -109,9 +113,11 @@ def _all(root):
     # policy from the seed as before: the same first batch, other values
     from earl_megatron.runtime.checkpoint_files import checkpoint_dir
     init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
+    # asynchronous: episodes carried over from the previous stage, scored by today's critic
+    stale = run(_cfg(f"{root}/k1", 3, algorithm={"max_staleness": 1}))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "records_equal": strip(full) == strip(resumed),
-            "iterations": [h["iteration"] for h in resumed], "init": init[0],
+            "iterations": [h["iteration"] for h in resumed], "init": init[0], "k1": stale,
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
@@ -144,6 +150,12 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         losses = r["fixed_batch"]
         assert losses[0] > losses[1] > losses[2] > losses[3], losses
         assert max(losses[2:]) < 0.1 * losses[0], losses
+        # max_staleness=1: tokens one version old trained, the critic's values finite
+        k1 = r["k1"]
+        assert [h["staleness_max"] for h in k1] == [0, 1, 1], k1
+        for h in k1:
+            assert all(math.isfinite(h[key]) for key in VALUE_KEYS), h
+        assert all(math.isfinite(h["loss"]) for h in k1[1:]), k1
         changed = r["changed"]
         assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
         assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)
