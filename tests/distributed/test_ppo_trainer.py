@@ -18,7 +18,11 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
   seed) scored by another critic (its trunk the trained policy's);
 - algorithm.max_staleness=1 (asynchronous, 3 iterations): iterations 1 and 2 train tokens one
   version old (staleness_max 1), their values scored by the critic of the iteration that
-  trains them; every value metric finite.
+  trains them; every value metric finite;
+- layout.mode=auto under a 0.015 GB budget (3 iterations): the critic in CP2 for the whole
+  run while the policy rolls out in DP2 and trains in CP2 (a switch there and back each
+  iteration), every value metric finite; and the critic's values of a fixed batch are
+  bit-equal before and after the policy switches DP2 -> TP2 -> CP2 -> DP2 beside it.
 """
 
 import math
@@ -35,10 +39,18 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean
               "return_mean", "value_grad_norm")
 
 
-def _cfg(out, iterations, algorithm=None, **critic):
+def _cfg(out, iterations, algorithm=None, sections=None, **critic):
     return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic},
                                              **(algorithm or {})},
-                             run={"iterations": iterations})
+                             run={"iterations": iterations}, **(sections or {}))
+
+
+AUTO = {"layout": {"mode": "auto", "memory_budget_gb": 0.015},
+        "rollout": {"prefill_tokens": 256}}
+"""Auto layouts under a budget that puts the critic in CP2 (the selector's TRAIN choice for a
+first batch of 128 tokens, with the policy's train state counted beside it), the rollout in
+DP2 (its prefill cut to 256 tokens to fit) and the reference's LOGPROB and the policy's TRAIN
+in CP2 (trainer/planner.py)."""
 
 
 def _critic_changed(root, cfg):
@@ -103,6 +115,48 @@ def _fixed_batch_losses(cfg, steps=6):
                 ["value_loss"] for _ in range(steps)]
 
 
+def _values_across_switches(cfg):
+    """The critic built by the trainer in CP2 beside a policy in DP2 (ModelPair), its values of
+    6 fixed episodes (produced in DP2) before and after the policy switches DP2 -> TP2 -> CP2
+    (the critic's own layout) -> DP2, with the critic's groups re-activated each time."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import OptimizerSpec
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.trainer.critic import build_critic, values_of
+    from earl_megatron.trainer.model_pair import build_model_pair
+    from earl_megatron.trainer.stages import BatchShape
+
+    world = dist.get_world_size()
+    lay = {n: ParallelLayout.parse(n, world_size=world, model=cfg.model)
+           for n in ("dp2", "tp2", "cp2")}
+    g = torch.Generator().manual_seed(1)
+    tokens = {s: 20 + 5 * s for s in range(6)}
+    rows = {s: torch.randint(0, cfg.model.vocab_size, (n,), generator=g).tolist()
+            for s, n in tokens.items()}
+    ids = [s for s in rows if s // 3 == lay["dp2"].coords(dist.get_rank()).dp]
+    episodes = [types.SimpleNamespace(token_ids=rows[s]) for s in ids]
+    with cpu_backend():
+        models = build_model_pair(cfg.model, lay["dp2"], None, seed=cfg.run.seed,
+                                  optimizer=OptimizerSpec(lr=1e-3))
+        models.add_critic(build_critic(cfg, models.policy_in(lay["dp2"]), lay["cp2"]))
+
+        def values():
+            return values_of(models.critic_in(lay["cp2"]), lay["dp2"], ids, episodes, tokens,
+                             0, BatchShape(4))[0]
+
+        before = values()
+        for name in ("tp2", "cp2", "dp2"):
+            models.policy_in(lay[name])
+            after = values()
+    return {"ids": ids, "equal": all(torch.equal(before[s], after[s]) for s in ids),
+            "lengths": [before[s].numel() for s in ids]}
+
+
 def _all(root):
     from earl_megatron.train import run
 
@@ -115,9 +169,11 @@ def _all(root):
     init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
     # asynchronous: episodes carried over from the previous stage, scored by today's critic
     stale = run(_cfg(f"{root}/k1", 3, algorithm={"max_staleness": 1}))
+    auto = run(_cfg(f"{root}/auto", 3, sections=AUTO))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "records_equal": strip(full) == strip(resumed),
             "iterations": [h["iteration"] for h in resumed], "init": init[0], "k1": stale,
+            "auto": auto, "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
@@ -156,6 +212,16 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         for h in k1:
             assert all(math.isfinite(h[key]) for key in VALUE_KEYS), h
         assert all(math.isfinite(h["loss"]) for h in k1[1:]), k1
+        # layout.mode=auto: the critic stays in CP2 while the policy moves between DP2 (ROLLOUT)
+        # and CP2 (TRAIN) every iteration, the values dispatched from the rollout's DP2
+        auto = r["auto"]
+        assert [h["critic_layout"] for h in auto] == ["CP2"] * 3, auto
+        assert [h["layouts"] for h in auto] == \
+            [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 3, auto
+        for h in auto:
+            assert all(math.isfinite(h[key]) for key in VALUE_KEYS) and h["value_loss"] > 0, h
+        sw = r["switches"]
+        assert sw["equal"] and sw["lengths"] == [19 + 5 * s for s in sw["ids"]], sw
         changed = r["changed"]
         assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
         assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)

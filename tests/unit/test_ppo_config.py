@@ -49,12 +49,15 @@ def test_bad_values_are_one_config_error(tmp_path, algorithm, message):
 
 
 REFUSED = [  # what ppo does not run with yet: one line naming issue #45 and the fix
-    ({"layout": {"mode": "auto"}}, "layout.mode=auto", "use layout.mode=static"),
     ({"rollout": {"engine": "sglang"}}, "rollout.engine=sglang", "rollout.engine=embedded"),
     ({"model": {"vocab_size": 32, "lora": {"rank": 4}}}, "model.lora", "model.lora.rank=0"),
     ({"sft": {"steps": 2}}, "sft.steps=2", "set sft.steps=0"),
     ({"cluster": {"group_cache_layouts": 1}}, "cluster.group_cache_layouts=1",
      "cluster.group_cache_layouts >= 2"),
+    # auto: the rollout's, the reference's and TRAIN's layouts may all come between the
+    # critic's two stages, each maybe new
+    ({"layout": {"mode": "auto"}, "cluster": {"group_cache_layouts": 3}},
+     "cluster.group_cache_layouts=3", "cluster.group_cache_layouts >= 4 under layout.mode=auto"),
 ]
 
 
@@ -82,9 +85,13 @@ def test_critic_keys_do_nothing_without_ppo(tmp_path, algorithm, key):
                             "algorithm=ppo)")
 
 
-def test_the_recipe_composes_on_static_layouts():
-    d = OmegaConf.to_container(compose(["algorithm=ppo", "layout=static"]), resolve=True)
-    a = TrainConfig.from_dict(d).algorithm
+@pytest.mark.parametrize("layout", [["layout=static"], []], ids=["static", "default"])
+def test_the_recipe_composes(layout):
+    # the default recipe's layout.mode=auto included: the critic gets a layout of its own
+    d = OmegaConf.to_container(compose(["algorithm=ppo", *layout]), resolve=True)
+    cfg = TrainConfig.from_dict(d)
+    a = cfg.algorithm
+    assert cfg.layout.mode == ("static" if layout else "auto")
     assert (a.name, a.gamma, a.lam, a.policy_loss) == ("ppo", 1.0, 0.95, "ppo_clip")
     assert a.critic == CriticConfig(lr=1e-3, clip=0.2, warmup=0, init=None)
 
