@@ -77,8 +77,8 @@ class ModelPair:
         if layout != self.critic.layout or not (self._live == "critic" or
                                                 groups.activate(layout)):
             raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
-                               f"{layout} or be regrouped (issue #45): keep "
-                               "cluster.group_cache_layouts >= 2 (>= 4 under layout.mode=auto)")
+                               f"{layout} or be regrouped (issue #45): raise "
+                               "cluster.group_cache_layouts (config/critic.py)")
         self._live = "critic"
         return self.critic
 

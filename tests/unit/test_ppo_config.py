@@ -54,10 +54,15 @@ REFUSED = [  # what ppo does not run with yet: one line naming issue #45 and the
     ({"sft": {"steps": 2}}, "sft.steps=2", "set sft.steps=0"),
     ({"cluster": {"group_cache_layouts": 1}}, "cluster.group_cache_layouts=1",
      "cluster.group_cache_layouts >= 2"),
-    # auto: the rollout's, the reference's and TRAIN's layouts may all come between the
-    # critic's two stages, each maybe new
+    # the rollout's and the reference's layouts come between CRITIC TRAIN and the next VALUES
+    # (LRU cache): three distinct static layouts with KL on need 3 (2 crashed mid-run at the
+    # first VALUES after a LOGPROB, before this row); under auto TRAIN's may be new too
+    ({"layout": {"logprob": "cp2"}, "algorithm": {"kl_mode": "loss", "kl_coef": 0.1},
+      "cluster": {"group_cache_layouts": 2}}, "cluster.group_cache_layouts=2",
+     "cluster.group_cache_layouts >= 3 (3 distinct layouts in layout.rollout, layout.logprob, "
+     "layout.train)"),
     ({"layout": {"mode": "auto"}, "cluster": {"group_cache_layouts": 3}},
-     "cluster.group_cache_layouts=3", "cluster.group_cache_layouts >= 4 under layout.mode=auto"),
+     "cluster.group_cache_layouts=3", "cluster.group_cache_layouts >= 4 (under layout.mode=auto"),
 ]
 
 
