@@ -21,8 +21,9 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
   trains them; every value metric finite;
 - layout.mode=auto under a 0.015 GB budget (3 iterations): the critic in CP2 for the whole
   run while the policy rolls out in DP2 and trains in CP2 (a switch there and back each
-  iteration), every value metric finite; and the critic's values of a fixed batch are
-  bit-equal before and after the policy switches DP2 -> TP2 -> CP2 -> DP2 beside it.
+  iteration), every value metric finite, and 2 iterations resumed to 3 record what 3 do (the
+  critic's layout chosen again, its state from critic/); and the critic's values of a fixed
+  batch are bit-equal before and after the policy switches DP2 -> TP2 -> CP2 -> DP2 beside it.
 """
 
 import math
@@ -170,10 +171,13 @@ def _all(root):
     # asynchronous: episodes carried over from the previous stage, scored by today's critic
     stale = run(_cfg(f"{root}/k1", 3, algorithm={"max_staleness": 1}))
     auto = run(_cfg(f"{root}/auto", 3, sections=AUTO))
+    run(_cfg(f"{root}/auto_resumed", 2, sections=AUTO))   # the critic's layout chosen again
+    auto_resumed = run(_cfg(f"{root}/auto_resumed", 3, sections=AUTO))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "records_equal": strip(full) == strip(resumed),
             "iterations": [h["iteration"] for h in resumed], "init": init[0], "k1": stale,
-            "auto": auto, "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
+            "auto": auto, "auto_equal": strip(auto) == strip(auto_resumed),
+            "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
@@ -220,6 +224,7 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
             [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 3, auto
         for h in auto:
             assert all(math.isfinite(h[key]) for key in VALUE_KEYS) and h["value_loss"] > 0, h
+        assert r["auto_equal"], "auto: 2 iterations resumed to 3 differ from 3"
         sw = r["switches"]
         assert sw["equal"] and sw["lengths"] == [19 + 5 * s for s in sw["ids"]], sw
         changed = r["changed"]
