@@ -251,10 +251,6 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.lam={self.lam}: use GAE's lambda in [0, 1] (1: "
                               "Monte-Carlo returns, 0: one-step TD)")
         self.critic._check()
-        if self.max_staleness:
-            raise ConfigError(f"algorithm.name=ppo with algorithm.max_staleness="
-                              f"{self.max_staleness}: the critic is not in the asynchronous "
-                              "loop yet (issue #45); set algorithm.max_staleness=0")
 
     @property
     def off_policy_weights(self) -> Optional[tuple[str, float]]:

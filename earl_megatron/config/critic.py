@@ -52,28 +52,42 @@ class CriticConfig:
 
 def ppo_problem(cfg) -> Optional[str]:
     """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
-    naming the limit and the fix; None: it runs (the colocated loop on static layouts with the
-    embedded engine, trainer/critic.py)."""
+    naming the limit and the fix; None: it runs (the colocated loop, static or auto layouts,
+    synchronous or asynchronous, with the embedded engine: trainer/critic.py)."""
     if cfg.algorithm.name != "ppo":
         return None
     r = cfg.rollout
     if r.placement != "colocated":
         return (f"rollout.placement={r.placement}: the critic trains on the colocated loop only "
                 "yet (issue #45); use rollout.placement=colocated")
-    if cfg.layout.mode != "static":
-        return ("layout.mode=auto: the critic does not move between layouts yet (issue #45); "
-                "use layout.mode=static (it lives in layout.train)")
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: ppo is tested on the embedded engine only yet "
                 "(issue #45); use rollout.engine=embedded")
     if cfg.model.lora.enabled:
         return ("model.lora: a critic beside a LoRA policy is not built yet (issue #45); set "
                 "model.lora.rank=0")
-    if cfg.cluster.group_cache_layouts < 2:
+    cached, why = critic_cache_layouts(cfg)
+    if cfg.cluster.group_cache_layouts < cached:
         return (f"cluster.group_cache_layouts={cfg.cluster.group_cache_layouts}: the critic "
                 "is re-activated in its layout's cached groups, not rebuilt yet (issue #45); set "
-                "cluster.group_cache_layouts >= 2")
+                f"cluster.group_cache_layouts >= {cached} ({why})")
     if cfg.sft.steps:
         return (f"sft.steps={cfg.sft.steps}: the critic would start from the policy before its "
                 "warm start (issue #45); set sft.steps=0")
     return None
+
+
+def critic_cache_layouts(cfg) -> tuple[int, str]:
+    """(the fewest cached layouts that keep the critic's groups alive, why): between CRITIC
+    TRAIN and the next VALUES the policy rolls out and the reference scores, each in its layout
+    (runtime/groups' cache is LRU); under auto those and TRAIN's may all be new. Static layouts
+    are compared as written (two spellings of one layout count twice: a larger cache than
+    needed, never a smaller one)."""
+    if cfg.layout.mode == "auto":
+        return 4, "under layout.mode=auto the ROLLOUT, LOGPROB and TRAIN layouts may all differ"
+    stages = ("rollout", "logprob", "train") if cfg.algorithm.kl_mode != "off" else \
+        ("rollout", "train")
+    distinct = len({"".join(cfg.layout.static(s).split()).lower() for s in stages})
+    if distinct < 2:
+        return 2, "the critic's groups beside the policy's"
+    return distinct, f"{distinct} distinct layouts in layout." + ", layout.".join(stages)

@@ -22,7 +22,6 @@ import contextlib
 import time
 from typing import Optional
 
-from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.selector import LayoutOverBudgetError, NoLayoutFitsError
 from earl_megatron.plan.split import env_seconds, scored_rates
 from earl_megatron.rollout.agent_loop import RolloutAbandoned
@@ -68,8 +67,7 @@ class Colocated:
         tr = self.tr
         ppo = tr.cfg.algorithm.name == "ppo"
         if ppo:   # counted in every plan from the first (trainer/planner.py)
-            tr.planner.critic_layout = ParallelLayout.parse(
-                tr.cfg.layout.static("train"), world_size=tr.world, model=tr.cfg.model)
+            tr.planner.critic_layout = tr.planner.critic_choice()
         begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on,
                              any_placement=self.auto is not None)
         self.models = begin.models
@@ -91,8 +89,9 @@ class Colocated:
         return begin.iteration, messages
 
     def _add_critic(self, checkpoint) -> None:
-        """ppo: the critic in layout.train beside the policy (trainer/critic.py), its weights
-        and Adam state from ``checkpoint``'s critic/ when resuming one."""
+        """ppo: the critic in its layout (trainer/planner.py ``critic_choice``: layout.train, or
+        auto's choice) beside the policy (trainer/critic.py), its weights and Adam state from
+        ``checkpoint``'s critic/ when resuming one."""
         from earl_megatron.trainer.critic import build_critic, load_critic
 
         tr, models = self.tr, self.models

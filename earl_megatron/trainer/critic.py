@@ -1,7 +1,7 @@
 """PPO's critic in the colocated loop (``algorithm.name=ppo``, issue #45): its build, the VALUES
 stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
 
-    build       the value model (models/value_model.py) in layout.train, its trunk the policy's
+    build       the value model (models/value_model.py) in its layout, its trunk the policy's
                 initial weights (or algorithm.critic.init's), its own Megatron optimizer
                 (algorithm.critic.lr) and DDP
     VALUES      the critic's value of every prediction of the batch, on its layout's
@@ -13,11 +13,15 @@ stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
     TRAIN       the policy's PPO-clip step as for every estimator (skipped during
                 algorithm.critic.warmup)
     CRITIC      ``epochs`` optimizer steps of the clipped value loss (rl/value.value_loss,
-    TRAIN       token-mean over the global batch) on the train layout's micro-batches
+    TRAIN       token-mean over the global batch) on the critic layout's micro-batches
 
-Placement: the critic lives in the policy's TRAIN layout for the whole run (static layouts
-only: config/algorithm.ppo_problem refuses layout.mode=auto), so it never switches; its groups
-are the train layout's, cached (runtime/groups), re-activated in place.
+Placement: the critic lives in one layout for the whole run (trainer/planner.py
+``critic_choice``: layout.train, or under layout.mode=auto the selector's TRAIN layout for the
+first batch), so it never switches; its groups stay cached (runtime/groups) and are
+re-activated in place. The policy switches per stage around it: both critic stages dispatch
+from the batch's rollout layout to the critic's and (VALUES) back, whatever layout the policy
+trains in; CRITIC TRAIN plans its own micro-batches in the critic's layout (its sample tensors,
+padded for TRAIN's plan, are cut or padded to them: every prediction is inside both).
 
 Checkpoint: the critic's weights and Adam state are saved in the policy's checkpoint directory,
 under ``critic/`` (Megatron dist_checkpointing, the value head under ``value_head.*``), before
@@ -45,7 +49,8 @@ from earl_megatron.rl.value import (explained_variance, explained_variance_input
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
 from earl_megatron.runtime.reduce import global_moments, global_sum
 from earl_megatron.trainer.scoring import normalized, owns_samples
-from earl_megatron.trainer.stages import over_world, dispatched_microbatches, scored_on
+from earl_megatron.trainer.stages import (dispatched_microbatches, micro_batch_plan,
+                                          over_world, scored_on)
 
 CRITIC_DIR = "critic"
 """The critic's subdirectory of a checkpoint directory."""
@@ -124,20 +129,29 @@ def gae_advantages(policy: ModelOnLayout, ids: list[int], samples: dict, values:
                                "return_mean": mean_r, "value_mean": mean_r - mean_res}
 
 
+def _fitted(row: torch.Tensor, length: int, fill) -> torch.Tensor:
+    """``row`` cut or padded with ``fill`` to ``length`` (both plans hold every prediction)."""
+    if row.numel() >= length:
+        return row[:length]
+    return torch.cat([row, row.new_full((length - row.numel(),), fill)])
+
+
 def train_critic(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int], samples: dict,
                  old_values: dict, returns: dict, plan: MicroBatchPlan, clip: Optional[float],
-                 epochs: int) -> dict[str, float]:
+                 epochs: int, pad_id: int = 0) -> dict[str, float]:
     """The CRITIC TRAIN stage: dispatch this rank's samples to the critic's layout in ``plan``'s
-    micro-batches (the TRAIN plan of the same layout) and run ``epochs`` optimizer steps of the
-    clipped value loss; the global metrics (module docstring) and ``value_bytes``."""
+    micro-batches (the critic layout's plan; each sample's tensors fitted to its length there,
+    input padded with ``pad_id``) and run ``epochs`` optimizer steps of the clipped value loss;
+    the global metrics (module docstring) and ``value_bytes``."""
     from earl_megatron.runtime.step import train_step_values
 
     local = {spec.name: {} for spec in CRITIC_TENSORS}
     for s in ids:
-        local["input_ids"][s] = samples[s].input_ids
-        local["loss_mask"][s] = samples[s].loss_mask
-        local["old_values"][s] = old_values[s]
-        local["returns"][s] = returns[s]
+        n = plan.length_of[s]
+        local["input_ids"][s] = _fitted(samples[s].input_ids, n, pad_id)
+        local["loss_mask"][s] = _fitted(samples[s].loss_mask, n, 0)
+        local["old_values"][s] = _fitted(old_values[s], n, 0)
+        local["returns"][s] = _fitted(returns[s], n, 0)
     batches, _, received = dispatched_microbatches(critic, producer, ids, local, plan,
                                                    CRITIC_TENSORS)
     r, sums = None, torch.zeros(2, dtype=torch.float64)
@@ -174,7 +188,7 @@ def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[in
     value metrics join ``metrics``."""
     a = tr.cfg.algorithm
     with t("values"):
-        values, moved = values_of(models.critic_in(layouts["train"]), policy.layout, ids,
+        values, moved = values_of(models.critic_in(models.critic.layout), policy.layout, ids,
                                   episodes, tokens, tr.tok.pad_token_id, tr.batch)
     adv, returns, old, found = gae_advantages(policy, ids, samples, values, a.gamma, a.lam, kl,
                                               tr.adv.kl_coef)
@@ -182,14 +196,18 @@ def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[in
     return adv, Targets(returns, old, moved)
 
 
-def critic_step(models, policy: ModelOnLayout, layouts: dict, ids: list[int], samples: dict,
-                targets: Targets, plan: MicroBatchPlan, a, t) -> dict[str, float]:
-    """The trainer's CRITIC TRAIN stage (timed as "critic_train") in the TRAIN layout and
-    ``plan``; its metrics, ``value_bytes`` the bytes both critic stages' dispatches received
-    over the world."""
+def critic_step(tr, models, policy: ModelOnLayout, ids: list[int], samples: dict,
+                targets: Targets, tokens: dict, t) -> dict[str, float]:
+    """The trainer's CRITIC TRAIN stage (timed as "critic_train") in the critic's layout, on
+    its micro-batch plan of the batch (``tokens`` per sample); its metrics, ``value_bytes`` the
+    bytes both critic stages' dispatches received over the world."""
+    a, critic = tr.cfg.algorithm, models.critic_in(models.critic.layout)
+    plan = micro_batch_plan(critic.layout, tokens, tr.batch, tr.cfg.model)
     with t("critic_train"):
-        found = train_critic(models.critic_in(layouts["train"]), policy.layout, ids, samples,
-                             targets.old_values, targets.returns, plan, a.critic.clip, a.epochs)
+        found = train_critic(critic, policy.layout, ids, samples, targets.old_values,
+                             targets.returns, plan, a.critic.clip, a.epochs,
+                             pad_id=tr.tok.pad_token_id)
+    found["critic_layout"] = str(critic.layout)
     # bytes the critic's two dispatches received, summed over the world (the same on every rank)
     found["value_bytes"] = int(global_sum(torch.tensor(
         [found["value_bytes"] + targets.moved], dtype=torch.float64)).item())

@@ -24,8 +24,8 @@ It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the sa
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
 
 PPO's critic (``algorithm.name=ppo``, trainer/critic.py) sits beside them: ``critic_in(layout)``
-makes its groups current like the others', but it never switches: it lives in the TRAIN layout
-(static layouts only), whose groups stay cached.
+makes its groups current like the others', but it never switches: it lives in one layout
+(trainer/planner.py ``critic_choice``), whose groups stay cached.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class ModelPair:
         if layout != self.critic.layout or not (self._live == "critic" or
                                                 groups.activate(layout)):
             raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
-                               f"{layout} or be regrouped (issue #45): keep layout.train fixed "
-                               "and cluster.group_cache_layouts >= 2")
+                               f"{layout} or be regrouped (issue #45): raise "
+                               "cluster.group_cache_layouts (config/critic.py)")
         self._live = "critic"
         return self.critic
 

@@ -9,8 +9,9 @@ Memory of the other model: the reference shard stays resident while the policy r
 trains, and the policy's weights, grads and Adam state stay resident while the reference scores:
 ``resident_bytes`` carries it into each stage's plan or check. PPO's critic (``critic_layout``)
 adds its weights, grads and Adam state (the policy's shape: the value head is counted as the
-output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages run in
-the TRAIN layout and are taken as covered by the policy's LOGPROB and TRAIN estimates.
+output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages are taken
+as covered by the policy's LOGPROB and TRAIN estimates. Its layout (``critic_choice``) is
+layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once.
 
 SGLang rollouts (``sglang_mem_fraction`` given): the cluster's decode engine is the servers
 (``DecodeEngine.sglang_servers`` with the fraction they are started with: weights / tp plus a
@@ -140,6 +141,19 @@ class StagePlanner:
         if stage == "train":
             self.recompute[stage] = plan.recompute.value
         return plan.layout
+
+    def critic_choice(self) -> ParallelLayout:
+        """ppo: the critic's layout for the run (it never moves). static: layout.train. auto:
+        the selector's TRAIN layout for a batch of the first rollout's planned length, with the
+        policy's train state in that layout counted resident beside it (its first choice
+        alone, then again with that counted); from the config alone, so a resumed run picks
+        the same, and the selector's state (its hysteresis) is left as it was."""
+        if not self.auto:
+            return ParallelLayout.parse(self.layout_cfg.static("train"), world_size=self.world,
+                                        model=self.model)
+        wl = self._workload("train", [FIRST_ROLLOUT_TOKENS] * self.episodes)
+        alone = self.selector.plan(wl)[0].layout
+        return self.selector.plan(wl, resident_bytes=self.train_bytes(alone))[0].layout
 
     def _static_memory(self, lay: ParallelLayout, wl: StageWorkload,
                        resident_bytes: int) -> tuple[MemoryEstimate, Recompute]:

@@ -285,8 +285,7 @@ class Trainer:
                 res = train_on(trainee, policy.layout, ids, samples, adv, train_plan, self.loss,
                                cfg.algorithm.epochs, routes=routes, weights=weights)
         if ppo is not None:   # timed as "critic_train"
-            metrics.update(critic_step(models, policy, layouts, ids, samples, ppo, train_plan,
-                                       a, t))
+            metrics.update(critic_step(self, models, policy, ids, samples, ppo, tokens, t))
         if sync and res is not None:
             with t("weight_sync"):
                 self.rollout.sync(trainee)

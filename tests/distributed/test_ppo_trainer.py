@@ -15,7 +15,15 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
 - a run of 2 iterations resumed to 3 (the critic's weights and Adam state from critic/) records
   the same iterations, every metric but the timings, as the uninterrupted run;
 - algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
-  seed) scored by another critic (its trunk the trained policy's).
+  seed) scored by another critic (its trunk the trained policy's);
+- algorithm.max_staleness=1 (asynchronous, 3 iterations): iterations 1 and 2 train tokens one
+  version old (staleness_max 1), their values scored by the critic of the iteration that
+  trains them; every value metric finite;
+- layout.mode=auto under a 0.015 GB budget (3 iterations): the critic in CP2 for the whole
+  run while the policy rolls out in DP2 and trains in CP2 (a switch there and back each
+  iteration), every value metric finite, and 2 iterations resumed to 3 record what 3 do (the
+  critic's layout chosen again, its state from critic/); and the critic's values of a fixed
+  batch are bit-equal before and after the policy switches DP2 -> TP2 -> CP2 -> DP2 beside it.
 """
 
 import math
@@ -32,9 +40,18 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean
               "return_mean", "value_grad_norm")
 
 
-def _cfg(out, iterations, **critic):
-    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic}},
-                             run={"iterations": iterations})
+def _cfg(out, iterations, algorithm=None, sections=None, **critic):
+    return tiny_connect_four(out, algorithm={**PPO, "critic": {**PPO["critic"], **critic},
+                                             **(algorithm or {})},
+                             run={"iterations": iterations}, **(sections or {}))
+
+
+AUTO = {"layout": {"mode": "auto", "memory_budget_gb": 0.015},
+        "rollout": {"prefill_tokens": 256}}
+"""Auto layouts under a budget that puts the critic in CP2 (the selector's TRAIN choice for a
+first batch of 128 tokens, with the policy's train state counted beside it), the rollout in
+DP2 (its prefill cut to 256 tokens to fit) and the reference's LOGPROB and the policy's TRAIN
+in CP2 (trainer/planner.py)."""
 
 
 def _critic_changed(root, cfg):
@@ -99,6 +116,48 @@ def _fixed_batch_losses(cfg, steps=6):
                 ["value_loss"] for _ in range(steps)]
 
 
+def _values_across_switches(cfg):
+    """The critic built by the trainer in CP2 beside a policy in DP2 (ModelPair), its values of
+    6 fixed episodes (produced in DP2) before and after the policy switches DP2 -> TP2 -> CP2
+    (the critic's own layout) -> DP2, with the critic's groups re-activated each time."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import OptimizerSpec
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.trainer.critic import build_critic, values_of
+    from earl_megatron.trainer.model_pair import build_model_pair
+    from earl_megatron.trainer.stages import BatchShape
+
+    world = dist.get_world_size()
+    lay = {n: ParallelLayout.parse(n, world_size=world, model=cfg.model)
+           for n in ("dp2", "tp2", "cp2")}
+    g = torch.Generator().manual_seed(1)
+    tokens = {s: 20 + 5 * s for s in range(6)}
+    rows = {s: torch.randint(0, cfg.model.vocab_size, (n,), generator=g).tolist()
+            for s, n in tokens.items()}
+    ids = [s for s in rows if s // 3 == lay["dp2"].coords(dist.get_rank()).dp]
+    episodes = [types.SimpleNamespace(token_ids=rows[s]) for s in ids]
+    with cpu_backend():
+        models = build_model_pair(cfg.model, lay["dp2"], None, seed=cfg.run.seed,
+                                  optimizer=OptimizerSpec(lr=1e-3))
+        models.add_critic(build_critic(cfg, models.policy_in(lay["dp2"]), lay["cp2"]))
+
+        def values():
+            return values_of(models.critic_in(lay["cp2"]), lay["dp2"], ids, episodes, tokens,
+                             0, BatchShape(4))[0]
+
+        before = values()
+        for name in ("tp2", "cp2", "dp2"):
+            models.policy_in(lay[name])
+            after = values()
+    return {"ids": ids, "equal": all(torch.equal(before[s], after[s]) for s in ids),
+            "lengths": [before[s].numel() for s in ids]}
+
+
 def _all(root):
     from earl_megatron.train import run
 
@@ -109,9 +168,16 @@ def _all(root):
     # policy from the seed as before: the same first batch, other values
     from earl_megatron.runtime.checkpoint_files import checkpoint_dir
     init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
+    # asynchronous: episodes carried over from the previous stage, scored by today's critic
+    stale = run(_cfg(f"{root}/k1", 3, algorithm={"max_staleness": 1}))
+    auto = run(_cfg(f"{root}/auto", 3, sections=AUTO))
+    run(_cfg(f"{root}/auto_resumed", 2, sections=AUTO))   # the critic's layout chosen again
+    auto_resumed = run(_cfg(f"{root}/auto_resumed", 3, sections=AUTO))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "records_equal": strip(full) == strip(resumed),
-            "iterations": [h["iteration"] for h in resumed], "init": init[0],
+            "iterations": [h["iteration"] for h in resumed], "init": init[0], "k1": stale,
+            "auto": auto, "auto_equal": strip(auto) == strip(auto_resumed),
+            "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
@@ -144,6 +210,23 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         losses = r["fixed_batch"]
         assert losses[0] > losses[1] > losses[2] > losses[3], losses
         assert max(losses[2:]) < 0.1 * losses[0], losses
+        # max_staleness=1: tokens one version old trained, the critic's values finite
+        k1 = r["k1"]
+        assert [h["staleness_max"] for h in k1] == [0, 1, 1], k1
+        for h in k1:
+            assert all(math.isfinite(h[key]) for key in VALUE_KEYS), h
+        assert all(math.isfinite(h["loss"]) for h in k1[1:]), k1
+        # layout.mode=auto: the critic stays in CP2 while the policy moves between DP2 (ROLLOUT)
+        # and CP2 (TRAIN) every iteration, the values dispatched from the rollout's DP2
+        auto = r["auto"]
+        assert [h["critic_layout"] for h in auto] == ["CP2"] * 3, auto
+        assert [h["layouts"] for h in auto] == \
+            [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 3, auto
+        for h in auto:
+            assert all(math.isfinite(h[key]) for key in VALUE_KEYS) and h["value_loss"] > 0, h
+        assert r["auto_equal"], "auto: 2 iterations resumed to 3 differ from 3"
+        sw = r["switches"]
+        assert sw["equal"] and sw["lengths"] == [19 + 5 * s for s in sw["ids"]], sw
         changed = r["changed"]
         assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
         assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)
