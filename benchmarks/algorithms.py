@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))   # `python benchmarks/NAME.py`: this checkout's e
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml"))
 STATIC = {"ppo": ["layout.mode=static", "layout.rollout=tp1", "layout.logprob=tp1",
                   "layout.train=tp1", "layout.memory_budget_gb=null"]}
-"""Recipes that do not run with layout=auto yet (ppo's critic stays in layout.train, issue #45):
-static layouts, data parallel over --nproc (tp1: dp inferred), without the demo's 0.25 GB
-budget (which is there to make the selector move stages, not to be checked statically)."""
+"""Recipes measured on static layouts: ppo runs under layout=auto (its critic stays in one layout
+the selector picks), but whether the critic fits the demo's 0.25 GB budget beside the policy was
+not measured, and the learning table's ppo rows were taken on static layouts, data parallel
+over --nproc (tp1: dp inferred), without that budget (issue #45)."""
 
 
 def train(args, out: Path, overrides: list[str], config: str = "config",
