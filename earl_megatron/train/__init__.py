@@ -247,6 +247,7 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
     - model.* is the checkpoint's config; the recipe's model values are not used. A model.*
       key on the command line (or every field, for a ``model=NAME`` group there) must match
       the checkpoint, except ``INIT_MAY_DIFFER`` (config/conversion.py ``init_model``).
+      model.lora (recipe or command line) is the run's: adapters over the checkpoint.
     - rollout.tokenizer is run.init's directory when it holds a tokenizer (its ``hf/`` folder
       for a converted checkpoint) and the command line does not set rollout.tokenizer; else
       the recipe's value stays.
@@ -257,8 +258,11 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
         return d
     init = os.path.expanduser(str(run["init"]))
     model = d.get("model") or {}
-    given = list(model) if "model" in keys else [k.split(".", 1)[1] for k in keys
+    # a nested key (model.lora.rank) names its section; model.lora is the run's, never the
+    # checkpoint's (config/conversion.py init_model): the recipe's section counts too
+    given = list(model) if "model" in keys else [k.split(".")[1] for k in keys
                                                   if k.startswith("model.")]
+    given = list(dict.fromkeys(given + (["lora"] if "lora" in model else [])))
     found = init_model(init_config(init), {k: model.get(k) for k in given}, init)
     out = {**d, "model": dataclasses.asdict(found), "run": {**run, "init": init}}
     if "rollout.tokenizer" not in keys and _holding_tokenizer(init) is not None:
