@@ -221,14 +221,20 @@ def _check_inputs(cfg: TrainConfig) -> None:
 
 def init_config(init: str):
     """The ModelConfig of the checkpoint ``run.init`` names (config.json only, no tensors);
-    each problem one ConfigError (missing, an architecture not converted) or CheckpointError
-    (damaged, neither kind of checkpoint) naming run.init."""
+    each problem one ConfigError (missing, a PEFT adapter, an architecture not converted) or
+    CheckpointError (damaged, neither kind of checkpoint) naming run.init."""
     from earl_megatron.runtime.io_errors import CheckpointError
     from earl_megatron.weights.convert import read_model_config
     if not Path(init).exists():
         raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
                           "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
                           "(a random init from run.seed)")
+    if (Path(init) / "adapter_config.json").is_file() and \
+            not (Path(init) / "config.json").exists():
+        raise ConfigError(f"run.init={init} is a PEFT adapter (adapter_config.json): starting "
+                          "from an adapter is not built yet (issue #46); pass its base model as "
+                          "run.init with model.lora.* (fresh adapters), or merge it into its base "
+                          "(peft's merge_and_unload, then save_pretrained) and pass that")
     try:
         return read_model_config(init)
     except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error

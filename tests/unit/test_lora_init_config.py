@@ -54,3 +54,17 @@ def test_the_planner_counts_no_second_model_for_a_lora_reference():
     # adapters' grads and moments only (the weights are the ones the reference runs on)
     assert adapted.weight_bytes(lay) == 0 and adapted.weight_bytes(None) == 0
     assert adapted.train_bytes(lay) == 13_312 * (4 + 8)
+
+
+def test_a_peft_adapter_as_run_init_is_refused_in_one_line(tmp_path):
+    import pytest
+
+    from earl_megatron.config.checks import ConfigError
+    from earl_megatron.train import init_config
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    with pytest.raises(ConfigError) as e:
+        init_config(str(tmp_path))
+    assert str(e.value).startswith(f"run.init={tmp_path} is a PEFT adapter")
+    assert "pass its base model as run.init with model.lora.*" in str(e.value)
+    assert "\n" not in str(e.value)
