@@ -24,7 +24,8 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
     with ``overrides`` ({field: value} the user set, as composed): a field equal to the
     checkpoint's (floats within a relative 1e-6, None-defaults resolved as ModelConfig resolves
     them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` and the ``lora``
-    section take the value given; any other difference is a ConfigError naming the field, both values and the fix."""
+    section take the value given; any other difference is a ConfigError naming the field, both
+    values and the fix."""
     hints = typing.get_type_hints(ModelConfig)
     unknown = sorted(set(overrides) - set(hints))
     if unknown:
