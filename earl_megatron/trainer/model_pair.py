@@ -27,7 +27,9 @@ base with its adapters off (``base_reference``), which is the initial policy (B 
 and is never trained. ``reference_in(layout)`` is then the policy moved to ``layout`` with every
 ``LoraLinear`` off (models/lora.py ``set_adapters``); ``policy_in`` and ``trainee`` turn them
 on again, so whoever asks for the policy gets it with adapters. ``reference`` is the policy
-object itself (its layout is the reference's).
+object itself (its layout is the reference's). Invariant: every forward of the policy goes
+through ``policy_in`` / ``trainee`` (rollout, re-scoring, training, evaluation, the warm start
+do); ``models.policy`` read directly after ``reference_in`` still has its adapters off.
 """
 
 from __future__ import annotations
