@@ -23,8 +23,9 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
     """The model of a run that starts from the checkpoint ``init``, whose config is ``found``,
     with ``overrides`` ({field: value} the user set, as composed): a field equal to the
     checkpoint's (floats within a relative 1e-6, None-defaults resolved as ModelConfig resolves
-    them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` takes the value
-    given; any other difference is a ConfigError naming the field, both values and the fix."""
+    them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` and the ``lora``
+    section take the value given; any other difference is a ConfigError naming the field, both
+    values and the fix."""
     hints = typing.get_type_hints(ModelConfig)
     unknown = sorted(set(overrides) - set(hints))
     if unknown:
@@ -36,7 +37,9 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
         if isinstance(want, float) and isinstance(have, float) and \
                 math.isclose(want, have, rel_tol=1e-6):
             continue
-        if name in INIT_MAY_DIFFER:
+        # model.lora: the adapters this run trains over the checkpoint's weights (fresh, they
+        # change nothing at first), the run's choice and never the checkpoint's
+        if name in INIT_MAY_DIFFER or name == "lora":
             changes[name] = want
             continue
         try:  # as ModelConfig normalises it (kv_channels=head_dim -> None, None -> the family's)

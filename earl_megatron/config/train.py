@@ -230,18 +230,17 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
 def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     """What the loop does not do yet with LoRA adapters (issue #46), naming the limit and the
     fix; None: it runs. The layout switcher and split placement's handoff move adapters (the
-    tensor table has their rows), but nothing hands them to SGLang or starts them from a
-    checkpoint."""
+    tensor table has their rows) and run.init gives the base (fresh adapters over it), but
+    nothing hands them to SGLang, and the KL reference (the policy's base, adapters off) is not
+    the warmed policy a warm start would make it."""
     r = cfg.rollout
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: only the embedded engine runs the adapters yet "
                 "(issue #46); use rollout.engine=embedded")
-    if cfg.run.init is not None:
-        return (f"run.init={cfg.run.init}: starting adapters over a checkpoint's base is not "
-                "built yet (issue #46); drop run.init (a random init from run.seed)")
-    if cfg.sft.steps:
-        return (f"sft.steps={cfg.sft.steps}: the warm start's reference reload does not know "
-                "adapters yet (issue #46); set sft.steps=0")
+    if cfg.sft.steps and cfg.algorithm.kl_mode != "off":
+        return (f"sft.steps={cfg.sft.steps} and algorithm.kl_mode={cfg.algorithm.kl_mode}: the "
+                "KL reference of a LoRA run is its base without adapters, not the warmed policy "
+                "(issue #46); set algorithm.kl_mode=off, or sft.steps=0")
     return None
 
 

@@ -7,7 +7,9 @@ returns the adapter parameters by their global name. The wrapped linear computes
     y = base(x) + B A dropout(x) * alpha / rank        A: [rank, in], B: [out, rank]
 
 A starts kaiming-uniform (``nn.Linear``'s bound 1 / sqrt(in)), B at zero, so a fresh adapter
-changes nothing.
+changes nothing. ``set_adapters(model, False)`` (or the ``adapters_off`` block) turns every
+adapter off: each wrapped linear is then its base alone, so the model computes the base's output
+bit for bit (a LoRA run's KL reference, trainer/model_pair.py).
 
 Each adapter is split the way its base is (tp = the base's tp group, SP = sequence parallel):
 
@@ -44,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -52,7 +55,8 @@ import torch.nn.functional as F
 
 from earl_megatron.config.lora import TARGETS, LoraSpec
 
-__all__ = ["TARGETS", "LoraLinear", "LoraSpec", "apply_lora", "lora_layers"]
+__all__ = ["TARGETS", "LoraLinear", "LoraSpec", "adapters_off", "apply_lora", "lora_layers",
+           "set_adapters"]
 
 
 def _slice(full: torch.Tensor, dim: int, stride: int, rank: int, tp: int) -> torch.Tensor:
@@ -100,6 +104,9 @@ class LoraLinear(torch.nn.Module):
                              "(issue #46); target the attention's linear_qkv / linear_proj only")
         self.base = base
         self.name = name
+        self.enabled = True
+        """False: ``forward`` is the base's alone (the KL reference of a LoRA run is the
+        policy's own base: ``set_adapters`` / ``adapters_off``)."""
         self.scaling = spec.scaling
         self.dropout = spec.dropout
         self.tp_group = base.tp_group
@@ -206,12 +213,34 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:   # exactly the un-adapted linear: no B A x, not even a zero
+            return out, bias
         return out + self._update(x).to(out.dtype), bias
 
 
 def lora_layers(model) -> dict[str, LoraLinear]:
     """Every ``LoraLinear`` of a pp_stage by its global name (see ``apply_lora``)."""
     return {m.name: m for m in model.modules() if isinstance(m, LoraLinear)}
+
+
+def set_adapters(model, enabled: bool) -> int:
+    """Turn every adapter of ``model`` (bare or DDP-wrapped) on or off; returns how many
+    ``LoraLinear`` it holds. Off, the model computes its frozen base bit for bit as the
+    un-adapted model does (trainer/model_pair.py: a LoRA run's KL reference)."""
+    layers = lora_layers(model)
+    for m in layers.values():
+        m.enabled = enabled
+    return len(layers)
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """``model``'s base alone inside the block (``set_adapters``), its adapters on after."""
+    set_adapters(model, False)
+    try:
+        yield model
+    finally:
+        set_adapters(model, True)
 
 
 def apply_lora(model, spec: LoraSpec, *, seed: int = 0) -> dict[str, torch.nn.Parameter]:

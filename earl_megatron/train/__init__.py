@@ -221,14 +221,20 @@ def _check_inputs(cfg: TrainConfig) -> None:
 
 def init_config(init: str):
     """The ModelConfig of the checkpoint ``run.init`` names (config.json only, no tensors);
-    each problem one ConfigError (missing, an architecture not converted) or CheckpointError
-    (damaged, neither kind of checkpoint) naming run.init."""
+    each problem one ConfigError (missing, a PEFT adapter, an architecture not converted) or
+    CheckpointError (damaged, neither kind of checkpoint) naming run.init."""
     from earl_megatron.runtime.io_errors import CheckpointError
     from earl_megatron.weights.convert import read_model_config
     if not Path(init).exists():
         raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
                           "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
                           "(a random init from run.seed)")
+    if (Path(init) / "adapter_config.json").is_file() and \
+            not (Path(init) / "config.json").exists():
+        raise ConfigError(f"run.init={init} is a PEFT adapter (adapter_config.json): starting "
+                          "from an adapter is not built yet (issue #46); pass its base model as "
+                          "run.init with model.lora.* (fresh adapters), or merge it into its base "
+                          "(peft's merge_and_unload, then save_pretrained) and pass that")
     try:
         return read_model_config(init)
     except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error
@@ -247,6 +253,7 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
     - model.* is the checkpoint's config; the recipe's model values are not used. A model.*
       key on the command line (or every field, for a ``model=NAME`` group there) must match
       the checkpoint, except ``INIT_MAY_DIFFER`` (config/conversion.py ``init_model``).
+      model.lora (recipe or command line) is the run's: adapters over the checkpoint.
     - rollout.tokenizer is run.init's directory when it holds a tokenizer (its ``hf/`` folder
       for a converted checkpoint) and the command line does not set rollout.tokenizer; else
       the recipe's value stays.
@@ -257,8 +264,11 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
         return d
     init = os.path.expanduser(str(run["init"]))
     model = d.get("model") or {}
-    given = list(model) if "model" in keys else [k.split(".", 1)[1] for k in keys
+    # a nested key (model.lora.rank) names its section; model.lora is the run's, never the
+    # checkpoint's (config/conversion.py init_model): the recipe's section counts too
+    given = list(model) if "model" in keys else [k.split(".")[1] for k in keys
                                                   if k.startswith("model.")]
+    given = list(dict.fromkeys(given + (["lora"] if "lora" in model else [])))
     found = init_model(init_config(init), {k: model.get(k) for k in given}, init)
     out = {**d, "model": dataclasses.asdict(found), "run": {**run, "init": init}}
     if "rollout.tokenizer" not in keys and _holding_tokenizer(init) is not None:

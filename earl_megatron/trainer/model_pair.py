@@ -18,10 +18,18 @@ Split placement's train pool (``pools``: the world's pools, this rank's first): 
 on the pool alone, its new layout's groups made by its ranks while the rollout pool plays
 (runtime/switcher.py ``pools``, runtime/groups.py ``local``).
 
-The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer;
-with LoRA (``model.lora``) the base model without adapters, which is the initial policy.
+The reference is the initial policy (the seed's init, or run.init), frozen, with no optimizer.
 It is NOT checkpointed: rebuilt on resume from (seed | init), which gives the same weights in
 any layout (build_on_layout seeds Megatron's init in a forked RNG from the seed).
+
+With LoRA (``model.lora``) there is no second model: the reference is the policy's own frozen
+base with its adapters off (``base_reference``), which is the initial policy (B starts at zero)
+and is never trained. ``reference_in(layout)`` is then the policy moved to ``layout`` with every
+``LoraLinear`` off (models/lora.py ``set_adapters``); ``policy_in`` and ``trainee`` turn them
+on again, so whoever asks for the policy gets it with adapters. ``reference`` is the policy
+object itself (its layout is the reference's). Invariant: every forward of the policy goes
+through ``policy_in`` / ``trainee`` (rollout, re-scoring, training, evaluation, the warm start
+do); ``models.policy`` read directly after ``reference_in`` still has its adapters off.
 
 PPO's critic (``algorithm.name=ppo``, trainer/critic.py) sits beside them: ``critic_in(layout)``
 makes its groups current like the others', but it never switches: it lives in one layout
@@ -33,6 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.models.lora import set_adapters
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
@@ -42,9 +51,15 @@ from earl_megatron.runtime.switcher import switch_layout
 
 class ModelPair:
     def __init__(self, policy: ModelOnLayout, reference: Optional[ModelOnLayout], *,
-                 pools: Optional[tuple[ParallelLayout, ...]] = None, live: str = "policy"):
+                 pools: Optional[tuple[ParallelLayout, ...]] = None, live: str = "policy",
+                 base_reference: bool = False):
+        if base_reference and (reference is not None or not policy.cfg.lora.enabled):
+            raise ValueError("base_reference: the reference is the LoRA policy's own base; "
+                             "pass reference=None and a policy with model.lora")
         self.policy = policy
-        self.reference = reference
+        self._reference = reference
+        self.base_reference = base_reference
+        """LoRA with KL: the reference is the policy with its adapters off (module docstring)."""
         self.pools = pools
         """Split placement's pools (the train pool first): the models switch inside it."""
         self._live = live
@@ -53,8 +68,15 @@ class ModelPair:
         self.critic: Optional[ModelOnLayout] = None
         """PPO's value model (``add_critic``); None for every other estimator."""
 
+    @property
+    def reference(self) -> Optional[ModelOnLayout]:
+        """The KL reference (None: KL off); with ``base_reference`` the policy object."""
+        return self.policy if self.base_reference else self._reference
+
     def policy_in(self, layout: ParallelLayout) -> ModelOnLayout:
         self.policy = self._live_in(self.policy, layout, "policy")
+        if self.base_reference:
+            set_adapters(self.policy.model, True)
         return self.policy
 
     def trainee(self, layout: ParallelLayout, recompute: str) -> ModelOnLayout:
@@ -65,8 +87,12 @@ class ModelPair:
         return policy
 
     def reference_in(self, layout: ParallelLayout) -> ModelOnLayout:
-        self.reference = self._live_in(self.reference, layout, "reference")
-        return self.reference
+        if self.base_reference:   # the policy's base: moved like the policy, adapters off
+            policy = self.policy_in(layout)
+            set_adapters(policy.model, False)
+            return policy
+        self._reference = self._live_in(self._reference, layout, "reference")
+        return self._reference
 
     def add_critic(self, critic: ModelOnLayout) -> None:
         """PPO: the critic just built (its groups current)."""
@@ -98,13 +124,16 @@ def build_model_pair(model: ModelConfig, policy_layout: ParallelLayout,
                      reference_layout: Optional[ParallelLayout], *, optimizer: OptimizerSpec,
                      seed: int, init: Optional[str] = None) -> ModelPair:
     """The policy (from ``init``, an HF directory or converted checkpoint, or Megatron's seeded
-    init) and the reference in its own layout (None: KL off). The reference is built first: the
-    model built last owns the live process groups."""
+    init; with ``model.lora``, fresh adapters over that base) and the reference in its own
+    layout (None: KL off; with LoRA the policy's base, no second model, and
+    ``reference_layout`` only says that KL is on). The reference is built first: the model built
+    last owns the live process groups."""
+    if model.lora.enabled:
+        return ModelPair(_initial(model, policy_layout, optimizer, seed, init), None,
+                         base_reference=reference_layout is not None)
     reference = None
     if reference_layout is not None:
-        # a LoRA run's reference is its frozen base without adapters: the initial policy
-        # exactly (B starts at zero), without the adapters' work in every forward
-        reference = _initial(model.base, reference_layout, None, seed, init)
+        reference = _initial(model, reference_layout, None, seed, init)
     return ModelPair(_initial(model, policy_layout, optimizer, seed, init), reference)
 
 
@@ -113,5 +142,8 @@ def _initial(model: ModelConfig, layout: ParallelLayout, optimizer: Optional[Opt
     ddp = optimizer is not None
     if init:
         from earl_megatron.weights.convert import load_policy
-        return load_policy(init, layout, ddp=ddp, optimizer=optimizer, seed=seed)
+        # the checkpoint's base; model.lora's adapters drawn fresh over it (A from the seed,
+        # B zero), so the first forward is the checkpoint's
+        return load_policy(init, layout, ddp=ddp, optimizer=optimizer, seed=seed,
+                           lora=model.lora)
     return build_on_layout(model, layout, ddp=ddp, optimizer=optimizer, seed=seed)

@@ -12,6 +12,10 @@ adds its weights, grads and Adam state (the policy's shape: the value head is co
 output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages are taken
 as covered by the policy's LOGPROB and TRAIN estimates. Its layout (``critic_choice``) is
 layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once.
+A LoRA run's reference is the policy's own base with its adapters off (trainer/model_pair.py):
+it holds no weights of its own (``weight_bytes`` 0), and while it scores only the policy's
+grads and Adam state (the adapters') are resident beside the weights the LOGPROB stage counts
+(``train_bytes``).
 
 SGLang rollouts (``sglang_mem_fraction`` given): the cluster's decode engine is the servers
 (``DecodeEngine.sglang_servers`` with the fraction they are started with: weights / tp plus a
@@ -209,15 +213,22 @@ class StagePlanner:
 
     # --- what the other model keeps resident, per rank (its most loaded pp_stage) ---------
     def weight_bytes(self, layout: Optional[ParallelLayout]) -> int:
-        """A model's weights in ``layout`` (0 for None: no such model)."""
-        if layout is None:
+        """The reference's own weights in ``layout`` (0 for None: no reference; 0 with LoRA:
+        the reference is the policy's base, whose weights the policy's stages count)."""
+        if layout is None or self.model.lora.enabled:
             return 0
-        return max(param_count_per_rank(self.model, layout, r) for r in range(layout.pp)) \
-            * self.opts.param_bytes(self.model)
+        return self._weights(layout)
 
     def train_bytes(self, layout: ParallelLayout) -> int:
-        """The policy's weights, grads and Adam state in ``layout``."""
-        return self.weight_bytes(layout) + train_state_bytes(self.model, layout, self.opts)
+        """What the policy keeps beside the reference while it scores: its weights, grads and
+        Adam state in ``layout``; with LoRA the grads and Adam state only (the reference's
+        LOGPROB stage runs on the policy's weights and counts them)."""
+        weights = 0 if self.model.lora.enabled else self._weights(layout)
+        return weights + train_state_bytes(self.model, layout, self.opts)
+
+    def _weights(self, layout: ParallelLayout) -> int:
+        return max(param_count_per_rank(self.model, layout, r) for r in range(layout.pp)) \
+            * self.opts.param_bytes(self.model)
 
     # --- checkpointed state ---------------------------------------------------------------
     def state_json(self, state: Optional[SelectorState] = None) -> list:

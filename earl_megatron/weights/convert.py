@@ -320,18 +320,22 @@ def _without_adapters(cfg: ModelConfig, path, what: str) -> ModelConfig:
 
 def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = True,
                 optimizer=None, seed: int = 1234, recompute: Optional[str] = None,
-                pools: Optional[tuple] = None):
+                pools: Optional[tuple] = None, lora=None):
     """Build the model for ``layout`` and load an HF directory or a converted checkpoint into it.
 
     Collective over the world (every rank calls it). The layout is checked against the model
     before anything is built or read (InvalidLayoutError). Returns runtime.build.ModelOnLayout
     (``build_on_layout`` with a loader); its ``cfg`` is the ModelConfig read from ``path``.
     ``pools``: split placement's pools, as ``build_on_layout`` takes them (``layout`` is this
-    rank's pool's).
+    rank's pool's). ``lora``: a LoraSpec with a rank: the checkpoint is the base, and fresh
+    adapters from ``seed`` go over it (B zero: the checkpoint's outputs); the returned ``cfg``
+    carries it.
     """
     from earl_megatron.runtime.build import build_on_layout
 
     cfg = _without_adapters(read_model_config(path), path, "loading it as a policy")
+    if lora is not None:
+        cfg = cfg.with_(lora=lora)
     layout.check(layout.world_size if pools else dist.get_world_size(), cfg)
     what = "policy checkpoint" if is_mcore_checkpoint(path) else "HF model"
     if is_mcore_checkpoint(path):

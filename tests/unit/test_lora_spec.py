@@ -54,8 +54,8 @@ def test_slice_follows_megatron_partition_stride():
 
 @pytest.mark.parametrize("sections,words", [
     (dict(rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
-    (dict(run={"init": "/some/hf"}), "drop run.init"),
-    (dict(sft={"steps": 2}), "set sft.steps=0"),
+    (dict(sft={"steps": 2}, algorithm={"kl_mode": "loss", "kl_coef": 0.1}),
+     "set algorithm.kl_mode=off, or sft.steps=0"),
     (dict(model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
      "use model.lora.targets=[linear_qkv"),
 ])
