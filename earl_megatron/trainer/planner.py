@@ -11,7 +11,9 @@ trains, and the policy's weights, grads and Adam state stay resident while the r
 adds its weights, grads and Adam state (the policy's shape: the value head is counted as the
 output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages are taken
 as covered by the policy's LOGPROB and TRAIN estimates. Its layout (``critic_choice``) is
-layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once.
+layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once. The
+byte counts and the auto choice are plan/critic_memory.py's, which ``earl plan --critic`` calls
+too.
 A LoRA run's reference is the policy's own base with its adapters off (trainer/model_pair.py):
 it holds no weights of its own (``weight_bytes`` 0), and while it scores only the policy's
 grads and Adam state (the adapters') are resident beside the weights the LOGPROB stage counts
@@ -44,8 +46,9 @@ from earl_megatron.config.cluster import ClusterConfig
 from earl_megatron.config.train import ConfigError, LayoutConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
-from earl_megatron.plan.memory_model import (MemoryEstimate, param_count_per_rank,
-                                             server_pool_fits, train_state_bytes)
+from earl_megatron.plan import critic_memory
+from earl_megatron.plan.critic_memory import FIRST_ROLLOUT_TOKENS
+from earl_megatron.plan.memory_model import MemoryEstimate, server_pool_fits
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.selector import (RECOMPUTE_ORDER, LayoutOverBudgetError, Selector,
                                          SelectorConfig, SelectorState)
@@ -55,9 +58,6 @@ from earl_megatron.plan.specs import (PREFILL_TOKENS, ClusterSpec, DecodeEngine,
                                       Stage, StageWorkload, TrainOptions, cluster_spec,
                                       human_bytes)
 from earl_megatron.trainer.stages import BatchShape
-
-FIRST_ROLLOUT_TOKENS = 128
-"""Episode length the first rollout is planned for, before any episode was played."""
 
 
 class StagePlanner:
@@ -156,8 +156,7 @@ class StagePlanner:
             return ParallelLayout.parse(self.layout_cfg.static("train"), world_size=self.world,
                                         model=self.model)
         wl = self._workload("train", [FIRST_ROLLOUT_TOKENS] * self.episodes)
-        alone = self.selector.plan(wl)[0].layout
-        return self.selector.plan(wl, resident_bytes=self.train_bytes(alone))[0].layout
+        return critic_memory.critic_plan(self.selector, wl).layout
 
     def _static_memory(self, lay: ParallelLayout, wl: StageWorkload,
                        resident_bytes: int) -> tuple[MemoryEstimate, Recompute]:
@@ -217,18 +216,13 @@ class StagePlanner:
         the reference is the policy's base, whose weights the policy's stages count)."""
         if layout is None or self.model.lora.enabled:
             return 0
-        return self._weights(layout)
+        return critic_memory.weight_bytes(self.model, layout, self.opts)
 
     def train_bytes(self, layout: ParallelLayout) -> int:
         """What the policy keeps beside the reference while it scores: its weights, grads and
         Adam state in ``layout``; with LoRA the grads and Adam state only (the reference's
         LOGPROB stage runs on the policy's weights and counts them)."""
-        weights = 0 if self.model.lora.enabled else self._weights(layout)
-        return weights + train_state_bytes(self.model, layout, self.opts)
-
-    def _weights(self, layout: ParallelLayout) -> int:
-        return max(param_count_per_rank(self.model, layout, r) for r in range(layout.pp)) \
-            * self.opts.param_bytes(self.model)
+        return critic_memory.train_bytes(self.model, layout, self.opts)
 
     # --- checkpointed state ---------------------------------------------------------------
     def state_json(self, state: Optional[SelectorState] = None) -> list:
