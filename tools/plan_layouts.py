@@ -24,6 +24,15 @@ are the LoRA model's; under them a TRAIN table per context compares the full fin
 LoRA: the layout each gets on this cluster, and the fewest devices (1, 2, 4, ... within a node,
 then whole nodes) on which TRAIN fits at all (docs/lora.md).
 
+``--critic`` plans PPO's run (``algorithm=ppo``, issue #45): a critic of the policy's shape
+trains beside it, and its weights, grads and Adam state stay resident beside every stage, counted
+as the trainer counts them (plan/critic_memory.py, the functions trainer/planner.py calls). The
+tables are the policy's stages with the critic's state resident in the layout the trainer's auto
+choice gives it, once per run (``critic_choice``: a first batch of 128-token episodes, here of
+the column's size); under them a TRAIN table per context: the policy without and with the
+critic, the critic's layout and its own TRAIN there, the fewest devices on which the policy's
+TRAIN fits without and with it, and the memory rows of both (docs/algorithms.md).
+
 ``--compare tp4,tp8`` instead prices the named layouts side by side for one stage (``--stage``):
 for ROLLOUT, ``--responses`` then counts responses PER ROLLOUT REPLICA (as engine benchmarks and
 the EARL paper do: a TP4 layout runs twice the replicas of a TP8 one, so twice the responses),
@@ -42,6 +51,7 @@ from typing import Optional, Sequence
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.plan.critic_memory import FIRST_ROLLOUT_TOKENS, critic_plan, train_bytes
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.layout import ParallelLayout
@@ -105,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "for each --stage instead of the grid")
     w.add_argument("--json", help="with --compare: write the rows to this JSON file")
     w.add_argument("--micro-batch-tokens", type=int, default=8192)
+    w.add_argument("--critic", action="store_true",
+                   help="plan algorithm=ppo: the critic's train state resident beside every "
+                        "stage, its own layout and memory, and the fewest devices with it")
     w.add_argument("--recompute", choices=["auto"] + [r.value for r in Recompute],
                    default="auto", help="TRAIN activation recomputation; auto: the selector "
                    "picks it per cell with the layout (the trainer's layout.recompute=auto)")
@@ -173,21 +186,49 @@ def _workload(stage: Stage, ctx: int, sequences: int, micro_batch_tokens: int,
 
 def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[int],
               loads: Sequence[int], micro_batch_tokens: int,
-              decode_fraction: Optional[float] = None) -> Grid:
-    """The plan (or the NoLayoutFitsError) of every (stage, context, load) cell."""
+              decode_fraction: Optional[float] = None, critic: bool = False) -> Grid:
+    """The plan (or the NoLayoutFitsError) of every (stage, context, load) cell. ``critic``:
+    each cell's stages with the critic's train state resident in the layout the trainer gives
+    it for a batch of ``load`` (``critic_choice``; every stage OOM when it fits nowhere)."""
     grid: Grid = {}
     for ctx in contexts:
         for load in loads:
-            current, state = None, SelectorState()
+            current, state, resident = None, SelectorState(), 0
+            if critic:
+                try:
+                    resident = train_bytes(selector.model, critic_choice(selector, load).layout,
+                                           selector.train_opts)
+                except NoLayoutFitsError as e:
+                    grid.update({(stage, ctx, load): e for stage in stages})
+                    continue
             for stage in stages:
                 wl = _workload(stage, ctx, load, micro_batch_tokens, decode_fraction)
                 try:
-                    plan, state = selector.plan(wl, current=current, state=state)
+                    plan, state = selector.plan(wl, current=current, state=state,
+                                                resident_bytes=resident)
                     current = plan.layout
                     grid[(stage, ctx, load)] = plan
                 except NoLayoutFitsError as e:
                     grid[(stage, ctx, load)] = e
     return grid
+
+
+def critic_choice(selector: Selector, load: int) -> LayoutPlan:
+    """The critic's plan as trainer/planner.py ``critic_choice`` makes it under auto, once per
+    run: TRAIN of a first batch of ``load`` episodes of FIRST_ROLLOUT_TOKENS tokens, one per
+    micro-batch (the recipes' micro_batch_size 1); NoLayoutFitsError when none fits."""
+    return critic_plan(selector, StageWorkload.of(Stage.TRAIN, FIRST_ROLLOUT_TOKENS, load,
+                                                  micro_batch_tokens=FIRST_ROLLOUT_TOKENS))
+
+
+def critic_memory(selector: Selector, layout: ParallelLayout, train: StageWorkload,
+                  resident: int):
+    """The critic's own TRAIN of ``train`` in ``layout`` beside ``resident`` bytes (the
+    policy's train state): the estimate of the first recompute mode that fits, else of the
+    last (the smallest; it does not fit)."""
+    mems = [selector.memory(layout, train, resident, rc)
+            for rc in selector.recompute_modes(Stage.TRAIN)]
+    return next((m for m in mems if selector.fits(m)), mems[-1])
 
 
 def cell_text(result) -> str:
@@ -437,39 +478,123 @@ def lora_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConf
     """Per context, TRAIN of ``load`` sequences for the full fine-tune (``model.base``) and the
     LoRA ``model``: the plan on the cluster of ``args`` (or its NoLayoutFitsError), and the
     fewest devices (``device_counts``) with a fitting layout, as (devices, plan) or None."""
-    rows, world_size = [], cluster_from_args(args).world_size
+    rows = []
     for ctx in args.contexts:
         wl = _workload(Stage.TRAIN, ctx, load, args.micro_batch_tokens, args.decode_fraction)
         row: dict = {"context": ctx}
         for key, m in (("full", model.base), ("lora", model)):
-            row[key] = row[key + "_fewest"] = None
-            for world in device_counts(args):
-                if row[key + "_fewest"] is not None and world != world_size:
-                    continue                        # found: only the whole cluster's row is left
-                sel = Selector(m, _on_devices(args, world), opts, config)
-                try:
-                    plan, _ = sel.plan(wl)
-                except NoLayoutFitsError as e:
-                    plan = e
-                if row[key + "_fewest"] is None and isinstance(plan, LayoutPlan):
-                    row[key + "_fewest"] = (world, plan)
-                if world == world_size:
-                    row[key] = plan
+            row[key], row[key + "_fewest"] = _fewest(
+                args, lambda world: Selector(m, _on_devices(args, world), opts,
+                                             config).plan(wl)[0])
         rows.append(row)
     return rows
+
+
+def _fewest(args, plan_on, fits=lambda plan: isinstance(plan, LayoutPlan)):
+    """(the result of ``plan_on(world)`` on the whole cluster, (devices, result) on the fewest
+    ``device_counts`` where it ``fits``, or None); ``plan_on`` returns a plan or raises
+    NoLayoutFitsError (the result then). The search stops at the first fit (then only the
+    whole cluster's is left)."""
+    world_size, whole, fewest = cluster_from_args(args).world_size, None, None
+    for world in device_counts(args):
+        if fewest is not None and world != world_size:
+            continue                                # found: only the whole cluster's row is left
+        try:
+            plan = plan_on(world)
+        except NoLayoutFitsError as e:
+            plan = e
+        if fewest is None and fits(plan):
+            fewest = (world, plan)
+        if world == world_size:
+            whole = plan
+    return whole, fewest
+
+
+def critic_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConfig,
+                load: int) -> list[dict]:
+    """Per context, TRAIN of ``load`` sequences: the policy's plan without the critic
+    ("alone") and with its train state resident in the layout ``critic_choice`` gives it
+    ("with": {"policy": plan, "critic": the critic's plan, "resident": its bytes, "memory": the
+    critic's own TRAIN at this context beside the policy's state}), on the whole cluster and on
+    the fewest devices where the policy's fits as the trainer counts it (the critic's own TRAIN
+    is not checked there: the trainer does not check it either); "with" is a NoLayoutFitsError
+    when the critic fits nowhere."""
+    rows = []
+    for ctx in args.contexts:
+        wl = _workload(Stage.TRAIN, ctx, load, args.micro_batch_tokens, args.decode_fraction)
+
+        def with_critic(world):
+            sel = Selector(model, _on_devices(args, world), opts, config)
+            critic = critic_choice(sel, load)
+            resident = train_bytes(model, critic.layout, opts)
+            try:
+                policy = sel.plan(wl, resident_bytes=resident)[0]
+            except NoLayoutFitsError as e:
+                policy = e
+            mem = critic_memory(sel, critic.layout, wl, train_bytes(model, policy.layout, opts)) \
+                if isinstance(policy, LayoutPlan) else None
+            return {"policy": policy, "critic": critic, "resident": resident, "memory": mem}
+
+        row: dict = {"context": ctx}
+        row["alone"], row["alone_fewest"] = _fewest(
+            args, lambda world: Selector(model, _on_devices(args, world), opts,
+                                         config).plan(wl)[0])
+        row["with"], fewest = _fewest(args, with_critic,
+                                      fits=lambda r: isinstance(r, dict) and
+                                      isinstance(r["policy"], LayoutPlan))
+        row["with_fewest"] = fewest and (fewest[0], fewest[1]["policy"])
+        rows.append(row)
+    return rows
+
+
+def _plan_cell(p) -> str:
+    if not isinstance(p, LayoutPlan):
+        return "OOM"
+    return f"{_choice(p.chosen)} {p.predicted_memory_bytes / 2**30:.0f}G"
+
+
+def _fewest_cell(x, world: int) -> str:
+    return f"none of <= {world}" if x is None else f"{x[0]}: {_plan_cell(x[1])}"
+
+
+def print_critic(rows: list[dict], load: int, world: int, budget: int, out=None) -> None:
+    stream = out or sys.stdout
+    print(f"train, ppo ({load} sequences per context): the policy without and with the "
+          f"critic's train state resident, the critic's layout (chosen once per run) and its own "
+          f"TRAIN at this context, on these {world} devices; the fewest devices on which TRAIN "
+          f"fits (with the critic: the policy's, as the trainer counts it)", file=stream)
+    print(f"{'context':>8}  {'policy alone':<22} {'policy + critic':<22} {'critic':<34} "
+          f"{'fewest, alone':<30} {'fewest, + critic':<30}", file=stream)
+    for r in rows:
+        w = r["with"]
+        if isinstance(w, NoLayoutFitsError):
+            policy = critic = "OOM (the critic fits nowhere)"
+        else:
+            policy, m = _plan_cell(w["policy"]), w["memory"]
+            critic = f"{w['critic'].layout} +{w['resident'] / 2**30:.0f}G" + (
+                "" if m is None else f", own {m.total / 2**30:.0f}G" + (
+                    "" if m.total <= budget else " over"))
+        print(f"{_k(r['context']):>8}  {_plan_cell(r['alone']):<22} {policy:<22} {critic:<34} "
+              f"{_fewest_cell(r['alone_fewest'], world):<30} "
+              f"{_fewest_cell(r['with_fewest'], world):<30}", file=stream)
+    print("cells: chosen layout (and recompute mode unless none) and GiB per rank; critic: its "
+          "layout, +its weights, grads and Adam state resident beside every policy stage, own: "
+          "its TRAIN here beside the policy's state, the value head counted as the policy's "
+          "output layer and its logits (an overestimate; over: above the budget; not checked "
+          "by the trainer); fewest: devices, then the policy's layout there", file=stream)
+    print("memory rows (TRAIN on these devices: the policy's, the critic's own):", file=stream)
+    for r in rows:
+        w = r["with"]
+        for key, est in (("policy", w["policy"].chosen.memory
+                          if isinstance(w, dict) and isinstance(w["policy"], LayoutPlan)
+                          else None), ("critic", w["memory"] if isinstance(w, dict) else None)):
+            print(f"  {_k(r['context'])} {key}: {est.describe() if est else 'OOM'}",
+                  file=stream)
 
 
 def print_lora(rows: list[dict], model: ModelConfig, load: int, world: int, out=None) -> None:
     stream = out or sys.stdout
     lora = f"lora r={model.lora.rank}"
-
-    def plan_cell(p) -> str:
-        if not isinstance(p, LayoutPlan):
-            return "OOM"
-        return f"{_choice(p.chosen)} {p.predicted_memory_bytes / 2**30:.0f}G"
-
-    def fewest(x) -> str:
-        return f"none of <= {world}" if x is None else f"{x[0]}: {plan_cell(x[1])}"
 
     print(f"train, full fine-tune against {lora} ({load} sequences per context): the layout "
           f"each gets on these {world} devices, and the fewest devices on which TRAIN fits",
@@ -477,8 +602,9 @@ def print_lora(rows: list[dict], model: ModelConfig, load: int, world: int, out=
     print(f"{'context':>8}  {'full ft':<22} {lora:<22} {'fewest, full ft':<30} "
           f"{'fewest, ' + lora:<30}", file=stream)
     for r in rows:
-        print(f"{_k(r['context']):>8}  {plan_cell(r['full']):<22} {plan_cell(r['lora']):<22} "
-              f"{fewest(r['full_fewest']):<30} {fewest(r['lora_fewest']):<30}", file=stream)
+        print(f"{_k(r['context']):>8}  {_plan_cell(r['full']):<22} {_plan_cell(r['lora']):<22} "
+              f"{_fewest_cell(r['full_fewest'], world):<30} "
+              f"{_fewest_cell(r['lora_fewest'], world):<30}", file=stream)
     print("cells: chosen layout (and recompute mode unless none) and GiB per rank; fewest: "
           "devices, then the layout chosen there", file=stream)
 
@@ -498,6 +624,12 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     if model.lora.enabled and (args.split or args.sglang_mem_fraction is not None):
         raise SystemExit("--lora-rank with --split / --sglang-mem-fraction: a LoRA run rolls out "
                          "on the embedded engine, colocated, today (docs/lora.md); drop either")
+    if args.critic and (model.lora.enabled or args.split or args.compare
+                        or args.sglang_mem_fraction is not None):
+        raise SystemExit("--critic with --lora-rank / --split / --compare / "
+                         "--sglang-mem-fraction: algorithm=ppo trains its critic on the colocated "
+                         "loop with the embedded engine and no LoRA today (config/critic.py "
+                         "ppo_problem); drop either")
     cluster = cluster_from_args(args)
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),
@@ -520,6 +652,9 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
               f"({cluster.world_size} devices, budget {human_bytes(selector.budget_bytes)} per "
               f"rank after a {args.margin:.0%} margin); recompute={args.recompute}, "
               f"micro-batch {args.micro_batch_tokens} tokens{_lora_header(model)}")
+    if args.critic:
+        header += ("; ppo: a critic of the policy's shape, its weights, grads and Adam state "
+                   "resident beside every stage")
     stream = out or sys.stdout
     if args.split:
         if args.split != "auto" and not args.split.isdigit():
@@ -547,12 +682,16 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     if args.json:
         raise SystemExit("--json needs --compare (the grid is printed, or drawn with --png)")
     grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens,
-                     args.decode_fraction)
+                     args.decode_fraction, args.critic)
     print_tables(grid, stages, args.contexts, args.in_flight, header, out, args.reasons)
     if model.lora.enabled and Stage.TRAIN in stages:
         load = max(args.in_flight)
         print_lora(lora_rows(model, args, opts, selector.config, load), model, load,
                    cluster.world_size, stream)
+    if args.critic and Stage.TRAIN in stages:
+        load = max(args.in_flight)
+        print_critic(critic_rows(model, args, opts, selector.config, load), load,
+                     cluster.world_size, selector.budget_bytes, stream)
     if args.png:
         write_png(grid, stages, args.contexts, args.in_flight, args.png, header)
         print(f"wrote {args.png}", file=stream)
