@@ -200,11 +200,11 @@ def execute_shard_map(smap: ShardMap, producer: Placement, consumer: Placement,
         for buf, ts in inbox:
             _unpack(store, buf, ts, dtypes, device)
     seconds = time.perf_counter() - t0
-    out: Local = {}
+    out: Local = {name: {} for name in names}   # every name, also where no sample lands
     for name in names:
         for s in consumer.local_samples(rank, name):
             parts = [store.read(name, s, a, b) for a, b in consumer.intervals(rank, name, s)]
-            out.setdefault(name, {})[s] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out[name][s] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return DispatchResult(out, DispatchStats(sent, received, messages, seconds))
 
 

@@ -155,7 +155,7 @@ def transfer_episodes(train: ParallelLayout, rollout: ParallelLayout,
     local = {"episode": {s: torch.frombuffer(bytearray(b), dtype=torch.uint8)
                          for s, b in packed.items()}}
     got = execute_shard_map(build_shard_map(producer, consumer), producer, consumer, local,
-                            scope=Scope.world()).tensors.get("episode", {})
+                            scope=Scope.world()).tensors["episode"]
     if dist.get_rank() >= n_t:
         return [], []
     mine = sorted(got)

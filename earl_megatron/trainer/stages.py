@@ -171,7 +171,7 @@ def scored_on(model: ModelOnLayout, producer: ParallelLayout, ids: list[int],
     returned, _, _ = dispatch(lay, producer, [SampleMeta(s, length_of[s]) for s in mine], back,
                               (to_replica,), producer_pp_stages={REF_LOGPROBS.name: "last"},
                               assignment=blocks)
-    got = returned.tensors.get(REF_LOGPROBS.name, {})   # absent: no sample came back here
+    got = returned.tensors[REF_LOGPROBS.name]   # empty where no sample came back here
     moved = received + int(returned.stats.bytes_received)
     return {s: got[s][:len(token_ids[s]) - 1].cpu() for s in ids}, moved
 

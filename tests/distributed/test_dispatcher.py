@@ -136,7 +136,32 @@ def _run_cases(cases, seed):
         report.append(dict(checked=checked, checksum=checksum, rounds=smap.rounds,
                            sent=result.stats.bytes_sent, received=result.stats.bytes_received,
                            messages=result.stats.messages, traffic=smap.traffic[rank]))
+    report.append(_one_sample(seed))
     return report
+
+
+def _one_sample(seed):
+    """A batch of one sample on a dp-only layout: the ranks it does not land on still get every
+    tensor's name, with nothing under it (callers index the result by name)."""
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.runtime.dispatcher import SampleMeta, dispatch, plan_dispatch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lay = ParallelLayout.parse(f"dp{world}", world)
+    everyone = [[SampleMeta(0, 5, 0)]] + [[] for _ in range(world - 1)]
+    producer, _, _ = plan_dispatch(lay, lay, everyone, VARIED_TENSORS)
+    local = {}
+    for p in producer.pieces_of(rank):
+        local.setdefault(p.tensor, {})[p.sample_id] = \
+            full_tensor(p.tensor, p.sample_id, 5, seed)[p.start:p.end]
+    result, consumer, _ = dispatch(lay, lay, everyone[rank], local, VARIED_TENSORS)
+    names = sorted(t.name for t in VARIED_TENSORS)
+    assert sorted(result.tensors) == names, (rank, sorted(result.tensors))
+    got = {n: sorted(result.tensors[n]) for n in names}
+    want = {n: list(consumer.local_samples(rank, n)) for n in names}
+    assert got == want, (rank, got, want)
+    return dict(one_sample=sum(len(v) for v in got.values()))
 
 
 def _expected_pieces(cases, world, seed):
@@ -169,3 +194,6 @@ def test_dispatch_bit_identical_and_reductions(world, cases):
         assert sum(rep["sent"] for rep in reports) == sum(rep["received"] for rep in reports)
     # fan-out cases (latency 0, several nodes) ran a second round somewhere
     assert any(per_rank[0][i]["rounds"] == 2 for i, c in enumerate(cases) if c[3])
+    # the one sample's tensors landed on one rank; the others got every name, empty
+    assert sorted(per_rank[r][-1]["one_sample"] > 0 for r in range(world)) == \
+        [False] * (world - 1) + [True]

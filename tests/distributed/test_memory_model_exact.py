@@ -17,7 +17,7 @@ plain optimizer (``use_distributed_optimizer=False``, ``TrainOptions(distributed
 False)``): weights, grads and the Adam moments (exp_avg + exp_avg_sq) are EQUAL to the model;
 torch's ``step`` scalars add 4 B per parameter tensor, which the model omits (asserted as such).
 
-LoRA (the tiny llama, rank 4, on five layouts and both optimizers): the same assertions, with
+LoRA (the tiny llama, rank 4, on two layouts and both optimizers): the same assertions, with
 the trained parameters (the adapters, ``requires_grad``) in place of every parameter: the grad
 buffers and Adam's moments hold the adapters only, as the model counts.
 
@@ -49,7 +49,7 @@ DIST_OPT_MODELS = (("llama", False), ("qwen2", True))   # both also with the dis
 MOE_LAYOUTS = ("dp4", "ep2", "ep4", "ep2xtp2", "ep2xtp2xetp1")
 # The tiny llama with rank-4 adapters on all four linears (frozen base), both optimizers: the
 # weights count base and adapters, grads and Adam state the adapters only (plan/lora_memory.py)
-LORA_LAYOUTS = ("tp2xdp2", "pp2xdp2", "cp2xdp2", "tp4", "tp2xpp2")
+LORA_LAYOUTS = ("tp2xdp2", "pp2xdp2")   # the tp split, the pp split, dp sharding
 ALIGN = 64                      # Megatron pads each param start to 64 elements (dist. optimizer)
 
 
