@@ -42,6 +42,8 @@ def _received_ok(consumer, rank: int, got) -> bool:
     import torch
 
     want = _local(consumer, rank)
+    names = {t.name for t in consumer.tensors}   # every name, empty where nothing lands
+    got = {n: v for n, v in got.items() if v} if set(got) == names else {"missing": got}
     return set(want) == set(got) and all(
         set(want[n]) == set(got[n]) and all(torch.equal(want[n][s], got[n][s]) for s in want[n])
         for n in want)
