@@ -13,17 +13,31 @@ as a run does. Invariants:
   counts them. The critic (the policy's shape, its value head counted as the output layer: an
   overestimate) is counted with this function on the policy's config.
 - ``critic_plan``: the selector's plan for ``workload`` (a TRAIN stage) with the policy's
-  training state in that same layout counted resident: a first choice alone, then again with
-  that counted. The selector's state (its hysteresis) is not read or changed.
+  training state counted resident in each candidate's own layout (the policy is laid out like
+  the candidate): every valid TRAIN layout L and every recompute mode the selector weighs
+  there is kept when the critic's TRAIN in L beside ``train_bytes(model, L)`` fits, and the
+  candidates are ranked as ``Selector.plan`` ranks them (cost, recompute order, memory,
+  layout). It is ``Selector.plan`` itself run on a selector whose memory estimate adds that
+  layout's policy state (``_BesidePolicy``), so the loop, the ranking, the reason and
+  ``NoLayoutFitsError``'s suggestions (each re-checked under the same rule) are the
+  selector's. The selector's state (its hysteresis) is not read or changed.
+
+  It replaced a first choice alone whose policy state was then counted in every candidate
+  (one resident value for all): from that first choice's layout, which spreads the state less
+  than the layouts that fit both, it planned OOM where another layout held policy and critic.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
-from earl_megatron.plan.memory_model import param_count_per_rank, train_state_bytes
+from earl_megatron.plan.memory_model import (MemoryEstimate, param_count_per_rank,
+                                             train_state_bytes)
 from earl_megatron.plan.selector import LayoutPlan, Selector
-from earl_megatron.plan.specs import StageWorkload, TrainOptions
+from earl_megatron.plan.specs import Recompute, Stage, StageWorkload, TrainOptions, human_bytes
 
 FIRST_ROLLOUT_TOKENS = 128
 """Episode length the first rollout is planned for, before any episode was played, and so the
@@ -43,10 +57,28 @@ def train_bytes(model: ModelConfig, layout: ParallelLayout, opts: TrainOptions) 
     return weights + train_state_bytes(model, layout, opts)
 
 
+@dataclass(frozen=True)
+class _BesidePolicy(Selector):
+    """A selector whose every estimate counts, besides ``resident_bytes``, the policy's train
+    state in the estimated layout itself (``train_bytes``): the critic's TRAIN beside a policy
+    laid out like it."""
+
+    def memory(self, layout: ParallelLayout, workload: StageWorkload,
+               resident_bytes: int = 0, recompute: Optional[Recompute] = None) -> MemoryEstimate:
+        policy = train_bytes(self.model, layout, self.train_opts)
+        return super().memory(layout, workload, resident_bytes + policy, recompute)
+
+
 def critic_plan(selector: Selector, workload: StageWorkload) -> LayoutPlan:
-    """The critic's plan under auto: the selector's for ``workload`` (TRAIN) with the policy's
-    training state in the first choice's layout resident (NoLayoutFitsError when nothing
-    fits); its layout is the critic's, its memory the critic's TRAIN beside that state."""
-    alone = selector.plan(workload)[0].layout
-    resident = train_bytes(selector.model, alone, selector.train_opts)
-    return selector.plan(workload, resident_bytes=resident)[0]
+    """The critic's plan under auto: ``selector``'s plan for ``workload`` (TRAIN) with the
+    policy's training state counted resident in each candidate's own layout (module
+    docstring; NoLayoutFitsError, with suggestions checked under that rule, when none fits).
+    Its layout is the critic's, its memory the critic's TRAIN there beside the policy's state
+    in the same layout; ``selector`` and its state are left as they were."""
+    if workload.stage is not Stage.TRAIN:
+        raise ValueError(f"the critic is placed for TRAIN, not {workload.stage.value}")
+    beside = _BesidePolicy(**{f.name: getattr(selector, f.name) for f in fields(selector)})
+    plan = beside.plan(workload)[0]
+    return replace(plan, reason=(
+        f"{plan.reason}; the policy's train state counted resident in each candidate's own "
+        f"layout ({human_bytes(plan.chosen.memory.resident)} in {plan.layout})"))

@@ -149,9 +149,10 @@ class StagePlanner:
     def critic_choice(self) -> ParallelLayout:
         """ppo: the critic's layout for the run (it never moves). static: layout.train. auto:
         the selector's TRAIN layout for a batch of the first rollout's planned length, with the
-        policy's train state in that layout counted resident beside it (its first choice
-        alone, then again with that counted); from the config alone, so a resumed run picks
-        the same, and the selector's state (its hysteresis) is left as it was."""
+        policy's train state counted resident in each candidate's own layout (the policy laid
+        out like the candidate: plan/critic_memory.py ``critic_plan``); from the config alone,
+        so a resumed run picks the same, and the selector's state (its hysteresis) is left as
+        it was."""
         if not self.auto:
             return ParallelLayout.parse(self.layout_cfg.static("train"), world_size=self.world,
                                         model=self.model)

@@ -15,7 +15,7 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
 - algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
   seed) scored by another critic (its trunk the trained policy's);
 - layout.mode=auto under a 0.015 GB budget with algorithm.max_staleness=1 (3 iterations): the
-  critic in CP2 for the whole run while the policy rolls out in DP2 and trains in CP2 from
+  critic in TP2 for the whole run while the policy rolls out in DP2 and trains in CP2 from
   iteration 1 (a switch there and back each iteration); iterations 1 and 2 train tokens one
   version old (staleness_max 1), their values scored by the critic of the iteration that trains
   them; every value metric finite; and 2 iterations resumed to 3 record what 3 do, every metric
@@ -46,8 +46,9 @@ def _cfg(out, iterations, algorithm=None, sections=None, **critic):
 
 AUTO = {"layout": {"mode": "auto", "memory_budget_gb": 0.015},
         "rollout": {"prefill_tokens": 256}}
-"""Auto layouts under a budget that puts the critic in CP2 (the selector's TRAIN choice for a
-first batch of 128 tokens, with the policy's train state counted beside it), the rollout in
+"""Auto layouts under a budget that puts the critic in TP2 (the selector's TRAIN choice for a
+first batch of 128 tokens, with the policy's train state counted in each candidate's own
+layout: TP2 without recompute, 13.5 of 13.8 MiB; plan/critic_memory.py), the rollout in
 DP2 (its prefill cut to 256 tokens to fit) and the reference's LOGPROB and the policy's TRAIN
 in CP2 (trainer/planner.py)."""
 
@@ -205,13 +206,13 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         losses = r["fixed_batch"]
         assert losses[0] > losses[1] > losses[2] > losses[3], losses
         assert max(losses[2:]) < 0.1 * losses[0], losses
-        # layout.mode=auto: the critic stays in CP2 while the policy moves between DP2 (ROLLOUT)
+        # layout.mode=auto: the critic stays in TP2 while the policy moves between DP2 (ROLLOUT)
         # and CP2 (TRAIN) every iteration, the values dispatched from the rollout's DP2; with
         # max_staleness=1 tokens one version old train, the critic's values finite
         auto = r["auto"]
         assert [h["staleness_max"] for h in auto] == [0, 1, 1], auto
         assert all(math.isfinite(h["loss"]) for h in auto[1:]), auto
-        assert [h["critic_layout"] for h in auto] == ["CP2"] * 3, auto
+        assert [h["critic_layout"] for h in auto] == ["TP2"] * 3, auto
         # (at k=1 the selector keeps iteration 0 in DP2)
         assert [h["layouts"] for h in auto[1:]] == \
             [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 2, auto

@@ -6,10 +6,12 @@ import io
 import pytest
 from test_plan_layouts_cli import tool  # noqa: F401 - the fixture loading tools/plan_layouts.py
 
-from earl_megatron.plan.critic_memory import train_bytes, weight_bytes
+from earl_megatron.plan.critic_memory import critic_plan, train_bytes, weight_bytes
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
-from earl_megatron.plan.specs import Stage, TrainOptions
+from earl_megatron.plan.selector import RECOMPUTE_ORDER, NoLayoutFitsError
+from earl_megatron.plan.specs import (GiB, Recompute, Stage, StageWorkload, TrainOptions,
+                                      human_bytes)
 from earl_megatron.plan.tensor_table import num_parameters
 from earl_megatron.testing.configs import tiny_connect_four
 
@@ -32,9 +34,9 @@ def test_the_tool_places_and_counts_the_critic_as_the_trainer_does(tmp_path, too
 
     chosen = tool.critic_choice(p.selector, 8)            # the tool's: 8 episodes of 128 tokens
     assert chosen.layout == p.critic_choice()
-    first = p.selector.plan(tool.StageWorkload.of(Stage.TRAIN, 128, 8,
-                                                  micro_batch_tokens=128))[0].layout
-    assert chosen.chosen.memory.resident == p.train_bytes(first) > 0
+    # the policy's train state in the critic's own layout, counted beside it
+    assert chosen.chosen.memory.resident == p.train_bytes(chosen.layout) > 0
+    assert "in each candidate's own layout" in chosen.reason
 
 
 def test_earl_plan_critic_on_the_7b_node(tool):
@@ -66,3 +68,77 @@ def test_earl_plan_critic_on_the_7b_node(tool):
 
     with pytest.raises(SystemExit, match="ppo_problem"):
         tool.main(["--critic", "--lora-rank", "8"], out=io.StringIO())
+
+
+def test_the_critic_is_placed_with_the_policy_laid_out_like_each_candidate(tool):
+    """The 72B recipe's 16 nodes, TRAIN of 64 sequences of 4K tokens (32K-token micro-batches,
+    recompute auto): the old rule (the first choice alone, its policy state then counted
+    resident beside every candidate) finds nothing; counted in each candidate's own layout,
+    policy and critic both fit in TP2xCP4xPP16 with full recompute."""
+    args = tool.build_parser().parse_args(["--model", "qwen2.5-72b", "--nodes", "16",
+                                           "--gpus-per-node", "8"])
+    model, opts = tool.model_from_args(args), TrainOptions(distributed_optimizer=True)
+    sel = tool.Selector(model, tool.cluster_from_args(args), opts,
+                        tool.SelectorConfig(auto_recompute=True))
+    wl = StageWorkload.of(Stage.TRAIN, 4096, 64, micro_batch_tokens=32768)
+
+    # the old rule: the first choice alone spreads the policy's state less than any layout
+    # that could hold both, and with that one value resident nothing fits
+    alone = sel.plan(wl)[0].layout
+    assert sel.fits_somewhere(wl, train_bytes(model, alone, opts)) is None
+    with pytest.raises(NoLayoutFitsError):
+        sel.plan(wl, resident_bytes=train_bytes(model, alone, opts))
+
+    # from first principles: every (layout, mode) with the policy's state in that layout,
+    # ranked by cost, then mode, memory and layout
+    fitting = []
+    for lay in sel.valid_layouts(Stage.TRAIN):
+        resident = train_bytes(model, lay, opts)
+        for rc in RECOMPUTE_ORDER:
+            mem = sel.memory(lay, wl, resident, rc)
+            if sel.fits(mem):
+                c = sel.evaluate(lay, wl, resident_bytes=resident, recompute=rc)
+                fitting.append((c.cost, RECOMPUTE_ORDER.index(rc), mem.total, lay, rc, resident))
+    best = min(fitting)
+    assert (str(best[3]), best[4]) == ("TP2xCP4xPP16", Recompute.FULL)
+
+    plan = critic_plan(sel, wl)
+    assert (plan.layout, plan.recompute) == (best[3], best[4])
+    assert plan.chosen.memory.resident == best[5] == train_bytes(model, plan.layout, opts)
+    assert plan.predicted_memory_bytes == best[2] <= plan.budget_bytes
+    assert 23 * GiB < best[5] < 24 * GiB and 59 * GiB < best[2] < 60 * GiB     # 23.6 of 59.9
+    assert plan.num_valid == len(sel.valid_layouts(Stage.TRAIN)) == 90
+    assert alone in plan.oom and plan.layout not in plan.oom
+    assert "policy's train state counted resident in each candidate's own layout" in plan.reason
+
+
+def test_critic_plan_raises_with_suggestions_checked_under_its_rule(tmp_path):
+    """Nowhere to fit: NoLayoutFitsError as Selector.plan raises it, its smallest estimate and
+    its suggestion (more nodes) both with the policy's state in the layout they name."""
+    from dataclasses import replace
+
+    from earl_megatron.trainer.planner import StagePlanner
+    from earl_megatron.trainer.stages import BatchShape
+
+    cfg = tiny_connect_four(str(tmp_path), algorithm={"name": "ppo"},
+                            layout={"mode": "auto", "memory_budget_gb": 0.003})
+    sel = StagePlanner(cfg.model, cfg.layout, cfg.cluster, 2, distributed_optimizer=False,
+                       episodes=8, batch=BatchShape(1)).selector
+    opts = sel.train_opts
+    wl = StageWorkload.of(Stage.TRAIN, 128, 8, micro_batch_tokens=128)
+    with pytest.raises(NoLayoutFitsError) as e:
+        critic_plan(sel, wl)
+    small = e.value.smallest
+    assert small.total > sel.budget_bytes
+    assert small.resident == train_bytes(cfg.model, small.layout, opts) > 0
+    # the first suggestion: twice the nodes, a layout there that fits beside its own policy state
+    text = e.value.suggestions[0]
+    assert text.startswith("2 nodes (4 devices), e.g. ")
+    name, at = text.split("e.g. ")[1].split(" at ")
+    bigger = replace(sel, cluster=sel.cluster.with_(nodes=2))
+    lay = ParallelLayout.parse(name.lower(), world_size=4, model=cfg.model)
+    mems = [bigger.memory(lay, wl, train_bytes(cfg.model, lay, opts), rc)
+            for rc in bigger.recompute_modes(Stage.TRAIN)]
+    assert at in {human_bytes(m.total) for m in mems if bigger.fits(m)}
+    with pytest.raises(ValueError, match="TRAIN"):     # the critic is placed for its TRAIN
+        critic_plan(sel, StageWorkload.of(Stage.LOGPROB, 128, 8, micro_batch_tokens=128))
