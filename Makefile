@@ -89,12 +89,12 @@ $(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_cus
 
 # Real SGLang servers on CPU: the engine's tests and trainer runs with rollout.engine=sglang.
 test-sglang: install sglang
-	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/sglang $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s --durations=15 tests/sglang $(PYTEST_ARGS)
 
 # The real model end to end: conversion parity, the chat-template invariant, SGLang logprobs and
 # RL iterations on SmolLM2-135M-Instruct (tests/real).
 test-real: install smollm2 sglang
-	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s tests/real $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 EARL_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -v -s --durations=15 tests/real $(PYTEST_ARGS)
 
 # A real Slurm on this host (Debian's slurmctld + two slurmd "nodes" + munge; root, installs the
 # packages when missing): up, submit recipes/slurm/train.sbatch as the README does, down.

@@ -1,20 +1,23 @@
 """The weight plan in the trainer, on real CPU servers (opt-in: EARL_SGLANG_VENV).
 
-One 4-rank job, two trainer runs of 3 iterations with static layouts: rollout TP2xDP2 (two tp2
-servers, leaders 0 and 2), train TP2xDP2 in the first run and PP2xDP2 in the second:
+One 4-rank trainer run of 3 iterations with static layouts: rollout TP2xDP2 (two tp2 servers,
+leaders 0 and 2), train PP2xDP2:
 
-    train TP2xDP2   ranks 0 [tp0] 1 [tp1] | 2 [tp0] 3 [tp1]   leader 0 gets tp1 from 1 or 3,
-                                                                leader 2 the other
     train PP2xDP2   ranks 0, 1 pp_stage 0 | 2, 3 pp_stage 1   leader 0 gets stage 1 from 2 or 3,
                                                                 leader 2 stage 0 from 0 or 1
 
-The second run plays agent programs (``env.name=agent``, earl_megatron/testing/agents.py
-``probe``: the ``openai`` client through the endpoint at each server's leader, whose calls the
-SGLang server batches; one agent forks its episode, one posts its reward), so the endpoint's
-rows, forks included, are what the servers sampled and the trainer re-scores.
+A tp2 server's leader fed from a train layout split by tp (it holds tp0 and gets tp1) is
+tests/sglang/test_sglang_layout_change.py's TP2 play; dp servers fed from a tp2 train layout are
+test_trainer_sglang.py's. (This file ran a second, TP2xDP2, trainer run of that case until
+2026-12-06: two more server starts for a push those two tests check.)
+
+The run plays agent programs (``env.name=agent``, earl_megatron/testing/agents.py ``probe``: the
+``openai`` client through the endpoint at each server's leader, whose calls the SGLang server
+batches; one agent forks its episode, one posts its reward), so the endpoint's rows, forks
+included, are what the servers sampled and the trainer re-scores.
 
 Checked on every iteration's metrics line: ``rollout_logprob_diff_max`` < 1e-4 (the servers hold
-the trainer's weights, pushed from that train layout, the first rollout's included), ranks 1
+the trainer's weights, pushed from the train layout, the first rollout's included), ranks 1
 and 3 received no byte of weights (``weight_sync_bytes_in_max`` == 0), and the busiest leader
 received exactly what it lacks (``plan/weight_plan.minimum_recv_bytes``), less than the
 model's bytes (``rollout_push_bytes``, what a leader pushes); ``weight_sync_s`` > 0.
@@ -31,10 +34,10 @@ from earl_megatron.testing.multiproc import run_distributed
 
 pytestmark = pytest.mark.timeout(2400)  # server starts take minutes on 2 busy cores
 
-TRAIN_LAYOUTS = ("tp2xdp2", "pp2xdp2")
+TRAIN_LAYOUTS = ("pp2xdp2",)
 
 
-def _two_runs(cfgs):
+def _runs(cfgs):
     from earl_megatron.train import run
     return [run(cfg) for cfg in cfgs]
 
@@ -67,14 +70,14 @@ def _cfg(sglang_python: str, train: str, out) -> TrainConfig:
     })
 
 
-def test_every_train_layout_pushes_only_to_the_leaders(sglang_python, run_dir):
+def test_a_pipeline_train_layout_pushes_only_to_the_leaders(sglang_python, run_dir):
     from earl_megatron.config.model import ModelConfig
     from earl_megatron.plan.layout import ParallelLayout
     from earl_megatron.plan.tensor_table import num_parameters
     from earl_megatron.plan.weight_plan import minimum_recv_bytes
 
     cfgs = [_cfg(sglang_python, t, run_dir / t) for t in TRAIN_LAYOUTS]
-    run_distributed(_two_runs, 4, cfgs, timeout=2100, collective_timeout_s=900)
+    run_distributed(_runs, 4, cfgs, timeout=2100, collective_timeout_s=900)
     model = ModelConfig.tiny(vocab_size=32)
     for train in TRAIN_LAYOUTS:
         lines = [json.loads(x) for x in (run_dir / train / "metrics.jsonl").read_text()
