@@ -21,7 +21,9 @@ first batch), so it never switches; its groups stay cached (runtime/groups) and 
 re-activated in place. The policy switches per stage around it: both critic stages dispatch
 from the batch's rollout layout to the critic's and (VALUES) back, whatever layout the policy
 trains in; CRITIC TRAIN plans its own micro-batches in the critic's layout (its sample tensors,
-padded for TRAIN's plan, are cut or padded to them: every prediction is inside both).
+padded for TRAIN's plan, are cut or padded to them: every prediction is inside both) and runs
+the recompute mode the planner gives it for the batch (``StagePlanner.critic_train``, planned
+with VALUES, before the policy's TRAIN step; recorded as ``critic_recompute``).
 
 Checkpoint: the critic's weights and Adam state are saved in the policy's checkpoint directory,
 under ``critic/`` (Megatron dist_checkpointing, the value head under ``value_head.*``), before
@@ -47,6 +49,7 @@ from earl_megatron.plan.placement import TensorSpec
 from earl_megatron.rl.value import (explained_variance, explained_variance_inputs, gae,
                                     value_clip_sums, value_loss)
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.runtime.recompute import set_recompute
 from earl_megatron.runtime.reduce import global_moments, global_sum
 from earl_megatron.trainer.scoring import normalized, owns_samples
 from earl_megatron.trainer.stages import (dispatched_microbatches, micro_batch_plan,
@@ -179,6 +182,8 @@ class Targets:
     returns: dict
     old_values: dict
     moved: int
+    recompute: str
+    """CRITIC TRAIN's recompute mode (trainer/planner.py ``critic_train``)."""
 
 
 def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[int],
@@ -193,7 +198,9 @@ def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[in
     adv, returns, old, found = gae_advantages(policy, ids, samples, values, a.gamma, a.lam, kl,
                                               tr.adv.kl_coef)
     metrics.update(found)
-    return adv, Targets(returns, old, moved)
+    # CRITIC TRAIN's plan, before anything trains: the policy's train state in its TRAIN layout
+    mode = tr.planner.critic_train([tokens[s] for s in sorted(tokens)], layouts["train"])
+    return adv, Targets(returns, old, moved, mode)
 
 
 def critic_step(tr, models, policy: ModelOnLayout, ids: list[int], samples: dict,
@@ -202,12 +209,14 @@ def critic_step(tr, models, policy: ModelOnLayout, ids: list[int], samples: dict
     its micro-batch plan of the batch (``tokens`` per sample); its metrics, ``value_bytes`` the
     bytes both critic stages' dispatches received over the world."""
     a, critic = tr.cfg.algorithm, models.critic_in(models.critic.layout)
+    set_recompute(critic, targets.recompute)
     plan = micro_batch_plan(critic.layout, tokens, tr.batch, tr.cfg.model)
     with t("critic_train"):
         found = train_critic(critic, policy.layout, ids, samples, targets.old_values,
                              targets.returns, plan, a.critic.clip, a.epochs,
                              pad_id=tr.tok.pad_token_id)
     found["critic_layout"] = str(critic.layout)
+    found["critic_recompute"] = targets.recompute
     # bytes the critic's two dispatches received, summed over the world (the same on every rank)
     found["value_bytes"] = int(global_sum(torch.tensor(
         [found["value_bytes"] + targets.moved], dtype=torch.float64)).item())

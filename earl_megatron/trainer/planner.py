@@ -9,8 +9,10 @@ Memory of the other model: the reference shard stays resident while the policy r
 trains, and the policy's weights, grads and Adam state stay resident while the reference scores:
 ``resident_bytes`` carries it into each stage's plan or check. PPO's critic (``critic_layout``)
 adds its weights, grads and Adam state (the policy's shape: the value head is counted as the
-output layer, an overestimate) to every stage's; its VALUES and CRITIC TRAIN stages are taken
-as covered by the policy's LOGPROB and TRAIN estimates. Its layout (``critic_choice``) is
+output layer, an overestimate) to every stage's; its VALUES stage is taken as covered by the
+policy's LOGPROB estimate, and its CRITIC TRAIN gets a recompute mode of its own
+(``critic_train``: the fastest that fits beside the policy's train state). Its layout
+(``critic_choice``) is
 layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once. The
 byte counts and the auto choice are plan/critic_memory.py's, which ``earl plan --critic`` calls
 too.
@@ -29,7 +31,8 @@ table by (model, tp), so later plans price a restart with the measurement instea
 Recompute (``layout.recompute``): "auto" lets the selector choose the TRAIN stage's mode with its
 layout every iteration (auto layouts: the cheapest fitting (layout, mode) pair; a static layout:
 its fastest fitting mode); a mode name fixes it for the run. ``recompute["train"]`` is the mode
-the TRAIN stage runs with (the runner sets it on the model: runtime/recompute.py).
+the TRAIN stage runs with (the runner sets it on the model: runtime/recompute.py);
+``recompute["critic_train"]`` the critic's (trainer/critic.py).
 
 State: the selector's last choice per stage and the profile table (server starts), saved with
 checkpoints (``state_json``, ``profile_json``) and restored on resume (``restore``); the
@@ -158,6 +161,21 @@ class StagePlanner:
                                         model=self.model)
         wl = self._workload("train", [FIRST_ROLLOUT_TOKENS] * self.episodes)
         return critic_memory.critic_plan(self.selector, wl).layout
+
+    def critic_train(self, lengths: list[int], policy_layout: ParallelLayout) -> str:
+        """ppo: CRITIC TRAIN's recompute mode for a batch of ``lengths`` in the critic's layout,
+        chosen as a static TRAIN layout's is (the fastest mode that fits; a mode name in
+        layout.recompute fixes it), with the policy's train state in ``policy_layout``
+        resident (LayoutOverBudgetError when no mode fits). Planned before the policy's TRAIN
+        step, so an over-budget batch stops the iteration before anything trains; the estimate
+        is ``predicted_memory["critic_train"]``."""
+        wl = self._workload("train", lengths)
+        mem, rc = self._static_memory(self.critic_layout, wl, self.train_bytes(policy_layout))
+        if mem.total > self.selector.budget_bytes:
+            raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))
+        self.predicted_memory["critic_train"] = mem.total
+        self.recompute["critic_train"] = rc.value
+        return rc.value
 
     def _static_memory(self, lay: ParallelLayout, wl: StageWorkload,
                        resident_bytes: int) -> tuple[MemoryEstimate, Recompute]:

@@ -195,6 +195,9 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
             assert h["value_loss"] > 0 and abs(h["advantage_mean"]) < 1e-6, h
             assert {"values", "critic_train"} <= set(h["seconds"]) <= \
                 {*ITERATION_TIMERS, "total"}, h["seconds"]
+            # CRITIC TRAIN planned on its own: no budget to speak of, so the fastest mode
+            assert h["critic_recompute"] == "none" and \
+                h["predicted_memory_gb"]["critic_train"] > 0, h
         # the warm-up: the critic trains alone at iteration 0, the policy from iteration 1 on
         assert "loss" not in hist[0] and "weight_sync" not in hist[0]["seconds"], hist[0]
         assert all(math.isfinite(h["loss"]) and "kl" in h for h in hist[1:]), hist
@@ -218,6 +221,9 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
             [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 2, auto
         for h in auto:
             assert all(math.isfinite(h[key]) for key in VALUE_KEYS) and h["value_loss"] > 0, h
+            # CRITIC TRAIN's own plan keeps it within the 0.015 GB budget (less the 10% margin)
+            assert h["critic_recompute"] in ("none", "selective", "full"), h
+            assert 0 < h["predicted_memory_gb"]["critic_train"] <= 0.015 * 0.9, h
         assert r["auto_equal"], "auto, k=1: 2 iterations resumed to 3 differ from 3"
         sw = r["switches"]
         assert sw["equal"] and sw["lengths"] == [19 + 5 * s for s in sw["ids"]], sw

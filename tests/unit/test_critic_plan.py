@@ -142,3 +142,55 @@ def test_critic_plan_raises_with_suggestions_checked_under_its_rule(tmp_path):
     assert at in {human_bytes(m.total) for m in mems if bigger.fits(m)}
     with pytest.raises(ValueError, match="TRAIN"):     # the critic is placed for its TRAIN
         critic_plan(sel, StageWorkload.of(Stage.LOGPROB, 128, 8, micro_batch_tokens=128))
+
+
+def test_critic_train_gets_the_fastest_recompute_mode_that_fits_beside_the_policy(tmp_path):
+    """CRITIC TRAIN's recompute mode (StagePlanner.critic_train): the critic's layout fixed,
+    the policy's train state in its TRAIN layout resident, the fastest mode whose estimate is
+    within the budget; a mode name in layout.recompute fixes it; none fitting is refused."""
+    from earl_megatron.plan.what_fits import LayoutOverBudgetError
+    from earl_megatron.trainer.planner import StagePlanner
+    from earl_megatron.trainer.stages import BatchShape
+
+    lengths = [256] * 8
+
+    def planner(budget_gb, recompute="auto"):
+        cfg = tiny_connect_four(str(tmp_path), algorithm={"name": "ppo"},
+                                layout={"mode": "auto", "memory_budget_gb": budget_gb,
+                                        "recompute": recompute})
+        p = StagePlanner(cfg.model, cfg.layout, cfg.cluster, 2, distributed_optimizer=False,
+                         episodes=8, batch=BatchShape(4))
+        p.critic_layout = ParallelLayout.parse("tp2", world_size=2, model=cfg.model)
+        return p
+
+    p = planner(1.0)
+    dp2 = ParallelLayout.parse("dp2", world_size=2, model=p.model)
+    wl = p._workload("train", lengths)
+    resident = p.train_bytes(dp2)   # the policy trains in DP2 this iteration
+    mem = {rc: p.selector.memory(p.critic_layout, wl, resident, rc) for rc in Recompute}
+    assert all(m.resident == resident for m in mem.values())
+    full, none = mem[Recompute.FULL].total, mem[Recompute.NONE].total
+    assert full < none, (full, none)   # recomputing holds fewer activations
+    assert p.critic_train(lengths, dp2) == "none"   # everything fits: the fastest
+    assert p.predicted_memory["critic_train"] == none and p.recompute["critic_train"] == "none"
+
+    # a budget below no-recompute's estimate by half of what the policy's state would shrink
+    # in TP2 (its state there is half DP2's): only recomputing fits beside the policy in DP2
+    # (budget = memory x (1 - margin))
+    tp2_state = p.train_bytes(p.critic_layout)
+    assert tp2_state < resident
+    margin = p.selector.config.memory_margin
+    tight = planner((none - (resident - tp2_state) / 2) / (1 - margin) / GiB)
+    fitting = [rc for rc in Recompute if mem[rc].total <= tight.selector.budget_bytes]
+    assert Recompute.NONE not in fitting and Recompute.FULL in fitting
+    want = min(fitting, key=lambda rc: (
+        tight.selector.evaluate(p.critic_layout, wl, resident_bytes=resident,
+                                recompute=rc).predicted_seconds, RECOMPUTE_ORDER.index(rc)))
+    assert tight.critic_train(lengths, dp2) == want.value != "none"
+    # the resident policy state counts: beside the policy in TP2 no-recompute fits again
+    assert none - resident + tp2_state <= tight.selector.budget_bytes
+    assert tight.critic_train(lengths, p.critic_layout) == "none"
+
+    assert planner(1.0, recompute="selective").critic_train(lengths, dp2) == "selective"
+    with pytest.raises(LayoutOverBudgetError):
+        planner(full * 0.5 / (1 - margin) / GiB).critic_train(lengths, dp2)
