@@ -282,15 +282,15 @@ def _cpu() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def _golden_path(case: str, cpu: str | None = None) -> Path:
-    """The case's golden file for this CPU's kernels when one exists (``CASE.CPU.json``, module
-    docstring), else the case's file."""
-    own = GOLDEN / f"async_parity_{case}.{cpu or _cpu()}.json"
-    return own if own.exists() else GOLDEN / f"async_parity_{case}.json"
+def _golden_path(case: str, per_cpu: bool) -> Path:
+    """``CASE.CPU.json`` (this CPU's kernels, module docstring) or ``CASE.json``."""
+    return GOLDEN / (f"async_parity_{case}.{_cpu()}.json" if per_cpu
+                     else f"async_parity_{case}.json")
 
 
 def _load(case: str) -> dict:
-    return json.loads(_golden_path(case).read_text())
+    own = _golden_path(case, per_cpu=True)
+    return json.loads((own if own.exists() else _golden_path(case, per_cpu=False)).read_text())
 
 
 def test_golden_files_are_nontrivial():
@@ -386,8 +386,7 @@ def generate(root: str, cases, per_cpu: bool = False) -> None:
             doc["agent_tasks"] = [dict(t) for t in AGENT_TASKS]
         if per_cpu:
             doc["cpu_capability"] = _cpu()
-        path = GOLDEN / (f"async_parity_{case}.{_cpu()}.json" if per_cpu
-                         else f"async_parity_{case}.json")
+        path = _golden_path(case, per_cpu)
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"wrote {path} ({len(hists)} ranks x {len(hists[0])} records)")
 
