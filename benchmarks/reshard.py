@@ -233,11 +233,11 @@ def _job(pairs, args_dict, tmp_root):
             # disk: A -> B through dist_checkpointing (a throwaway save first warms its workers)
             path = os.path.join(tmp_root, f"{world}_{n}")
             if n == 0:
-                from megatron.core import dist_checkpointing
+                from earl_megatron.runtime.checkpoint import save_sharded
                 os.makedirs(path + "_warm", exist_ok=True)
                 dist.barrier()
                 t = time.perf_counter()
-                dist_checkpointing.save(mol.module().sharded_state_dict(), path + "_warm")
+                save_sharded(mol.module().sharded_state_dict(), path + "_warm")
                 row["first_save_s"] = _maxed([time.perf_counter() - t])[0]
             st = SwitchStats()
             dist.barrier()
@@ -291,8 +291,8 @@ def _print(rows, weight_bytes):
                   f"{m['wall_s']:6.2f} {p['transfer_s']:10.2f} {p['wall_s']:6.2f} {disk} "
                   f"{mcs:>18}")
     print("\nCPU seconds summed over ranks (wall times on shared cores are noisy; CPU is not"
-          " billed for waiting;\ndisk counts no helper process dist_checkpointing keeps alive:"
-          " a lower bound):")
+          " billed for waiting;\ndisk saves as the trainer does, runtime/checkpoint.save_sharded:"
+          " no helper process):")
     for r in rows:
         f, m, p, d = r["first"], r["mem"], r["p2p"], r["disk"]
         print(f"  {r['world']} {r['src']}->{r['dst']}: in-memory first {f['cpu_s']:.2f}, steady "

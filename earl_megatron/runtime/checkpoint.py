@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import queue
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +41,25 @@ CONFIG_JSON = "earl_model_config.json"
 HF_SUBDIR = "hf"
 """A checkpoint's HF side files: the tokenizer and the HF config.json it was made from."""
 """The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
+def save_sharded(state: dict, path: str | Path, **kwargs) -> None:
+    """Collective: ``dist_checkpointing.save(state, path, **kwargs)``, every save of the package's.
+
+    The one global of Megatron-Core's checkpointing this package sets. Its torch_dist writer
+    hands the write results to the saving rank through a module-level queue that it builds, on
+    a process's first save, from a spawn-context ``Manager``: a server process per rank that
+    imports torch to unpickle them (about 6 CPU-seconds a rank on the 2-core CI host, a quarter
+    of a 3-iteration test run's CPU). Every save here is synchronous (Megatron runs the writer in
+    this process and reads the results back before ``save`` returns), so an in-process queue
+    carries them. tests/distributed/test_checkpoint.py fails when the pinned Megatron-Core no
+    longer reads this global (a save would then start that server again)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(state, str(path), **kwargs)
+
+
 def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dict[str, Any],
                     keep_last: Optional[int] = None, *, tokenizer=None,
                     hf_config: Optional[Path] = None, also=None) -> Path:
@@ -52,8 +72,6 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
     placement's rollout pool, whose weights are the train pool's) and joins with nothing;
     rank 0 must hold it. ``also(directory)``: a collective call that writes more into the
     directory before it is published (PPO's critic, trainer/critic.py)."""
-    from megatron.core import dist_checkpointing
-
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (None keeps every checkpoint)")
     final = checkpoint_dir(root, iteration)
@@ -66,7 +84,7 @@ def save_checkpoint(on_layout, root: str | Path, iteration: int, loop_state: dic
     # a rank without the model's state has no common state either (the optimizer's param
     # groups): Megatron's check that every rank's equals rank 0's would warn for nothing
     with _quiet("megatron.core.dist_checkpointing.validation", on_layout is None):
-        dist_checkpointing.save(state, str(tmp))
+        save_sharded(state, tmp)
     dist.barrier()
     if also is not None:
         also(tmp)
@@ -102,12 +120,10 @@ def _sharded_state(on_layout, is_loading: bool = False) -> dict:
 def save_model_state(on_layout, path: Path) -> None:
     """Collective: one more model's weights and optimizer state into ``path`` (a new
     subdirectory of a checkpoint directory being written: ``save_checkpoint``'s ``also``)."""
-    from megatron.core import dist_checkpointing
-
     if dist.get_rank() == 0:
         path.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(on_layout), str(path))
+    save_sharded(_sharded_state(on_layout), path)
     dist.barrier()
 
 

@@ -33,12 +33,14 @@ def switch_via_checkpoint(on_layout: ModelOnLayout, new_layout: ParallelLayout, 
     """Baseline: dist_checkpointing save under the old layout, load under the new (weights)."""
     from megatron.core import dist_checkpointing
 
+    from earl_megatron.runtime.checkpoint import save_sharded
+
     stats = stats if stats is not None else SwitchStats()
     cfg, ddp = on_layout.cfg, hasattr(on_layout.model, "module")
     t0 = time.perf_counter()
     os.makedirs(ckpt_dir, exist_ok=True)  # a shared filesystem: every rank sees one directory
     dist.barrier()
-    dist_checkpointing.save(on_layout.module().sharded_state_dict(), ckpt_dir)
+    save_sharded(on_layout.module().sharded_state_dict(), ckpt_dir)
     t1 = time.perf_counter()
     # the same rebuild as switch_layout's (free, regroup, build without random init)
     release_model(on_layout.model)

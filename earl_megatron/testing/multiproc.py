@@ -4,9 +4,10 @@
 default process group (gloo, a short collective timeout) in each, calls ``fn(*args)`` and returns
 the per-rank results in rank order.
 
-Workers come from a forkserver that imported torch and Megatron-Core once (``PRELOAD``): a
-spawned worker spends ~6 CPU-seconds importing them, and the test suite starts several hundred
-workers on 2 cores. Each worker gets the caller's environment as it is at the call (as a spawned
+Workers come from a forkserver that imported torch, Megatron-Core and the trainer once
+(``PRELOAD``): a spawned worker spends 7-10 CPU-seconds importing them on the 2-core CI host, the
+trainer's own modules (transformers among them) 1.4 of those, and the test suite starts several
+hundred workers. Each worker gets the caller's environment as it is at the call (as a spawned
 one would) and nothing else of the caller's state; their stdout and stderr go to files that
 are copied onto the caller's own, rank by rank, when the job ends. Invariants:
 
@@ -37,8 +38,11 @@ from earl_megatron.runtime.dist import free_port
 
 PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing"]
-"""Imported once by the forkserver, before any worker forks from it (no threads started)."""
+           "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
+           "earl_megatron.train"]
+"""Imported once by the forkserver, before any worker forks from it (no threads started; none
+of these modules reads the environment at import but ``config.compose``'s ``EARL_RECIPES``,
+which no worker composes with)."""
 
 _ctx = None
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.progress import ByteProgress
-from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
+from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR, save_sharded
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights import peft_export as peft
@@ -180,7 +180,7 @@ def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: in
             objects = {}
             d = tmp / f"part_{len(part_dirs):05d}"
             d.mkdir()
-            dist_checkpointing.save(sd, str(d), validate_access_integrity=False)
+            save_sharded(sd, d, validate_access_integrity=False)
             part_dirs.append(d)
             shifts.append(shift)
             pending, pending_bytes = {}, 0
