@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -243,11 +244,14 @@ def adapters_off(model):
         set_adapters(model, True)
 
 
-def apply_lora(model, spec: LoraSpec, *, seed: int = 0) -> dict[str, torch.nn.Parameter]:
+def apply_lora(model, spec: LoraSpec, *, seed: int = 0,
+               full: Optional[Mapping[str, tuple[torch.Tensor, torch.Tensor]]] = None
+               ) -> dict[str, torch.nn.Parameter]:
     """Wrap every targeted linear of ``model`` (a bare GPTModel pp_stage) in a ``LoraLinear``,
     freeze every other parameter, and return the adapter parameters by global name
     (``decoder.layers.<global layer>.<path>.lora_a``: the layer index is the model's, not the
-    pp_stage's, so every pp split draws the same adapter).
+    pp_stage's, so every pp split draws the same adapter). ``full``: the FULL (A, B) of every
+    wrapped linear by its name, set instead of the fresh draw (weights/peft_import.py).
 
     Call it before Megatron's DDP wraps the model: DDP allocates its grad buffers (and the
     distributed optimizer its shards) for the parameters that require grad at construction."""
@@ -272,7 +276,12 @@ def apply_lora(model, spec: LoraSpec, *, seed: int = 0) -> dict[str, torch.nn.Pa
     for p in model.parameters():
         p.requires_grad_(False)
     adapters: dict[str, torch.nn.Parameter] = {}
+    missing = sorted(w.name for _, _, w in wraps if full is not None and w.name not in full)
+    if missing:
+        raise ValueError(f"apply_lora: no adapter given for {missing[:3]}")
     for parent, attr, wrapped in wraps:
+        if full is not None:
+            wrapped.load_full(a=full[wrapped.name][0], b=full[wrapped.name][1])
         setattr(parent, attr, wrapped)
         adapters[f"{wrapped.name}.lora_a"] = wrapped.lora_a
         adapters[f"{wrapped.name}.lora_b"] = wrapped.lora_b

@@ -83,7 +83,9 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
                     optimizer: Optional[OptimizerSpec] = None, seed: int = 1234,
                     recompute: Optional[str] = None, init: Optional[bool] = None,
                     pools: Optional[tuple[ParallelLayout, ...]] = None,
-                    local: bool = False) -> ModelOnLayout:
+                    local: bool = False,
+                    adapters: Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]] = None
+                    ) -> ModelOnLayout:
     """Regroup for ``layout`` and build this rank's pp_stage (with DDP and optimizer if asked).
 
     ``pools``: split placement's pools (runtime/groups.py ``build_pool_groups``), every rank
@@ -93,6 +95,8 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     ``load(model, coords)``: fills every parameter of the bare GPTModel pp_stage before DDP
     wraps it (weights/convert.py's ``load_policy`` reads checkpoints this way); exclusive with
     ``weights``, the full tensors to shard.
+    ``adapters``: with ``cfg.lora``, the FULL (A, B) of every adapted linear by name, set in
+    place of fresh ones (a PEFT adapter as run.init: weights/peft_import.py).
     ``init``: run Megatron's seeded random init. Default: only when neither ``weights`` nor
     ``load`` is given.
     ``init=False`` leaves every parameter as ``torch.empty``: the caller must overwrite all of
@@ -134,7 +138,7 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
         # adapters go in before DDP: Megatron's DDP allocates grad buffers (and the distributed
         # optimizer its shards) for the parameters that still require grad, the adapters only
         from earl_megatron.models.lora import apply_lora
-        apply_lora(model, cfg.lora, seed=seed)
+        apply_lora(model, cfg.lora, seed=seed, full=adapters)
     if ddp or optimizer is not None:
         model = wrap_ddp(model, tcfg, use_distributed_optimizer=bool(
             optimizer and optimizer.use_distributed_optimizer), pg_collection=pgc)

@@ -3,6 +3,8 @@ checkpoint, and what ``peft`` and transformers compute from them.
 
 ``fill_adapters(model)`` gives every adapter's B values drawn from a seed of its global name (a
 fresh adapter has B = 0 and would change nothing), the same on every layout.
+``peft_adapter(root, cfg, modules)`` saves ``cfg``'s model (seeded weights) as an HF directory and
+an adapter ``peft`` makes on it (its own A per module, B not zero), for run.init=ADAPTER.
 ``exported_logits(ckpt, out, hf_dir, tokens)`` runs tools/convert_mcore_to_hf.py in this
 process on ``ckpt`` twice (a PEFT adapter to ``out/peft``, ``--merged`` to ``out/merged``) and
 returns the logits of ``PeftModel.from_pretrained(base, out/peft)`` ("peft"), of the merged
@@ -31,6 +33,27 @@ def fill_adapters(model, scale: float = 0.05) -> None:
     for name, m in lora_layers(model).items():
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         m.load_full(b=torch.randn(m.out_features, m.lora_a.shape[0], generator=gen) * scale)
+
+
+def peft_adapter(root: Path, cfg, modules: list[str], r: int = 4,
+                 alpha: int = 8) -> tuple[Path, Path]:
+    """(the HF base directory, the adapter directory) under ``root``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.weights.hf_io import write_hf_dir
+    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
+
+    base = root / "base"
+    write_hf_dir(base, to_hf(cfg, reference_weights(cfg, seed=7)), to_hf_config(cfg))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                               LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
+                                          init_lora_weights=False))
+    model.save_pretrained(root / "adapter")
+    return base, root / "adapter"
 
 
 def export(*argv: str) -> None:

@@ -216,7 +216,9 @@ def _check_inputs(cfg: TrainConfig) -> None:
     if cfg.run.init is not None:
         # a TrainConfig built in code counts as all explicit: every field checked (a command
         # line's went through apply_run_init, which filled them from the checkpoint)
-        init_model(init_config(cfg.run.init), dataclasses.asdict(cfg.model), cfg.run.init)
+        _adapter_lora(cfg.run.init, init_model(init_config(cfg.run.init),
+                                               dataclasses.asdict(cfg.model), cfg.run.init),
+                      False)
 
 
 def init_config(init: str):
@@ -229,12 +231,13 @@ def init_config(init: str):
         raise ConfigError(f"run.init={init} does not exist; pass an HF directory or a "
                           "checkpoint of tools/convert_hf_to_mcore.py, or run.init=null "
                           "(a random init from run.seed)")
-    if (Path(init) / "adapter_config.json").is_file() and \
-            not (Path(init) / "config.json").exists():
-        raise ConfigError(f"run.init={init} is a PEFT adapter (adapter_config.json): starting "
-                          "from an adapter is not built yet (issue #46); pass its base model as "
-                          "run.init with model.lora.* (fresh adapters), or merge it into its base "
-                          "(peft's merge_and_unload, then save_pretrained) and pass that")
+    from earl_megatron.weights.peft_import import adapter_spec, is_peft_adapter
+    if is_peft_adapter(init):   # its base's model, with the adapter's model.lora
+        try:
+            adapter, spec = adapter_spec(init)
+        except ValueError as e:
+            raise ConfigError(f"run.init={init}: {e}") from None
+        return init_config(str(adapter.base)).with_(lora=spec)
     try:
         return read_model_config(init)
     except CheckpointError as e:  # damaged or neither kind: reported as a checkpoint error
@@ -269,11 +272,28 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
     given = list(model) if "model" in keys else [k.split(".")[1] for k in keys
                                                   if k.startswith("model.")]
     given = list(dict.fromkeys(given + (["lora"] if "lora" in model else [])))
-    found = init_model(init_config(init), {k: model.get(k) for k in given}, init)
+    found = _adapter_lora(init, init_model(init_config(init), {k: model.get(k) for k in given},
+                                           init), model.get("lora") is not None)
     out = {**d, "model": dataclasses.asdict(found), "run": {**run, "init": init}}
-    if "rollout.tokenizer" not in keys and _holding_tokenizer(init) is not None:
-        out["rollout"] = {**(d.get("rollout") or {}), "tokenizer": init}
+    from earl_megatron.weights.peft_import import is_peft_adapter, read_adapter
+    source = str(read_adapter(init).base) if is_peft_adapter(init) and \
+        _holding_tokenizer(init) is None else init   # an adapter without one: its base's
+    if "rollout.tokenizer" not in keys and _holding_tokenizer(source) is not None:
+        out["rollout"] = {**(d.get("rollout") or {}), "tokenizer": source}
     return out
+
+
+def _adapter_lora(init: str, model, loose: bool):
+    """``model`` (init_model's), whose lora must be the PEFT adapter's when run.init is one.
+    ``loose``: a section with rank 0 (a recipe's default) takes the adapter's."""
+    from earl_megatron.weights.peft_import import is_peft_adapter
+    if not is_peft_adapter(init):
+        return model
+    spec = init_config(init).lora
+    if model.lora == spec or (loose and not model.lora.enabled):
+        return model.with_(lora=spec)
+    raise ConfigError(f"model.lora={model.lora} differs from the PEFT adapter run.init={init} "
+                      f"({spec}): drop model.lora.* to take the adapter's")
 
 
 def run(cfg: TrainConfig) -> list[dict]:

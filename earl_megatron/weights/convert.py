@@ -329,10 +329,12 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
     ``pools``: split placement's pools, as ``build_on_layout`` takes them (``layout`` is this
     rank's pool's). ``lora``: a LoraSpec with a rank: the checkpoint is the base, and fresh
     adapters from ``seed`` go over it (B zero: the checkpoint's outputs); the returned ``cfg``
-    carries it.
+    carries it. A PEFT adapter directory: its base, with its adapter (weights/peft_import.py).
     """
     from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.weights.peft_import import is_peft_adapter, for_policy
 
+    path, lora, adapters = for_policy(path, lora) if is_peft_adapter(path) else (path, lora, None)
     cfg = _without_adapters(read_model_config(path), path, "loading it as a policy")
     if lora is not None:
         cfg = cfg.with_(lora=lora)
@@ -350,7 +352,7 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
             with reading(path, what):
                 load_hf_into(model, ckpt, cfg, layout, coords)
     return build_on_layout(cfg, layout, load=load, ddp=ddp, optimizer=optimizer, seed=seed,
-                           recompute=recompute, pools=pools)
+                           recompute=recompute, pools=pools, adapters=adapters)
 
 
 def load_mcore_into(model, path: str | os.PathLike) -> None:

@@ -113,8 +113,9 @@ def adapter_config(cfg: ModelConfig, base_model: Optional[str]) -> dict[str, Any
 
 def recorded_base(ckpt: Path) -> Optional[str]:
     """The HF model a training checkpoint's run started from: ``run.init`` in the run's
-    ``resolved.json`` (the checkpoint is ``RUN/checkpoints/iter_N``), unless that names a
-    Megatron checkpoint (which PEFT cannot load a base from). None when nothing is recorded."""
+    ``resolved.json`` (the checkpoint is ``RUN/checkpoints/iter_N``; a PEFT adapter's base), unless
+    that names a Megatron checkpoint (which PEFT cannot load a base from). None when nothing is
+    recorded."""
     resolved = Path(ckpt).parent.parent / "resolved.json"
     try:
         init = json.loads(resolved.read_text()).get("run", {}).get("init")
@@ -122,7 +123,8 @@ def recorded_base(ckpt: Path) -> Optional[str]:
         return None
     if not isinstance(init, str) or not init or (Path(init) / CONFIG_JSON).is_file():
         return None
-    return init
+    from earl_megatron.weights.peft_import import is_peft_adapter, read_adapter
+    return str(read_adapter(init).base) if is_peft_adapter(init) else init
 
 
 def write_adapter(src: Path, out: Path, cfg: ModelConfig,

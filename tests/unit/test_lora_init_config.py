@@ -1,6 +1,6 @@
 """A LoRA run from ``run.init`` (single process, no model): the composed config keeps the run's
 ``model.lora`` over the checkpoint's model, and the stage planner counts a LoRA run's KL
-reference as the policy's own base (no weights of its own)."""
+reference as the policy's own base (no weights of its own); a PEFT adapter's base must be local."""
 
 import json
 
@@ -56,7 +56,9 @@ def test_the_planner_counts_no_second_model_for_a_lora_reference():
     assert adapted.train_bytes(lay) == 13_312 * (4 + 8)
 
 
-def test_a_peft_adapter_as_run_init_is_refused_in_one_line(tmp_path):
+def test_a_peft_adapter_without_a_local_base_is_one_line(tmp_path):
+    # a PEFT adapter as run.init starts from its base (tests/unit/test_peft_import.py), which
+    # must be a local directory: nothing is downloaded
     import pytest
 
     from earl_megatron.config.checks import ConfigError
@@ -65,6 +67,6 @@ def test_a_peft_adapter_as_run_init_is_refused_in_one_line(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(ConfigError) as e:
         init_config(str(tmp_path))
-    assert str(e.value).startswith(f"run.init={tmp_path} is a PEFT adapter")
-    assert "pass its base model as run.init with model.lora.*" in str(e.value)
+    assert str(e.value).startswith(f"run.init={tmp_path}: {tmp_path}: base_model_name_or_path="
+                                   "None is not a local model directory")
     assert "\n" not in str(e.value)
