@@ -160,8 +160,7 @@ def _check_agent(cfg: TrainConfig, world: int) -> None:
     environment loads, with a dataset), the agents extra is installed; each problem one
     ConfigError."""
     from earl_megatron.agents.programs import AgentConfigError
-    from earl_megatron.trainer.agent_rollout import agent_program
-    from earl_megatron.trainer.runner import agent_spec
+    from earl_megatron.trainer.agent_rollout import agent_program, agent_spec
 
     try:
         agent_program(agent_spec(cfg), cfg.rollout.max_turns)

@@ -29,7 +29,7 @@ program to everything here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from earl_megatron.agents.programs import builtin_agent, load_tasks, resolve, ru
 from earl_megatron.agents.server import AgentServer, ServerLimits
 from earl_megatron.rollout.agent_loop import Episode, RolloutAbandoned
 from earl_megatron.runtime import groups
+
+if TYPE_CHECKING:
+    from earl_megatron.config.train import TrainConfig
 from earl_megatron.seeds import turn_sample_seed
 
 AGENT_ENV = "agent"
@@ -97,6 +100,25 @@ class AgentSpec:
                              "score its answers")
         return cls(kwargs.get("entry"), str(kwargs["tasks"]), kwargs.get("reward"),
                    int(concurrency), float(timeout_s), host, int(port), **server)
+
+
+def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
+    """env.name=agent: the agent programs' spec; None otherwise. Pure (config only): `earl
+    train` calls it before any rank starts, without importing Megatron-Core."""
+    if cfg.env.name != "agent":
+        return None
+    r = cfg.rollout
+    return AgentSpec.from_env_kwargs(dict(cfg.env.kwargs), concurrency=r.agent_concurrency,
+                                     timeout_s=r.agent_timeout_s, host=r.agent_host,
+                                     port=r.agent_port, public_url=r.agent_public_url,
+                                     max_body_mb=r.agent_max_body_mb, max_batch=r.agent_max_batch)
+
+
+def agent_programs_on_moe(cfg: TrainConfig) -> bool:
+    """Agent programs on an MoE model decoded by the embedded engine: rollouts at ep = 1
+    (replicas with ep > 1 decode in lockstep, which the programs' own timing cannot follow)."""
+    return cfg.env.name == "agent" and bool(cfg.model.num_experts) and \
+        cfg.rollout.engine == "embedded"
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from earl_megatron.runtime.checkpoint import base_hf_config, save_checkpoint
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.episode_pool import staleness_metrics
 from earl_megatron.trainer.evaluation import evaluate
-from earl_megatron.trainer.agent_rollout import AgentSpec, agent_metrics
+from earl_megatron.trainer.agent_rollout import agent_metrics, agent_programs_on_moe, agent_spec
 from earl_megatron.trainer.model_pair import ModelPair
 from earl_megatron.trainer.old_logprobs import rescore
 from earl_megatron.trainer.planner import StagePlanner
@@ -76,24 +76,6 @@ from earl_megatron.trainer.colocated import Colocated
 from earl_megatron.trainer.critic import critic_scores, critic_step
 from earl_megatron.trainer.split import Split
 from earl_megatron.trainer.stop import StopControl
-
-
-def agent_spec(cfg: TrainConfig) -> Optional[AgentSpec]:
-    """env.name=agent: the agent programs' spec (trainer/agent_rollout.py); None otherwise."""
-    if cfg.env.name != "agent":
-        return None
-    r = cfg.rollout
-    return AgentSpec.from_env_kwargs(dict(cfg.env.kwargs), concurrency=r.agent_concurrency,
-                                     timeout_s=r.agent_timeout_s, host=r.agent_host,
-                                     port=r.agent_port, public_url=r.agent_public_url,
-                                     max_body_mb=r.agent_max_body_mb, max_batch=r.agent_max_batch)
-
-
-def agent_programs_on_moe(cfg: TrainConfig) -> bool:
-    """Agent programs on an MoE model decoded by the embedded engine: rollouts at ep = 1
-    (replicas with ep > 1 decode in lockstep, which the programs' own timing cannot follow)."""
-    return cfg.env.name == "agent" and bool(cfg.model.num_experts) and \
-        cfg.rollout.engine == "embedded"
 
 
 class Trainer:

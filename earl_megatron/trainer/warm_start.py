@@ -31,12 +31,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.sft import SFTConfig
-from earl_megatron.trainer.sft import load_traces, set_lr, sft_step, step_batch, tokenize_traces
-from earl_megatron.trainer.stages import BatchShape
+
+if TYPE_CHECKING:
+    from earl_megatron.trainer.stages import BatchShape
 
 
 def sft_root(out: Path) -> Path:
@@ -149,6 +150,10 @@ class WarmStart:
 
     def run(self, models, planner, stop: Callable[[], bool]) -> bool:
         """All remaining steps; False when a stop was agreed (checkpointed: resume later)."""
+        # here, not at the top: train.validate's check_warm_start runs in `earl train` before
+        # any rank starts, and trainer/sft imports Megatron-Core (7-10 s of a core)
+        from earl_megatron.trainer.sft import (load_traces, set_lr, sft_step, step_batch,
+                                               tokenize_traces)
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "sft.jsonl").write_text(

@@ -58,7 +58,7 @@ def test_agent_programs_on_moe_plan_ep1_rollouts_themselves():
     candidate the selector weighs has ep = 1, while TRAIN may still use expert parallelism."""
     from earl_megatron.plan.specs import Stage
     from earl_megatron.trainer.planner import StagePlanner
-    from earl_megatron.trainer.runner import agent_programs_on_moe
+    from earl_megatron.trainer.agent_rollout import agent_programs_on_moe
     from earl_megatron.trainer.stages import BatchShape
 
     cfg = TrainConfig.from_dict({

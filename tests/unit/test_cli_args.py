@@ -90,3 +90,21 @@ def test_the_last_error_is_the_exception_line_not_hydras_hint():
     assert last_error("\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack "
                       "trace.\n") is None
     assert last_error("") is None
+
+
+def test_the_pre_launch_check_does_not_import_megatron():
+    # `earl train` checks the config before any rank starts; Megatron-Core's import (7-10 s of
+    # a core on the CI host) is the ranks' to pay, not the check's (trainer/warm_start.py,
+    # trainer/agent_rollout.py agent_spec)
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom earl_megatron.cli import check_config\n"
+            "for args in ([], ['env.name=agent'], ['sft.steps=2', 'sft.data=tests/data/none']):\n"
+            "    try:\n        check_config(args, 2, 2)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('megatron')))\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ,
+                                                      "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
