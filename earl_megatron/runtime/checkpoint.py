@@ -38,9 +38,11 @@ from earl_megatron.runtime.io_errors import CheckpointError, reading
 _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable",
              "chained_optim_avoid_prefix": True}
 CONFIG_JSON = "earl_model_config.json"
+"""The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
 HF_SUBDIR = "hf"
 """A checkpoint's HF side files: the tokenizer and the HF config.json it was made from."""
-"""The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
+
+
 def save_sharded(state: dict, path: str | Path, **kwargs) -> None:
     """Collective: ``dist_checkpointing.save(state, path, **kwargs)``, every save of the package's.
 
