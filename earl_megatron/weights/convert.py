@@ -157,7 +157,6 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
 
 def _hf_to_mcore(ckpt: HFCheckpoint, cfg: ModelConfig, out: Path, part_bytes: int,
                  progress: bool) -> ConversionStats:
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     tmp = out / ".parts"
