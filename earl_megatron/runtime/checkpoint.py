@@ -148,9 +148,6 @@ def base_hf_config(init: Optional[str]) -> Optional[Path]:
     if not init:
         return None
     p = Path(init)
-    from earl_megatron.weights.peft_import import is_peft_adapter, read_adapter
-    if is_peft_adapter(p):   # a PEFT adapter: its base's
-        p = read_adapter(p).base
     for f in (p / HF_SUBDIR / "config.json", p / "config.json"):
         if f.is_file():
             return f

@@ -233,7 +233,7 @@ def init_config(init: str):
     from earl_megatron.weights.peft_import import adapter_spec, is_peft_adapter
     if is_peft_adapter(init):   # its base's model, with the adapter's model.lora
         try:
-            adapter, spec = adapter_spec(init)
+            adapter, spec = adapter_spec(init, read_model_config)
         except ValueError as e:
             raise ConfigError(f"run.init={init}: {e}") from None
         return init_config(str(adapter.base)).with_(lora=spec)

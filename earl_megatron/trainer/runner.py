@@ -55,6 +55,7 @@ from earl_megatron.rl.losses import PolicyLossConfig
 from earl_megatron.runtime import groups
 from earl_megatron.runtime.build import OptimizerSpec
 from earl_megatron.runtime.checkpoint import base_hf_config, save_checkpoint
+from earl_megatron.weights.peft_import import model_dir
 from earl_megatron.trainer.data import episode_tensors
 from earl_megatron.trainer.episode_pool import staleness_metrics
 from earl_megatron.trainer.evaluation import evaluate
@@ -377,5 +378,5 @@ class Trainer:
         ``also(directory)`` writes more before it is published (ppo: the critic)."""
         save_checkpoint(model, self.out / "checkpoints", state.iteration, state.to_json(),
                         keep_last=self.cfg.run.keep_last, tokenizer=self.tok,
-                        hf_config=base_hf_config(self.cfg.run.init), also=also)
+                        hf_config=base_hf_config(model_dir(self.cfg.run.init)), also=also)
         self.saved = state.iteration

@@ -50,6 +50,7 @@ from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR, save_sharde
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights import peft_export as peft
+from earl_megatron.weights.peft_import import for_policy, is_peft_adapter, recorded_base
 from earl_megatron.weights.hf_io import HFCheckpoint, HFWriter, release_freed_memory
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
 
@@ -260,7 +261,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
             reading(src):
         if cfg.lora.enabled and not merged:
             n, nbytes, n_parts = peft.write_adapter(
-                src, out, cfg, adapters, stored, base_model or peft.recorded_base(src),
+                src, out, cfg, adapters, stored, base_model or recorded_base(src),
                 part_bytes, progress)
             for f in copy:
                 shutil.copy2(f, out / f.name)
@@ -331,9 +332,9 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
     carries it. A PEFT adapter directory: its base, with its adapter (weights/peft_import.py).
     """
     from earl_megatron.runtime.build import build_on_layout
-    from earl_megatron.weights.peft_import import is_peft_adapter, for_policy
 
-    path, lora, adapters = for_policy(path, lora) if is_peft_adapter(path) else (path, lora, None)
+    path, lora, adapters = for_policy(path, lora, read_model_config) if is_peft_adapter(path) \
+        else (path, lora, None)
     cfg = _without_adapters(read_model_config(path), path, "loading it as a policy")
     if lora is not None:
         cfg = cfg.with_(lora=lora)

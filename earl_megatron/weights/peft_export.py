@@ -20,7 +20,7 @@ computes what the Megatron model computes. ``adapter_config.json`` carries r, lo
 Merging (``merged``) is ``W + (alpha / r) B A`` on the full (fused) weight, computed in fp32 and
 cast back to the weight's dtype, before the base mapping splits it into HF tensors.
 
-Pure except ``write_adapter`` and ``recorded_base`` (files). Exporting needs safetensors and
+Pure except ``write_adapter`` (files). Exporting needs safetensors and
 json only: ``peft`` is never imported here (the tests load the result with it).
 """
 
@@ -36,7 +36,6 @@ import torch
 from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.tensor_table import TensorRow, tensor_table
 from earl_megatron.progress import ByteProgress
-from earl_megatron.runtime.checkpoint import CONFIG_JSON
 from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 
@@ -109,22 +108,6 @@ def adapter_config(cfg: ModelConfig, base_model: Optional[str]) -> dict[str, Any
             "target_modules": target_modules(cfg), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "modules_to_save": None,
             "init_lora_weights": True, "inference_mode": True}
-
-
-def recorded_base(ckpt: Path) -> Optional[str]:
-    """The HF model a training checkpoint's run started from: ``run.init`` in the run's
-    ``resolved.json`` (the checkpoint is ``RUN/checkpoints/iter_N``; a PEFT adapter's base), unless
-    that names a Megatron checkpoint (which PEFT cannot load a base from). None when nothing is
-    recorded."""
-    resolved = Path(ckpt).parent.parent / "resolved.json"
-    try:
-        init = json.loads(resolved.read_text()).get("run", {}).get("init")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(init, str) or not init or (Path(init) / CONFIG_JSON).is_file():
-        return None
-    from earl_megatron.weights.peft_import import is_peft_adapter, read_adapter
-    return str(read_adapter(init).base) if is_peft_adapter(init) else init
 
 
 def write_adapter(src: Path, out: Path, cfg: ModelConfig,

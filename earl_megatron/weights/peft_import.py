@@ -26,7 +26,8 @@ bias, fan_in_fan_out, rank or alpha patterns, layers_to_transform, modules_to_sa
 that is not one of a decoder layer's attention or MLP linears (experts included), a linear
 adapted in some layers only, a base that is not a local model directory, ``.bin`` weights.
 
-Pure except ``read_adapter`` and ``adapter_tensors`` (files).
+Pure except what reads files (``read_adapter``, ``adapter_tensors``, ``recorded_base``; the
+base's config through the caller's reader, so nothing here imports weights/convert.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
+from earl_megatron.runtime.checkpoint import CONFIG_JSON
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights.peft_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
                                                adapted_linears)
@@ -158,29 +160,49 @@ def fused(adapter: PeftAdapter, cfg: ModelConfig, tensors: dict[str, torch.Tenso
     return spec, padded
 
 
-def adapter_spec(path) -> tuple[PeftAdapter, LoraSpec]:
-    """The adapter at ``path`` and the ``model.lora`` it gives its base (files read)."""
-    from earl_megatron.weights.convert import read_model_config
-
+def adapter_spec(path, read_config: Callable[[Path], ModelConfig]
+                 ) -> tuple[PeftAdapter, LoraSpec]:
+    """The adapter at ``path`` and the ``model.lora`` it gives its base, whose config
+    ``read_config`` reads (weights/convert.py ``read_model_config``: this module stays below
+    it). Files read."""
     adapter = read_adapter(path)
-    spec, _ = fused(adapter, read_model_config(adapter.base), adapter_tensors(adapter))
+    spec, _ = fused(adapter, read_config(adapter.base), adapter_tensors(adapter))
     return adapter, spec
 
 
-def for_policy(path, lora: Optional[LoraSpec]
+def for_policy(path, lora: Optional[LoraSpec], read_config: Callable[[Path], ModelConfig]
                ) -> tuple[Path, LoraSpec, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """``load_policy``'s view of the adapter at ``path``: (its base, the ``model.lora`` spec,
     the FULL (A, B) by linear). ``lora``: the run's ``model.lora`` (apply_run_init set it from
     the adapter); None or rank 0 takes the adapter's, any other spec that differs is refused."""
     from earl_megatron.runtime.io_errors import CheckpointError
-    from earl_megatron.weights.convert import read_model_config
 
     try:
         adapter = read_adapter(path)
-        spec, full = fused(adapter, read_model_config(adapter.base), adapter_tensors(adapter))
+        spec, full = fused(adapter, read_config(adapter.base), adapter_tensors(adapter))
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     if lora is not None and lora.enabled and lora != spec:
         raise CheckpointError(f"model.lora={lora} differs from what the PEFT adapter {path} "
                               f"gives its base ({spec}): drop model.lora.* to take the adapter's")
     return adapter.base, spec, full
+
+
+def model_dir(init: Optional[str]) -> Optional[str]:
+    """The model directory ``run.init`` stands for: a PEFT adapter's base, else itself."""
+    return str(read_adapter(init).base) if init and is_peft_adapter(init) else init
+
+
+def recorded_base(ckpt: Path) -> Optional[str]:
+    """The HF model a training checkpoint's run started from (the PEFT export's
+    ``base_model_name_or_path``): ``run.init`` in the run's ``resolved.json`` (the checkpoint is
+    ``RUN/checkpoints/iter_N``; a PEFT adapter's base), unless that names a Megatron checkpoint
+    (which PEFT cannot load a base from). None when nothing is recorded."""
+    resolved = Path(ckpt).parent.parent / "resolved.json"
+    try:
+        init = json.loads(resolved.read_text()).get("run", {}).get("init")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(init, str) or not init or (Path(init) / CONFIG_JSON).is_file():
+        return None
+    return model_dir(init)

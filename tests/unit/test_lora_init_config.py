@@ -57,7 +57,7 @@ def test_the_planner_counts_no_second_model_for_a_lora_reference():
 
 
 def test_a_peft_adapter_without_a_local_base_is_one_line(tmp_path):
-    # a PEFT adapter as run.init starts from its base (tests/unit/test_peft_import.py), which
+    # a PEFT adapter as run.init starts from its base (tests/unit/test_peft_adapter_init.py), which
     # must be a local directory: nothing is downloaded
     import pytest
 

@@ -11,6 +11,7 @@ from earl_megatron.config.lora import LoraSpec
 from earl_megatron.testing.tiny_models import tiny_model
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights import peft_export as pe
+from earl_megatron.weights.peft_import import recorded_base
 
 
 def test_targets_become_hf_modules():
@@ -63,11 +64,11 @@ def test_adapter_config_and_recorded_base(tmp_path):
 
     ckpt = tmp_path / "run" / "checkpoints" / "iter_000003"
     ckpt.mkdir(parents=True)
-    assert pe.recorded_base(ckpt) is None                      # no resolved.json
+    assert recorded_base(ckpt) is None                         # no resolved.json
     resolved = tmp_path / "run" / "resolved.json"
     for init, want in (("/models/smollm2", "/models/smollm2"), (None, None),
                        (str(tmp_path / "mcore"), None)):  # a Megatron checkpoint: not a base
         resolved.write_text(json.dumps({"run": {"init": init}}))
         (tmp_path / "mcore").mkdir(exist_ok=True)
         (tmp_path / "mcore" / "earl_model_config.json").write_text("{}")
-        assert pe.recorded_base(ckpt) == want, init
+        assert recorded_base(ckpt) == want, init
