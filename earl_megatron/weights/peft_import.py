@@ -114,7 +114,10 @@ def fused(adapter: PeftAdapter, cfg: ModelConfig, tensors: dict[str, torch.Tenso
     """``model.lora`` for the adapter on ``cfg`` (the base's config) and the FULL fp32 (A, B)
     of every adapted Megatron linear by its name (``decoder.layers.<i>.<path>``, as
     models/lora.py ``LoraLinear.name``)."""
-    every = adapted_linears(cfg.with_(lora=LoraSpec(rank=1, targets=TARGETS)))
+    # every linear an adapter may target on this model (an MoE's MLP linears are its experts',
+    # which ModelConfig refuses: their adapters come out as tensors of no known module)
+    allowed = tuple(t for t in TARGETS if not (cfg.is_moe and t in ("linear_fc1", "linear_fc2")))
+    every = adapted_linears(cfg.with_(lora=LoraSpec(rank=1, targets=allowed)))
     shapes = hfm.hf_shapes(cfg)
     known: set[str] = set()
     blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -83,6 +83,32 @@ def test_an_exported_adapter_comes_back_at_its_rank_bit_exact(made, tmp_path):
                for k, (a, b) in ours.items())
 
 
+def test_an_moe_adapter_on_the_attention_comes_back_and_one_on_experts_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from earl_megatron.config.lora import LoraSpec
+    from earl_megatron.testing.tiny_models import tiny_model
+    from earl_megatron.weights.peft_export import adapted_linears, adapter_config, peft_tensors
+    from earl_megatron.weights.peft_import import fused, read_adapter
+
+    cfg = tiny_model("qwen3_moe")
+    spec = LoraSpec(rank=2, alpha=4, targets=("linear_qkv", "linear_proj"))
+    gen = torch.Generator().manual_seed(4)
+    tensors = {}
+    for lin in adapted_linears(cfg.with_(lora=spec)):
+        tensors.update(peft_tensors(lin, cfg, torch.randn(*lin.a.shape, generator=gen),
+                                    torch.randn(*lin.b.shape, generator=gen)))
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(
+        cfg.with_(lora=spec), str(tmp_path / "base"))))
+    assert fused(read_adapter(tmp_path), cfg, tensors)[0] == spec
+    expert = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"
+    with pytest.raises(ValueError, match="experts excepted"):
+        fused(read_adapter(tmp_path), cfg, dict(tensors, **{expert: torch.zeros(2, 64)}))
+
+
 def test_run_init_takes_the_base_and_the_adapters_lora(made):
     from earl_megatron.train import apply_run_init
 
