@@ -52,7 +52,8 @@ def save_sharded(state: dict, path: str | Path, **kwargs) -> None:
     imports torch to unpickle them (about 6 CPU-seconds a rank on the 2-core CI host, a quarter
     of a 3-iteration test run's CPU). Every save here is synchronous (Megatron runs the writer in
     this process and reads the results back before ``save`` returns), so an in-process queue
-    carries them. tests/distributed/test_checkpoint.py fails when the pinned Megatron-Core no
+    carries them; an asynchronous save (Megatron's ``AsyncCallsQueue``) would need the Manager's
+    queue back. tests/distributed/test_checkpoint.py fails when the pinned Megatron-Core no
     longer reads this global (a save would then start that server again)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
