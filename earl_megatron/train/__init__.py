@@ -215,9 +215,9 @@ def _check_inputs(cfg: TrainConfig) -> None:
     if cfg.run.init is not None:
         # a TrainConfig built in code counts as all explicit: every field checked (a command
         # line's went through apply_run_init, which filled them from the checkpoint)
-        _adapter_lora(cfg.run.init, init_model(init_config(cfg.run.init),
-                                               dataclasses.asdict(cfg.model), cfg.run.init),
-                      False)
+        found = init_config(cfg.run.init)
+        _adapter_lora(cfg.run.init, found, init_model(found, dataclasses.asdict(cfg.model),
+                                                      cfg.run.init), False)
 
 
 def init_config(init: str):
@@ -271,24 +271,27 @@ def apply_run_init(d: dict, keys: Collection[str] = ()) -> dict:
     given = list(model) if "model" in keys else [k.split(".")[1] for k in keys
                                                   if k.startswith("model.")]
     given = list(dict.fromkeys(given + (["lora"] if "lora" in model else [])))
-    found = _adapter_lora(init, init_model(init_config(init), {k: model.get(k) for k in given},
-                                           init), model.get("lora") is not None)
+    checkpoint = init_config(init)
+    found = _adapter_lora(init, checkpoint, init_model(checkpoint, {k: model.get(k)
+                                                                    for k in given}, init),
+                          model.get("lora") is not None)
     out = {**d, "model": dataclasses.asdict(found), "run": {**run, "init": init}}
-    from earl_megatron.weights.peft_import import is_peft_adapter, read_adapter
-    source = str(read_adapter(init).base) if is_peft_adapter(init) and \
-        _holding_tokenizer(init) is None else init   # an adapter without one: its base's
+    from earl_megatron.weights.peft_import import model_dir
+    # an adapter without a tokenizer of its own: its base's
+    source = init if _holding_tokenizer(init) is not None else model_dir(init)
     if "rollout.tokenizer" not in keys and _holding_tokenizer(source) is not None:
         out["rollout"] = {**(d.get("rollout") or {}), "tokenizer": source}
     return out
 
 
-def _adapter_lora(init: str, model, loose: bool):
-    """``model`` (init_model's), whose lora must be the PEFT adapter's when run.init is one.
-    ``loose``: a section with rank 0 (a recipe's default) takes the adapter's."""
+def _adapter_lora(init: str, checkpoint, model, loose: bool):
+    """``model`` (init_model's over ``checkpoint``, init_config's), whose lora must be the PEFT
+    adapter's when run.init is one. ``loose``: a section with rank 0 (a recipe's default) takes
+    the adapter's."""
     from earl_megatron.weights.peft_import import is_peft_adapter
     if not is_peft_adapter(init):
         return model
-    spec = init_config(init).lora
+    spec = checkpoint.lora
     if model.lora == spec or (loose and not model.lora.enabled):
         return model.with_(lora=spec)
     raise ConfigError(f"model.lora={model.lora} differs from the PEFT adapter run.init={init} "
