@@ -87,7 +87,8 @@ SGLANG_VENV ?= $(or $(EARL_SGLANG_VENV),$(HOME)/.cache/earl-sglang-cpu)
 
 sglang: $(SGLANG_VENV)/.earl-ready
 
-$(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_custom_ops.py
+$(SGLANG_VENV)/.earl-ready: tools/sglang_cpu/setup.sh tools/sglang_cpu/vllm/_custom_ops.py \
+		tools/sglang_cpu/earl_cpu_pinning.py
 	tools/sglang_cpu/setup.sh $(SGLANG_VENV)
 	touch $@
 

@@ -361,6 +361,8 @@ class SGLangEngine(WeightUpdateGroup):
                      "max_new_tokens": params.max_new_tokens - len(tokens[i])} for i in pending],
                 "return_logprob": True,
             }
+            if self.adapter is not None:   # LoRA: the version's adapter (load_adapter)
+                payload["lora_path"] = self.adapter
             fault_point("sglang.generate", pid=server.pid, index=server.index,
                         version=self.expected_version, log_dir=str(self._log_dir))
             results = self._call(server, "/generate", payload)

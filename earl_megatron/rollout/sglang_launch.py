@@ -9,7 +9,8 @@ Invariants:
 - On device="cpu" the kit's flags (CPU_FLAGS) are added; tp > 1 needs two environment variables
   (set here unless the caller sets them): SGLANG_CPU_OMP_THREADS_BIND (one core list per rank,
   ``|``-separated) and SGLANG_NCCL_SO_PATH pointing at no file, so SGLang skips PyNccl (which
-  refuses CPU tensors) and all-reduces over gloo. Server i's ranks bind cores from
+  refuses CPU tensors) and all-reduces over gloo; LoRA adapters on cpu take the torch backend and
+  the kit's pinning shim (EARL_SGLANG_CPU_PINNING). Server i's ranks bind cores from
   base_gpu_id + i * tp_size (as GPUs are picked on cuda), and several servers on too few cores
   run without SGLang's overlap scheduler (``overlap_schedule``).
 - A server inherits no variable of the trainer's launcher (``LAUNCHER_PREFIXES``).
@@ -121,6 +122,12 @@ class SGLangConfig:
     model's size on disk). Restarts after update_weights(dir) load that directory for real."""
     log_dir: Optional[str] = None
     """Where server logs go (server-<i>.log); None makes a temporary directory."""
+    lora_rank: int = 0
+    """> 0: the servers serve LoRA adapters of up to this rank over the base they hold
+    (``--enable-lora``; each version is loaded as an adapter, rollout/sglang_weights.py
+    ``load_adapter``); 0: no adapters."""
+    lora_targets: tuple[str, ...] = ()
+    """The HF modules the adapters adapt (``q_proj``, ..., ``down_proj``), with lora_rank."""
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -140,6 +147,9 @@ class SGLangConfig:
         if self.api_key is not None and self.api_key.startswith("-"):
             raise ValueError("api_key must not start with '-': SGLang reads its --config file "
                              "into argv, where such a key is taken for an option")
+        if bool(self.lora_rank) != bool(self.lora_targets) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank ({self.lora_rank}) and lora_targets "
+                             f"({self.lora_targets}) go together: a rank > 0 and the modules")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not (self.startup_timeout_s > 0 and self.request_timeout_s > 0):
@@ -187,6 +197,12 @@ def server_command(config: SGLangConfig, index: int, port: int, model_path: str,
         cmd += ["--sleep-on-idle"]
     if config.skip_tokenizer_init:
         cmd += ["--skip-tokenizer-init"]
+    if config.lora_rank:
+        # two slots: a new version's adapter loads before the last one is unloaded
+        cmd += ["--enable-lora", "--max-lora-rank", str(config.lora_rank),
+                "--lora-target-modules", *config.lora_targets, "--max-loras-per-batch", "2"]
+        if config.device == "cpu":
+            cmd += ["--lora-backend", "torch_native"]   # the others are GPU kernels
     return cmd + list(config.extra_args)
 
 
@@ -240,6 +256,10 @@ def server_variables(config: SGLangConfig, index: int = 0) -> dict[str, str]:
                                                       for r in range(config.tp_size))
         if config.tp_size > 1:
             env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
+        if config.lora_rank:
+            # SGLang's LoRA pins host memory, which torch refuses without a GPU: the CPU kit's
+            # shim makes pinning a no-op (tools/sglang_cpu/earl_cpu_pinning.py)
+            env["EARL_SGLANG_CPU_PINNING"] = "off"
     env.update(dict(config.env))
     return env
 

@@ -113,7 +113,56 @@ def push_weights(engine, named_tensors: Sequence[tuple[str, Any]], group: Any,
 class WeightUpdateGroup:
     """SGLangEngine's side of the group, over its servers (mixed into rollout/sglang_engine.py's
     engine, whose ``_servers``, ``_pool``, ``_post_all`` and ``_check_open`` it uses): join the
-    servers' TP ranks to the group, announce a push, broadcast it (``push_weights``)."""
+    servers' TP ranks to the group, announce a push, broadcast it (``push_weights``); and LoRA
+    adapters over the base the servers hold (``load_adapter``)."""
+
+    adapter: Optional[str] = None
+    """The LoRA adapter every /generate request asks for (its name is its weight version);
+    None: the base alone."""
+    _adapter_payload: Optional[dict] = None
+
+    def load_adapter(self, name: str, tensors: dict, config: dict) -> None:
+        """Every server loads LoRA adapter ``name`` (``tensors``: PEFT names -> CPU tensors;
+        ``config``: its adapter_config.json) in place of the current one, which it unloads
+        after (the servers start with two adapter slots); answers then carry ``name`` as their
+        weight version and every later request asks for it.
+
+        By value (SGLang's /load_lora_adapter_from_tensors): one pickle per server tp rank,
+        tensors inside by value, which SGLang's restricted unpickler reads (torch storages
+        through ``torch.load(weights_only=True)``); no file, no shared memory, so the server
+        may run another torch than the trainer. A restarted server gets it again
+        (``reload_adapter``)."""
+        import base64
+        import pickle
+
+        self._check_open()
+        blob = base64.b64encode(pickle.dumps(
+            {k: t.detach().cpu().contiguous() for k, t in tensors.items()}, protocol=4)).decode()
+        self._adapter_payload = {"lora_name": name, "config_dict": config,
+                                 "serialized_named_tensors": [blob] * self.config.tp_size}
+        previous, self.adapter = self.adapter, None
+        self.reload_adapter()
+        if previous is not None and previous != name:
+            self._post_all("/unload_lora_adapter",
+                           [(s, {"lora_name": previous}) for s in self._servers])
+
+    def reload_adapter(self) -> None:
+        """The adapter ``load_adapter`` last loaded, into every server (a restarted server holds
+        none), tagged as the weight version."""
+        if self._adapter_payload is None:
+            return
+        name = self._adapter_payload["lora_name"]
+        self._post_all("/load_lora_adapter_from_tensors",
+                       [(s, self._adapter_payload) for s in self._servers])
+        self._post_all("/update_weight_version",
+                       [(s, {"new_version": name, "abort_all_requests": False})
+                        for s in self._servers])
+        self.adapter = self.expected_version = name
+        for s in self._servers:
+            with open(s.log_path, "ab") as log:
+                log.write(f"\n=== weight version {name}: adapter loaded "
+                          f"({len(self._adapter_payload['serialized_named_tensors'][0])} B "
+                          f"per tp rank)\n".encode())
 
     @property
     def weight_update_world_size(self) -> int:

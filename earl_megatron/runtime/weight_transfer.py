@@ -75,14 +75,16 @@ def cached_plan(cfg, src, destinations: tuple, bucket_bytes: int, world_size: in
 
 
 def full_weights_at(policy: ModelOnLayout, pushers, bucket_bytes: int,
-                    traffic: Optional[Traffic] = None, devices_per_node: Optional[int] = None
+                    traffic: Optional[Traffic] = None, devices_per_node: Optional[int] = None,
+                    adapters_only: bool = False
                     ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
     """(index, count, bucket) for each bucket of ``policy``'s full weights: at a rank of
     ``pushers`` the bucket's full tensors (global Megatron names, the model's dtype and
     device), elsewhere None. Collective over the world: every rank consumes every bucket.
-    ``devices_per_node``: rows come from a replica on the pusher's node where one exists."""
+    ``devices_per_node``: rows come from a replica on the pusher's node where one exists.
+    ``adapters_only``: the LoRA adapters alone (the pushers hold the frozen base)."""
     plan = cached_plan(policy.cfg, policy.layout, tuple(FullAt(r) for r in pushers),
-                       bucket_bytes, dist.get_world_size(), devices_per_node)
+                       bucket_bytes, dist.get_world_size(), devices_per_node, adapters_only)
     _, src = plan_params(policy)
     yield from run_weight_plan(plan, src, traffic=traffic)
 

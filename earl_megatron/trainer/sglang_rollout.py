@@ -98,10 +98,13 @@ class LocalWeights:
         traffic = Traffic()
         # ranks numbered node by node (torchrun): a leader's rows come from its node first
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", servers.world))
+        # LoRA: servers that hold the frozen base get the adapters alone
+        lora_only = policy.cfg.lora.enabled and not servers.fresh
         servers.push(((i, n, None if bucket is None else servers.to_hf(bucket))
                       for i, n, bucket in full_weights_at(policy, servers.leaders(),
                                                           self.bucket_bytes, traffic,
-                                                          devices_per_node=per_node)),
+                                                          devices_per_node=per_node,
+                                                          adapters_only=lora_only)),
                      traffic, t0)
 
     def receive(self, servers, buckets, traffic) -> None:

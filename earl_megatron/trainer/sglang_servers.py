@@ -21,6 +21,11 @@ Invariants:
   its buckets, every other rank None (it sent its shards, or received nothing).
 - Servers start from the model's config.json alone (``--load-format dummy``): nothing of the
   model's size is built or written before they start; ``fresh`` until the first push.
+- LoRA (``model.lora``): servers start with adapters on; a push to fresh servers brings the
+  frozen base (untagged) and the adapters, every later push the adapters alone (the caller
+  plans them so: ``adapters_only``); each push's adapters are loaded as adapter
+  ``it<version>`` by value (rollout/sglang_weights.py ``load_adapter``), which tags the
+  answers; a restarted server gets the base, then that adapter.
 - A server that dies or stalls is restarted by SGLangEngine's supervision wherever it fails: in
   a rollout request, during a weight push, while the weight-update group forms, or while it
   starts. ``_repush`` rejoins a new group and re-pushes what the server must hold (the leader
@@ -53,6 +58,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.rollout_rules import rollout_layout_problem
 from earl_megatron.runtime.fault_points import fault_point
+from earl_megatron.weights.peft_export import PEFT_PREFIX, adapter_config, target_modules
 
 
 def server_ep(model: ModelConfig, layout: ParallelLayout, device: str) -> int:
@@ -161,33 +167,57 @@ class SGLangServers:
     def to_hf(self, bucket: dict) -> list:
         """A bucket of full Megatron tensors as sorted (HF name, host tensor) pairs: kept in host
         memory for a replay after a server restart (on cuda the bucket was assembled on the
-        device: it must not stay there)."""
+        device: it must not stay there). LoRA adapters come under PEFT's names
+        (weights/peft_export.py), the modules of a fused linear sharing one A."""
         from earl_megatron.weights.hf_mapping import to_hf
+        from earl_megatron.weights.peft_export import peft_bucket
 
-        return [(name, t.cpu()) for name, t in
-                sorted(to_hf(self.model_cfg, bucket, partial=True).items())]
+        named = {**to_hf(self.model_cfg, bucket, partial=True),
+                 **peft_bucket(self.model_cfg, bucket)}
+        host: dict[int, torch.Tensor] = {}
+        for t in named.values():
+            if id(t) not in host:
+                host[id(t)] = t.cpu()
+        return [(name, host[id(t)]) for name, t in sorted(named.items())]
 
     def push(self, buckets: Iterable, traffic, t0: float) -> None:
         """(index, count, HF bucket or None) in order, under the next version: the leaders push
         each bucket as it comes (never two copies of the model in a leader's host memory), the
         last one tagged; then the push's metrics (``traffic``: the bytes this rank received to
-        assemble them; ``t0``: when the weights started moving). Collective over the ranks."""
+        assemble them; ``t0``: when the weights started moving). Collective over the ranks.
+        LoRA: the base tensors of a push go by the weight-update group untagged, its adapters
+        are loaded after the last bucket as adapter ``it<version>`` (``load_adapter``), which
+        tags the answers; a push of adapters alone leaves the base and ``last_push`` as they
+        were."""
         self.version += 1
         self.awake()
-        self.last_push, self._push_complete = [], False
+        lora = self.model_cfg.lora.enabled
+        adapters: dict = {}
+        started = False
         pushed = (0, 0, 0)   # bytes, largest bucket, buckets
         for i, n, hf in buckets:
             pushed = (pushed[0], pushed[1], n)
             if hf is None:
                 continue   # not a leader: this rank only sent its shards
-            size = sum(t.numel() * t.element_size() for _, t in hf)
+            # bytes moved, a fused linear's A counted once
+            size = sum(t.numel() * t.element_size() for t in {id(t): t for _, t in hf}.values())
             pushed = (pushed[0] + size, max(pushed[1], size), n)
-            self.last_push.append(hf)
-            self._push_complete = i == n - 1
-            self._guarded(lambda: self._push(hf, last=i == n - 1),
-                          f"weight push (bucket {i + 1} of {n})")
+            adapters.update((k, t) for k, t in hf if k.startswith(PEFT_PREFIX))
+            base = [(k, t) for k, t in hf if not k.startswith(PEFT_PREFIX)]
+            if base:
+                if not started:
+                    self.last_push, self._push_complete, started = [], False, True
+                last = i == n - 1 and not lora
+                self.last_push.append(base)
+                self._push_complete = i == n - 1
+                self._guarded(lambda: self._push(base, last=last),
+                              f"weight push (bucket {i + 1} of {n})")
             del hf
         self._push_complete = True
+        if adapters:   # a restart meanwhile loads them again (_repush)
+            name = f"it{self.version}"
+            self._guarded(lambda: self.engine.load_adapter(
+                name, adapters, adapter_config(self.model_cfg, None)), f"adapter load ({name})")
         self.fresh = False
         self._record_push(pushed, traffic, t0)
 
@@ -245,7 +275,11 @@ class SGLangServers:
             # replicas whose servers share this node (CPU: its cores; SGLangConfig.host_servers)
             node_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.world)
             c = self.cluster
+            lora = self.model_cfg.lora
             cfg = SGLangConfig(python=self.python, model_path=str(self._model_config_dir()),
+                               lora_rank=lora.rank if lora.enabled else 0,
+                               lora_targets=tuple(target_modules(self.model_cfg))
+                               if lora.enabled else (),
                                tp_size=layout.tp, ep_size=ep_size, device=self.device,
                                base_gpu_id=local,
                                host_servers=max(1, layout.dp * node_ranks // self.world),
@@ -332,10 +366,15 @@ class SGLangServers:
     def _repush(self, index: int) -> None:
         """After a server restart (leader only): a new group, then the weights the server must
         hold, under the same version; a push cut short is replayed untagged (its caller goes
-        on with the remaining buckets, the last one tagged)."""
+        on with the remaining buckets, the last one tagged). LoRA: the base untagged, then the
+        current adapter (the restarted server holds none)."""
         self._join_group()
+        lora = self.model_cfg.lora.enabled
         for i, hf in enumerate(self.last_push):
-            self._push(hf, last=self._push_complete and i == len(self.last_push) - 1)
+            self._push(hf, last=not lora and self._push_complete
+                       and i == len(self.last_push) - 1)
+        if lora:
+            self.engine.reload_adapter()
 
     def _drop_group(self) -> None:
         """Destroy the weight-update group (its store and listening socket with it); a group

@@ -20,7 +20,7 @@ computes what the Megatron model computes. ``adapter_config.json`` carries r, lo
 Merging (``merged``) is ``W + (alpha / r) B A`` on the full (fused) weight, computed in fp32 and
 cast back to the weight's dtype, before the base mapping splits it into HF tensors.
 
-Pure except ``write_adapter`` (files). Exporting needs safetensors and
+Pure except ``write_adapter`` and ``write_peft`` (files). Exporting needs safetensors and
 json only: ``peft`` is never imported here (the tests load the result with it).
 """
 
@@ -73,16 +73,40 @@ def _module(hf_name: str) -> str:
     return hf_name[:-len(".weight")]
 
 
-def peft_tensors(lin: AdaptedLinear, cfg: ModelConfig, a: torch.Tensor,
-                 b: torch.Tensor) -> dict[str, torch.Tensor]:
-    """PEFT's tensors for one adapted linear from its full A and B (module docstring). A is
-    cloned per module: safetensors refuses tensors that share memory."""
+def peft_tensors(lin: AdaptedLinear, cfg: ModelConfig, a: Optional[torch.Tensor],
+                 b: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's tensors for one adapted linear from its full A and B, either may be None (module
+    docstring). The modules that share a fused linear's A get the same tensor, not copies:
+    ``write_peft`` copies each before safetensors, which refuses shared memory."""
     out = {}
-    for hf_name, b_rows in hfm.split(lin.base, cfg, b).items():
-        m = PEFT_PREFIX + _module(hf_name)
-        out[m + ".lora_A.weight"] = a.clone()
-        out[m + ".lora_B.weight"] = b_rows.contiguous()
+    if a is not None:
+        for hf_name in lin.base.hf:
+            out[PEFT_PREFIX + _module(hf_name) + ".lora_A.weight"] = a
+    if b is not None:
+        for hf_name, b_rows in hfm.split(lin.base, cfg, b).items():
+            out[PEFT_PREFIX + _module(hf_name) + ".lora_B.weight"] = b_rows.contiguous()
     return out
+
+
+def peft_bucket(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's tensors for the adapter rows among ``full`` (full Megatron tensors: a bucket of a
+    weight sync may hold any of them, an A without its B); other tensors are left out."""
+    out: dict[str, torch.Tensor] = {}
+    for lin in adapted_linears(cfg):
+        out.update(peft_tensors(lin, cfg, full.get(lin.a.name), full.get(lin.b.name)))
+    return out
+
+
+def write_peft(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+               base_model: Optional[str]) -> None:
+    """``adapter_model.safetensors`` (a copy of each tensor: safetensors refuses shared memory)
+    and ``adapter_config.json`` into directory ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.detach().cpu().clone().contiguous() for k, t in tensors.items()},
+              str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -117,8 +141,6 @@ def write_adapter(src: Path, out: Path, cfg: ModelConfig,
     """Read every adapter of checkpoint ``src`` (``adapter_groups``: whole, gathered over the
     ranks that saved it) and write ``adapter_model.safetensors`` and ``adapter_config.json`` to
     ``out``. Returns (tensors, bytes written, parts read)."""
-    from safetensors.torch import save_file
-
     groups = list(adapters.values())
     total = sum(dcp.region_bytes(r, stored) for g in groups for r in g.values())
     tensors: dict[str, torch.Tensor] = {}
@@ -132,8 +154,7 @@ def write_adapter(src: Path, out: Path, cfg: ModelConfig,
                 tensors.update(peft_tensors(lin, cfg, a, b))
                 done += a.numel() * a.element_size() + b.numel() * b.element_size()
                 prog.update(done)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
+    write_peft(out, cfg, tensors, base_model)
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), n_parts
 
 

@@ -53,7 +53,8 @@ def test_slice_follows_megatron_partition_stride():
 
 
 @pytest.mark.parametrize("sections,words", [
-    (dict(rollout={"engine": "sglang"}), "use rollout.engine=embedded"),
+    (dict(rollout={"engine": "sglang", "placement": "split", "pool_ranks": 1},
+          layout={"mode": "auto"}, algorithm={"max_staleness": 1}), "use rollout.placement=colocated, or rollout.engine=embedded"),
     (dict(sft={"steps": 2}, algorithm={"kl_mode": "loss", "kl_coef": 0.1}),
      "set algorithm.kl_mode=off, or sft.steps=0"),
     (dict(model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
@@ -112,3 +113,34 @@ def test_a_model_with_adapters_builds_megatrons_local_layers_where_te_is_usable(
     qkv = spec.submodules.self_attention.submodules.linear_qkv
     assert spec.submodules.self_attention.module is SelfAttention
     assert "TE" not in qkv.__name__, qkv
+
+
+def test_sglang_servers_serve_the_adapters(tmp_path):
+    """rollout.engine=sglang with LoRA is no longer refused: the servers start with adapters on
+    (the rank and the HF modules, CPU's torch backend and the kit's pinning shim)."""
+    from earl_megatron.rollout.sglang_launch import SGLangConfig, server_command, server_variables
+    from earl_megatron.config.train import TrainConfig
+    from earl_megatron.testing.configs import tiny_connect_four
+    from earl_megatron.weights.peft_export import target_modules
+
+    # the pre-launch check's validate would also ask the venv's python to import sglang
+    cfg = tiny_connect_four(str(tmp_path), model={"lora": {"rank": 4}},
+                            rollout={"engine": "sglang"})
+    assert isinstance(cfg, TrainConfig) and cfg.model.lora.rank == 4
+    mods = tuple(target_modules(cfg.model))
+    assert mods == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    sc = SGLangConfig(python="py", model_path="m", device="cpu", lora_rank=4, lora_targets=mods)
+    cmd = server_command(sc, 0, 1234, "m")
+    i = cmd.index("--lora-target-modules")
+    assert cmd[i + 1:i + 8] == list(mods) and "--enable-lora" in cmd
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "4"
+    assert cmd[cmd.index("--lora-backend") + 1] == "torch_native"
+    assert server_variables(sc)["EARL_SGLANG_CPU_PINNING"] == "off"
+    gpu = server_command(SGLangConfig(python="py", model_path="m", lora_rank=4,
+                                      lora_targets=mods), 0, 1234, "m")
+    assert "--lora-backend" not in gpu and "--enable-lora" in gpu
+    plain = SGLangConfig(python="py", model_path="m", device="cpu")
+    assert "--enable-lora" not in server_command(plain, 0, 1, "m")
+    assert "EARL_SGLANG_CPU_PINNING" not in server_variables(plain)
+    with pytest.raises(ValueError, match="lora_rank"):
+        SGLangConfig(python="py", model_path="m", lora_rank=4)

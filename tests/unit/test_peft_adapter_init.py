@@ -59,10 +59,8 @@ def test_the_fused_adapters_compute_what_peft_computes(made):
 
 
 def test_an_exported_adapter_comes_back_at_its_rank_bit_exact(made, tmp_path):
-    from safetensors.torch import save_file
-
     from earl_megatron.config.lora import LoraSpec
-    from earl_megatron.weights.peft_export import adapted_linears, adapter_config, peft_tensors
+    from earl_megatron.weights.peft_export import adapted_linears, peft_tensors, write_peft
     from earl_megatron.weights.peft_import import fused, read_adapter
 
     cfg, base, _ = made
@@ -73,9 +71,7 @@ def test_an_exported_adapter_comes_back_at_its_rank_bit_exact(made, tmp_path):
         a, b = torch.randn(*lin.a.shape, generator=gen), torch.randn(*lin.b.shape, generator=gen)
         ours[lin.base.name[:-len(".weight")]] = (a, b)
         tensors.update(peft_tensors(lin, cfg, a, b))
-    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(
-        cfg.with_(lora=spec), str(base))))
+    write_peft(tmp_path, cfg.with_(lora=spec), tensors, str(base))
     got_spec, got = fused(read_adapter(tmp_path), cfg, tensors)
     assert got_spec == spec
     assert got.keys() == ours.keys()
@@ -84,11 +80,9 @@ def test_an_exported_adapter_comes_back_at_its_rank_bit_exact(made, tmp_path):
 
 
 def test_an_moe_adapter_on_the_attention_comes_back_and_one_on_experts_is_refused(tmp_path):
-    from safetensors.torch import save_file
-
     from earl_megatron.config.lora import LoraSpec
     from earl_megatron.testing.tiny_models import tiny_model
-    from earl_megatron.weights.peft_export import adapted_linears, adapter_config, peft_tensors
+    from earl_megatron.weights.peft_export import adapted_linears, peft_tensors, write_peft
     from earl_megatron.weights.peft_import import fused, read_adapter
 
     cfg = tiny_model("qwen3_moe")
@@ -100,9 +94,7 @@ def test_an_moe_adapter_on_the_attention_comes_back_and_one_on_experts_is_refuse
                                     torch.randn(*lin.b.shape, generator=gen)))
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text("{}")
-    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(
-        cfg.with_(lora=spec), str(tmp_path / "base"))))
+    write_peft(tmp_path, cfg.with_(lora=spec), tensors, str(tmp_path / "base"))
     assert fused(read_adapter(tmp_path), cfg, tensors)[0] == spec
     expert = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"
     with pytest.raises(ValueError, match="experts excepted"):

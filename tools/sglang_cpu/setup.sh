@@ -25,7 +25,12 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 phase "installing the one-op vllm stand-in into $site"
 rm -rf "$site/vllm"
 cp -r "$here/vllm" "$site/vllm"
+# SGLang's LoRA pins host memory unconditionally; on a CPU server pinning is a no-op (the
+# module's docstring), switched on per server by EARL_SGLANG_CPU_PINNING=off
+phase "installing the CPU pinning shim for SGLang's LoRA (earl_cpu_pinning.py + .pth)"
+cp "$here/earl_cpu_pinning.py" "$site/earl_cpu_pinning.py"
+echo 'import os; os.environ.get("EARL_SGLANG_CPU_PINNING") == "off" and __import__("earl_cpu_pinning")' > "$site/earl_cpu_pinning.pth"
 phase "importing sglang and the stand-in once (checks the install; the first import is slow)"
-"$venv/bin/python" -c "import sglang, vllm._custom_ops; print('SGLang', sglang.__version__, 'ready:', '$venv/bin/python')"
+"$venv/bin/python" -c "import sglang, vllm._custom_ops, earl_cpu_pinning; print('SGLang', sglang.__version__, 'ready:', '$venv/bin/python')"
 phase "done"
 echo "use it: make test-sglang, or rollout.engine=sglang rollout.sglang_device=cpu rollout.sglang_python=$venv/bin/python"
