@@ -230,15 +230,9 @@ def _split_problem(cfg: "TrainConfig") -> Optional[str]:
 def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     """What the loop does not do yet with LoRA adapters (issue #46), naming the limit and the
     fix; None: it runs. The layout switcher, the split placement's handoff and SGLang's servers
-    colocated with the policy move adapters (the tensor table has their rows) and run.init
-    gives the base (fresh adapters over it), but a split's SGLang servers get the whole model
-    at every handoff, and the KL reference (the policy's base, adapters off) is not the warmed
-    policy a warm start would make it."""
-    r = cfg.rollout
-    if r.engine == "sglang" and r.placement != "colocated":
-        return (f"rollout.engine=sglang and rollout.placement={r.placement}: a split's SGLang "
-                "servers do not take adapters from the handoff yet (issue #46); use "
-                "rollout.placement=colocated, or rollout.engine=embedded")
+    move adapters (the tensor table has their rows) and run.init gives the base (fresh adapters
+    over it), but the KL reference (the policy's base, adapters off) is not the warmed policy a
+    warm start would make it."""
     if cfg.sft.steps and cfg.algorithm.kl_mode != "off":
         return (f"sft.steps={cfg.sft.steps} and algorithm.kl_mode={cfg.algorithm.kl_mode}: the "
                 "KL reference of a LoRA run is its base without adapters, not the warmed policy "

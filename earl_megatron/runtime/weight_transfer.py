@@ -125,7 +125,7 @@ def hand_off(model: ModelOnLayout, train: ParallelLayout, rollout: ParallelLayou
 def hand_off_full(cfg, train: ParallelLayout, pushers, params: Optional[dict] = None, *,
                   bucket_bytes: int = 512 << 20, traffic: Optional[Traffic] = None,
                   group=None, device: Optional[torch.device] = None,
-                  devices_per_node: Optional[int] = None
+                  devices_per_node: Optional[int] = None, adapters_only: bool = False
                   ) -> Iterator[tuple[int, int, Optional[dict[str, torch.Tensor]]]]:
     """Split placement with SGLang servers on the rollout pool: the train pool (ranks 0 ..
     n_t - 1, ``train``) assembles each bucket of the full weights of model ``cfg`` at every
@@ -133,9 +133,9 @@ def hand_off_full(cfg, train: ParallelLayout, pushers, params: Optional[dict] = 
     model: (index, count, bucket) as ``full_weights_at``. Collective over the world (or
     ``group``, which holds every rank): the train pool passes its ``params`` (``plan_params``
     of its model), the rollout pool None; ``device``: where a pusher's buckets land (its
-    server's device; default the CPU)."""
+    server's device; default the CPU); ``adapters_only``: as ``full_weights_at``."""
     plan = cached_plan(cfg, train, tuple(FullAt(r) for r in pushers), bucket_bytes,
-                       dist.get_world_size(), devices_per_node)
+                       dist.get_world_size(), devices_per_node, adapters_only)
     yield from run_weight_plan(plan, params or {}, traffic=traffic, group=group, device=device)
 
 

@@ -12,7 +12,9 @@ With SGLang the rollout pool holds no model: full buckets are assembled at the s
 leaders from the train pool's shards (``hand_off_full``) and kept there; the leaders push them
 into their servers after the meeting, outside the handoff's bound. With LoRA adapters
 (``model.lora``) the embedded rollout pool gets the whole model at the first handoff between two
-pools and the adapters alone at every later one: the base is frozen.
+pools and the adapters alone at every later one: the base is frozen. SGLang servers likewise:
+the whole model whenever they hold no base (just started), else the adapters, which the leaders
+load as the version's adapter (trainer/sglang_servers.py).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class Handoff:
         traffic = Traffic()
         if split.sglang and not train_side:
             rollout.ensure_servers(r)   # started (the first handoff) before the barrier
+        lora = split.tr.cfg.model.lora.enabled
+        if split.sglang and lora:
+            # servers that hold no base (just started: the first handoff, a move, a layout
+            # restart) take the whole model: the rollout pool knows, the train pool learns it
+            fresh = torch.tensor([0 if train_side else int(rollout.servers.fresh)])
+            dist.all_reduce(fresh, op=dist.ReduceOp.MAX)
+            first = bool(fresh.item())
         dist.barrier()   # the handoff's timeout counts the handoff, not a peer's way to it
         t0 = time.perf_counter()
         try:
@@ -68,7 +77,8 @@ class Handoff:
                     plan_params(split.model)[1] if train_side else None,
                     bucket_bytes=int(split.tr.cfg.rollout.sglang_bucket_mb * 2**20),
                     traffic=traffic, group=self.group,
-                    device=None if train_side else groups.device())
+                    device=None if train_side else groups.device(),
+                    adapters_only=lora and not first)
                 if train_side:
                     for _ in buckets:
                         pass
@@ -78,7 +88,7 @@ class Handoff:
                 # LoRA: the base is frozen, so after these pools' first handoff (the rollout
                 # model is built uninitialised: split_sides.build_sides) only the adapters move
                 hand_off(split.model, t, r, traffic=traffic, group=self.group,
-                         adapters_only=split.tr.cfg.model.lora.enabled and not first)
+                         adapters_only=lora and not first)
             got = torch.tensor([traffic.bytes_received], dtype=torch.int64)
             try:
                 dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)

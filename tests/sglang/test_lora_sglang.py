@@ -83,3 +83,57 @@ def test_lora_run_on_sglang_pushes_the_base_once_then_adapters(sglang_python, ru
     files = [p for p in (out / "sglang").rglob("*") if p.is_file() and p.suffix != ".log"]
     assert sum(p.stat().st_size for p in files) < base_bytes / 10, files
 
+
+
+def test_lora_on_a_split_rollout_pools_server_takes_adapters_from_the_handoff(sglang_python,
+                                                                            run_dir):
+    """Split placement, 3 ranks: the train pool (ranks 0-1, TP2) hands the rollout pool's
+    server (rank 2, one TP1 server that holds no model) the whole model at the first handoff
+    and the adapters alone at the next; the server loads each as the version's adapter.
+    Iteration 0's episodes were sampled with the start's weights, which the train pool scores
+    them with: SGLang's logprobs with the adapter equal Megatron's there."""
+    import sys
+    from pathlib import Path
+
+    from earl_megatron.plan.tensor_table import tensor_table
+    from earl_megatron.testing.peft_check import peft_adapter
+    from earl_megatron.testing.tiny_models import tiny_model
+    from earl_megatron.train import init_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from split_audit import check_exactly_once, read_audit, split_config, train_audited
+
+    _, adapter = peft_adapter(run_dir, tiny_model("llama", vocab_size=32), MODULES)
+    model = init_config(str(adapter))
+    out, audit = run_dir / "split", run_dir / "audit"
+    cfg = split_config(str(out), 2, 1, cluster={
+        "collective_timeout_s": 900, "server_start_timeout_s": 300,
+        "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
+        "server_max_restarts": 2}, checkpoint_every=0, init=str(adapter))
+    d = cfg.to_dict()
+    d["model"] = dataclasses.asdict(model)
+    d["layout"].update(train="tp2", logprob="tp2", rollout="dp1")
+    d["rollout"].update(pool_ranks=1, engine="sglang", sglang_python=sglang_python,
+                        sglang_device="cpu")
+    cfg = type(cfg).from_dict(d)
+    run_distributed(train_audited, 3, cfg, str(audit), timeout=1500,
+                    collective_timeout_s=cfg.cluster.collective_timeout_s)
+    check_exactly_once(read_audit(audit), 2)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+             if x.strip()]
+    lines = [x for x in lines if "iteration" in x]
+    print(json.dumps([{k: x.get(k) for k in ("iteration", "rollout_logprob_diff_max",
+                                             "rollout_weight_version", "split")}
+                      for x in lines], indent=1))
+    assert [x["iteration"] for x in lines] == [0, 1]
+    assert lines[0]["rollout_logprob_diff_max"] < 1e-4, lines[0]
+    adapter_bytes = sum(r.numel * 4 for r in tensor_table(model).full_rows if r.adapter)
+    # meeting 1 moved the adapters alone, to the server's leader
+    assert lines[1]["split"]["handoff_bytes"] == adapter_bytes, (lines[1]["split"],
+                                                                 adapter_bytes)
+    # the records' push is the start's (stage 1 plays under it1): the whole model
+    whole = sum(r.numel * 4 for r in tensor_table(model).full_rows)
+    assert [x["rollout_push_bytes"] for x in lines] == [whole, whole]
+    log = (out / "sglang" / "logs-TP1-dp0" / "server-0.log").read_text()
+    assert re.findall(r"=== weight version (it\d+): adapter loaded", log) == ["it1", "it2"]
+    assert "tensors pushed" not in log

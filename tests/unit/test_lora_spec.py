@@ -53,8 +53,6 @@ def test_slice_follows_megatron_partition_stride():
 
 
 @pytest.mark.parametrize("sections,words", [
-    (dict(rollout={"engine": "sglang", "placement": "split", "pool_ranks": 1},
-          layout={"mode": "auto"}, algorithm={"max_staleness": 1}), "use rollout.placement=colocated, or rollout.engine=embedded"),
     (dict(sft={"steps": 2}, algorithm={"kl_mode": "loss", "kl_coef": 0.1}),
      "set algorithm.kl_mode=off, or sft.steps=0"),
     (dict(model={"family": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32}),
