@@ -140,7 +140,7 @@ class WeightUpdateGroup:
             {k: t.detach().cpu().contiguous() for k, t in tensors.items()}, protocol=4)).decode()
         self._adapter_payload = {"lora_name": name, "config_dict": config,
                                  "serialized_named_tensors": [blob] * self.config.tp_size}
-        previous, self.adapter = self.adapter, None
+        previous = self.adapter
         self.reload_adapter()
         if previous is not None and previous != name:
             self._post_all("/unload_lora_adapter",

@@ -172,8 +172,9 @@ class SGLangServers:
         from earl_megatron.weights.hf_mapping import to_hf
         from earl_megatron.weights.peft_export import peft_bucket
 
-        named = {**to_hf(self.model_cfg, bucket, partial=True),
-                 **peft_bucket(self.model_cfg, bucket)}
+        named = to_hf(self.model_cfg, bucket, partial=True)
+        if self.model_cfg.lora.enabled:
+            named.update(peft_bucket(self.model_cfg, bucket))
         host: dict[int, torch.Tensor] = {}
         for t in named.values():
             if id(t) not in host:

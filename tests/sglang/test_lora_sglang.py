@@ -36,8 +36,22 @@ def _train(cfg):
     return run(cfg)
 
 
-def test_lora_run_on_sglang_pushes_the_base_once_then_adapters(sglang_python, run_dir):
+def _records(out, *keys) -> list[dict]:
+    """The run's iteration records (metrics.jsonl), ``keys`` of each printed."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+             if x.strip()]
+    lines = [x for x in lines if "iteration" in x]
+    print(json.dumps([{k: x.get(k) for k in ("iteration",) + keys} for x in lines], indent=1))
+    return lines
+
+
+def _bytes(model, adapters: bool) -> int:
+    """fp32 bytes of ``model``'s adapter rows (or of every other row)."""
     from earl_megatron.plan.tensor_table import tensor_table
+    return sum(r.numel * 4 for r in tensor_table(model).full_rows if r.adapter == adapters)
+
+
+def test_lora_run_on_sglang_pushes_the_base_once_then_adapters(sglang_python, run_dir):
     from earl_megatron.testing.configs import tiny_connect_four
     from earl_megatron.testing.peft_check import peft_adapter
     from earl_megatron.testing.tiny_models import tiny_model
@@ -62,15 +76,10 @@ def test_lora_run_on_sglang_pushes_the_base_once_then_adapters(sglang_python, ru
              "eval_episodes": 2, "live_view": False})
     run_distributed(_train, 2, cfg, timeout=1500,
                     collective_timeout_s=cfg.cluster.collective_timeout_s)
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
-             if x.strip()]
-    lines = [x for x in lines if "iteration" in x]
-    print(json.dumps([{k: x.get(k) for k in ("iteration", "rollout_logprob_diff_max",
-                                             "rollout_weight_version", "rollout_push_bytes")}
-                      for x in lines], indent=1))
+    lines = _records(out, "rollout_logprob_diff_max", "rollout_weight_version",
+                     "rollout_push_bytes")
     assert [x["iteration"] for x in lines] == [0, 1]
-    adapter_bytes = sum(r.numel * 4 for r in tensor_table(model).full_rows if r.adapter)
-    base_bytes = sum(r.numel * 4 for r in tensor_table(model).full_rows if not r.adapter)
+    adapter_bytes, base_bytes = _bytes(model, True), _bytes(model, False)
     assert 0 < adapter_bytes < base_bytes / 4
     for x in lines:
         assert x["rollout_engine"] == "sglang" and x["layouts"]["rollout"] == "TP2"
@@ -84,7 +93,6 @@ def test_lora_run_on_sglang_pushes_the_base_once_then_adapters(sglang_python, ru
     assert sum(p.stat().st_size for p in files) < base_bytes / 10, files
 
 
-
 def test_lora_on_a_split_rollout_pools_server_takes_adapters_from_the_handoff(sglang_python,
                                                                             run_dir):
     """Split placement, 3 ranks: the train pool (ranks 0-1, TP2) hands the rollout pool's
@@ -95,7 +103,6 @@ def test_lora_on_a_split_rollout_pools_server_takes_adapters_from_the_handoff(sg
     import sys
     from pathlib import Path
 
-    from earl_megatron.plan.tensor_table import tensor_table
     from earl_megatron.testing.peft_check import peft_adapter
     from earl_megatron.testing.tiny_models import tiny_model
     from earl_megatron.train import init_config
@@ -119,20 +126,15 @@ def test_lora_on_a_split_rollout_pools_server_takes_adapters_from_the_handoff(sg
     run_distributed(train_audited, 3, cfg, str(audit), timeout=1500,
                     collective_timeout_s=cfg.cluster.collective_timeout_s)
     check_exactly_once(read_audit(audit), 2)
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
-             if x.strip()]
-    lines = [x for x in lines if "iteration" in x]
-    print(json.dumps([{k: x.get(k) for k in ("iteration", "rollout_logprob_diff_max",
-                                             "rollout_weight_version", "split")}
-                      for x in lines], indent=1))
+    lines = _records(out, "rollout_logprob_diff_max", "rollout_weight_version", "split")
     assert [x["iteration"] for x in lines] == [0, 1]
     assert lines[0]["rollout_logprob_diff_max"] < 1e-4, lines[0]
-    adapter_bytes = sum(r.numel * 4 for r in tensor_table(model).full_rows if r.adapter)
+    adapter_bytes = _bytes(model, True)
     # meeting 1 moved the adapters alone, to the server's leader
     assert lines[1]["split"]["handoff_bytes"] == adapter_bytes, (lines[1]["split"],
                                                                  adapter_bytes)
     # the records' push is the start's (stage 1 plays under it1): the whole model
-    whole = sum(r.numel * 4 for r in tensor_table(model).full_rows)
+    whole = adapter_bytes + _bytes(model, False)
     assert [x["rollout_push_bytes"] for x in lines] == [whole, whole]
     log = (out / "sglang" / "logs-TP1-dp0" / "server-0.log").read_text()
     assert re.findall(r"=== weight version (it\d+): adapter loaded", log) == ["it1", "it2"]
