@@ -44,7 +44,10 @@ Invariants:
   before creating the new ones. Each cached layout keeps its groups' resources (~20 fds, ~10
   threads a rank on 4 gloo ranks).
 - ``local=True`` calls follow the sequence rule within the pool; their entries hold no group
-  the cache destroys (pool_grid keeps them), and a local call evicts only such entries.
+  the cache destroys (pool_grid keeps them), and a local call evicts only such entries. The
+  world's entries are evicted by their own order (``_SHARED``), which local calls never move,
+  so what a pool made alone never makes two ranks evict differently; a world call for a key a
+  pool made alone makes that key's groups anew.
 - Group timeouts are short (``set_group_timeout``, ``cluster.group_timeout_s``, default 600 s,
   below the world's ``cluster.collective_timeout_s``): a mismatched collective fails in minutes.
 - Every group inherits the world's device-mapped backend (runtime/dist.py); beside NCCL groups
@@ -74,10 +77,8 @@ from earl_megatron.runtime.group_release import (  # noqa: F401 (public: wait_re
 from earl_megatron.runtime.pool_grid import PoolGroups, build_pool
 
 DEFAULT_MAX_CACHED_LAYOUTS = ClusterConfig.group_cache_layouts   # one default: the config's
-"""Layouts whose groups stay alive (the active one included); <= 1 disables the cache. Cheap on
-gloo since a layout holds one group per distinct rank list (2-4 a rank on 4 ranks: ~5 threads
-and ~20 fds; 4 cached layouts cost a compute-bound job 1-2% more CPU time, measured by
-benchmarks/group_cache.py, against 8-24% with Megatron's 17 groups a rank)."""
+"""Layouts whose groups stay alive (the active one included); <= 1 disables the cache. 4 cost a
+compute-bound job 1-2% more CPU on gloo (benchmarks/group_cache.py)."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,8 @@ _GROUP_TIMEOUT_S: Optional[float] = None   # None: DEFAULT_GROUP_TIMEOUT_S
 
 
 def set_group_cache_size(n: Optional[int]) -> None:
-    """Keep the groups of at most ``n`` layouts (the active one included); <= 1: no cache;
-    None: the default (``DEFAULT_MAX_CACHED_LAYOUTS``). Inactive layouts beyond the new
-    bound are destroyed now. Call it on every rank alike."""
+    """Keep the groups of at most ``n`` layouts (the active one included; <= 1: none; None: the
+    default); inactive ones beyond it are destroyed now. Call it on every rank alike."""
     global _MAX_CACHED
     if n is not None and (not isinstance(n, int) or n < 0):
         raise ValueError(f"max_cached_layouts must be an integer >= 0 or None, got {n!r}")
@@ -117,8 +117,7 @@ def set_group_cache_size(n: Optional[int]) -> None:
 
 
 def set_group_timeout(seconds: Optional[float]) -> None:
-    """Collective timeout of the groups built from now on (None: the default, 600 s); part of
-    the cache key, so call it on every rank alike, before the first ``build_groups``."""
+    """Timeout of groups built from now on (None: 600 s); a cache key part: every rank alike."""
     global _GROUP_TIMEOUT_S
     if seconds is not None and not seconds > 0:
         raise ValueError(f"group timeout must be > 0 seconds or None, got {seconds!r}")
@@ -168,7 +167,10 @@ class Pool:
 
 _POOL: Optional[Pool] = None
 _IN_USE: list = []
-"""The cache keys of the pools made current last (every rank's alike): never evicted."""
+"""The cache keys of the pools made current last: never evicted."""
+_SHARED: list = []
+"""The keys of the entries the world made (not ``local``), least recently used first, moved
+only by the calls every rank makes: every rank evicts them alike whatever its pool made alone."""
 
 
 def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConfig] = None, *,
@@ -213,6 +215,8 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     if bound <= 1:
         _evict(keep=0, local=local)   # no cache: every regroup starts afresh
     for k in keys:       # the pools asked for now are the most recently used
+        if k in _CACHE and _CACHE[k].local and not local:
+            _CACHE.pop(k)    # a pool's own groups: the world makes its own for this key
         if k in _CACHE:
             _CACHE.move_to_end(k)
     missing = [i for i, k in enumerate(keys) if k not in _CACHE and (not local or i == index)]
@@ -230,6 +234,8 @@ def build_pool_groups(pools: Sequence[ParallelLayout], model: Optional[ModelConf
     for k in keys:      # in pool order: every rank's cache keeps the same order
         if k in _CACHE:
             _CACHE.move_to_end(k)
+        if not local and k in _CACHE:
+            _SHARED[:] = [x for x in _SHARED if x != k] + [k]
     _ACTIVE, _ACTIVE_KEY, _POOL = entry.pool.layout, key, entry.pool
     _IN_USE[:] = keys
     _evict(keep=bound, local=local)   # a per-call bound may be below the number cached
@@ -264,11 +270,9 @@ def pool_rank() -> int:
 
 
 def pool_world():
-    """Inside, on this thread only, torch.distributed's world size and ``all_gather_object``
-    without a group act on the active pool (megatron_globals.world_is); other threads, the
-    agent endpoint's included, still see the world. Nothing changes when the pool is the world.
-    For the one Megatron-Core 0.16.1 call that speaks to the world with no group to pass:
-    ``get_megatron_optimizer`` gathers parameter-group keys over it (``_get_param_groups``)."""
+    """Inside, on this thread only, world size and ``all_gather_object`` without a group act on
+    the active pool (megatron_globals.world_is): for Megatron-Core 0.16.1's one world call with
+    no group to pass, ``get_megatron_optimizer``'s ``_get_param_groups``."""
     return megatron_globals.world_is(pool_group())
 
 
@@ -287,9 +291,8 @@ def activate_pool(pools: Sequence[ParallelLayout]) -> bool:
 
 
 def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bool:
-    """Make ``layout``'s cached groups current again (no collective); False if they are not
-    cached (evicted, or never built with these options), in which case nothing changes. Models
-    built under ``layout`` earlier are usable again after True."""
+    """Make ``layout``'s cached groups current again (no collective), and models built under it
+    usable; False, changing nothing: not cached (evicted, or built with other options)."""
     timeout_s = group_timeout_s() if timeout_s is None else timeout_s
     key = _key(0, layout, timeout_s)
     if key not in _CACHE:
@@ -300,13 +303,9 @@ def activate(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> bo
 
 
 def destroy_groups(*, background: bool = False) -> None:
-    """Reset Megatron's globals and destroy every group of every cached layout.
-
-    ``background``: the groups are deregistered (unusable) at once, but the last references are
-    dropped on a helper thread. Gloo's ProcessGroup destructor sleeps, with the GIL released:
-    each connection's close waits for its device loop's next 10 ms epoll tick, ~30 ms per group
-    of 4 (2-4 groups a rank per layout on gloo, one per distinct rank list). At most two batches are in flight (a third waits for the
-    oldest), and a plain ``destroy_groups()`` waits for everything (``wait_released``)."""
+    """Reset Megatron's globals and destroy every group of every cached layout. ``background``:
+    deregistered (unusable) at once, the last references dropped on a helper thread (gloo's
+    destructor sleeps ~30 ms a group; runtime/group_release.py); else waits for all."""
     _deactivate()
     _evict(keep=0)
     if not background:
@@ -314,9 +313,8 @@ def destroy_groups(*, background: bool = False) -> None:
 
 
 def _deactivate() -> None:
-    """Make no layout current: reset Megatron's globals, keep the active layout's groups cached.
-    Groups that Megatron holds but this module did not create (someone called
-    initialize_model_parallel directly) are destroyed, as ``destroy_model_parallel`` would not."""
+    """Make no layout current: reset Megatron's globals, keep the active layout's groups cached;
+    groups Megatron holds that this module did not create (initialize_model_parallel) die."""
     global _ACTIVE, _ACTIVE_KEY, _POOL
     untracked = _distinct(megatron_globals.untracked_groups())
     megatron_globals.reset()
@@ -328,16 +326,18 @@ def _deactivate() -> None:
 
 
 def _evict(keep: int, spare: Sequence = (), local: bool = False) -> None:
-    """Destroy the least recently used inactive layouts (pools) until at most ``keep`` remain,
-    never one of ``spare`` (the pools being built) or of the pools in use (the same on every
-    rank: the active key alone is each pool's own). ``local``: only local entries (nothing to
-    destroy, no collective)."""
-    victims = [k for k in _CACHE if k not in _IN_USE and k not in spare
-               and (_CACHE[k].local or not local)][:max(0, len(_CACHE) - max(keep, 0))]
-    if local:   # pool_grid keeps their groups: nothing to destroy, nothing collective
-        for k in victims:
-            _CACHE.pop(k)
+    """Down to ``keep`` layouts: drop the least recently used local entries (nothing destroyed),
+    then, unless ``local``, destroy world-made ones beyond ``keep`` of them by ``_SHARED``'s
+    order (every rank alike); never one of ``spare`` (being built) or in use."""
+    mine = [k for k in _CACHE if _CACHE[k].local and k not in _IN_USE and k not in spare]
+    for k in mine[:max(0, len(_CACHE) - max(keep, 0))]:
+        _CACHE.pop(k)
+    if local:
         return
+    shared = [k for k in _SHARED if k in _CACHE]
+    victims = [k for k in shared if k not in _IN_USE and k not in spare
+               ][:max(0, len(shared) - max(keep, 0))]
+    _SHARED[:] = [k for k in shared if k not in victims]
     # one list holds the last references: the popped entries die here, the groups on release
     pgs = [g for k in victims for g in _CACHE.pop(k).pgs]
     if victims:     # on every rank alike, even where the victims held no group (a pool's

@@ -8,6 +8,9 @@ layouts fail before groups.
   says (an all-reduce of 2**rank) and Megatron's getters report the layout's ranks and sizes.
 - 3 layouts cycled through a cache of 2: every cached group stays registered, evicted ones are
   gone, fds and threads flat after the first cycle; ``destroy_groups()`` leaves only WORLD.
+- A pool's local groups (made by its ranks alone) never make the world's ranks disagree: the
+  world then asks for a key the pool made alone and for more layouts than the cache holds,
+  and every rank creates and evicts alike (the old rule hung there).
 """
 
 import pytest
@@ -284,3 +287,51 @@ def test_the_shim_installs_what_initialize_model_parallel_sets():
         for spec, diff, n_set in per_layout:
             assert diff == {}, (spec, diff)
             assert n_set >= 23, (spec, n_set)   # no gloo side groups on a gloo world
+
+
+def _local_then_world():
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+
+    made, new_group = [], dist.new_group
+
+    def counting_new_group(ranks, **kwargs):   # the world's groups, which every rank must make
+        if not kwargs.get("use_local_synchronization"):
+            made.append(tuple(ranks))
+        return new_group(ranks, **kwargs)
+
+    dist.new_group = counting_new_group
+    dp2, tp2, dp4 = ParallelLayout(dp=2), ParallelLayout(tp=2), ParallelLayout(dp=4)
+    groups.set_group_cache_size(2)
+    try:
+        sums = []
+        groups.build_pool_groups((dp2, dp2))                 # the world's: every rank
+        if dist.get_rank() < 2:                              # the first pool switches alone
+            groups.build_pool_groups((tp2, dp2), local=True)
+        # the world asks for the key pool 0 made alone, then more layouts than the cache holds
+        for pools in ((tp2, dp2), (dp4,), (dp2, dp2)):
+            groups.build_pool_groups(pools)
+            for g in (groups.tp_group(), groups.dp_group()):
+                x = torch.tensor([1.0 + dist.get_rank()])
+                dist.all_reduce(x, group=g)
+                sums.append(float(x))
+        return sums, made
+    finally:
+        dist.new_group = new_group
+        groups.destroy_groups()
+        groups.set_group_cache_size(None)
+
+
+def test_a_pools_local_groups_never_make_ranks_disagree():
+    results = run_distributed(_local_then_world, 4, timeout=150)
+    # every rank made the same world groups in the same order (torch's new_group requires it;
+    # the old rule let ranks 0-1 take their local TP2 entry for the world's: 6 groups made
+    # there against 9 on ranks 2-3, after which a group spanning both pools can hang)
+    assert all(r[1] == results[0][1] for r in results), [len(r[1]) for r in results]
+    # (tp, dp) sums per layout: TP2 on ranks 0-1 adds 1 + 2 over tp; DP2 pools add their two
+    # ranks over dp; DP4 adds all four
+    assert [r[0] for r in results] == [[3, 1, 1, 10, 1, 3], [3, 2, 2, 10, 2, 3],
+                                       [3, 7, 3, 10, 3, 7], [4, 7, 4, 10, 4, 7]], results
