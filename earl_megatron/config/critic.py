@@ -52,14 +52,11 @@ class CriticConfig:
 
 def ppo_problem(cfg) -> Optional[str]:
     """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
-    naming the limit and the fix; None: it runs (the colocated loop, static or auto layouts,
+    naming the limit and the fix; None: it runs (every placement, static or auto layouts,
     synchronous or asynchronous, with the embedded engine: trainer/critic.py)."""
     if cfg.algorithm.name != "ppo":
         return None
     r = cfg.rollout
-    if r.placement != "colocated":
-        return (f"rollout.placement={r.placement}: the critic trains on the colocated loop only "
-                "yet (issue #45); use rollout.placement=colocated")
     if r.engine != "embedded":
         return (f"rollout.engine={r.engine}: ppo is tested on the embedded engine only yet "
                 "(issue #45); use rollout.engine=embedded")

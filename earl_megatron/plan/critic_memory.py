@@ -69,6 +69,15 @@ class _BesidePolicy(Selector):
         return super().memory(layout, workload, resident_bytes + policy, recompute)
 
 
+def beside_train_state(selector: Selector) -> Selector:
+    """``selector`` with every estimate counting one more model of the policy's architecture
+    in training (weights, grads, Adam state) in the estimated layout itself: the critic's
+    TRAIN beside a policy laid out like it (``critic_plan``), or a split's train pool under
+    ppo, whose critic lives in its TRAIN layout (plan/split.py; for the pool's LOGPROB
+    candidates an estimate of the same bytes)."""
+    return _BesidePolicy(**{f.name: getattr(selector, f.name) for f in fields(selector)})
+
+
 def critic_plan(selector: Selector, workload: StageWorkload) -> LayoutPlan:
     """The critic's plan under auto: ``selector``'s plan for ``workload`` (TRAIN) with the
     policy's training state counted resident in each candidate's own layout (module
@@ -77,8 +86,7 @@ def critic_plan(selector: Selector, workload: StageWorkload) -> LayoutPlan:
     in the same layout; ``selector`` and its state are left as they were."""
     if workload.stage is not Stage.TRAIN:
         raise ValueError(f"the critic is placed for TRAIN, not {workload.stage.value}")
-    beside = _BesidePolicy(**{f.name: getattr(selector, f.name) for f in fields(selector)})
-    plan = beside.plan(workload)[0]
+    plan = beside_train_state(selector).plan(workload)[0]
     return replace(plan, reason=(
         f"{plan.reason}; the policy's train state counted resident in each candidate's own "
         f"layout ({human_bytes(plan.chosen.memory.resident)} in {plan.layout})"))

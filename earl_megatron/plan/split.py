@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from earl_megatron.plan.critic_memory import beside_train_state
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import LayoutPlan, NoLayoutFitsError, Selector, SelectorState
@@ -75,6 +76,10 @@ class SplitWorkload:
     logprob: StageWorkload
     train: StageWorkload
     env_seconds: float = 0.0
+    critic: bool = False
+    """ppo: a critic trains beside the policy where the policy trains (the train pool; the
+    world when colocated), its train state counted in each candidate's memory
+    (plan/critic_memory.py ``beside_train_state``)."""
 
     def __post_init__(self):
         for name, stage in (("rollout", Stage.ROLLOUT), ("logprob", Stage.LOGPROB),
@@ -209,6 +214,9 @@ def _pools(selector: Selector, workload: SplitWorkload, rollout_ranks: int,
             c = c.with_(decode_engine=replace(c.decode_engine, beside_trainer=False))
         on_rollout = replace(selector, cluster=c)
         on_train = replace(selector, cluster=pool_cluster(selector.cluster, n_t))
+    if workload.critic:
+        on_train = beside_train_state(on_train)
+        on_rollout = on_train if rollout_ranks == 0 else on_rollout
     try:
         rollout, _ = on_rollout.plan(workload.rollout, state=state,
                                      current=state.previous(Stage.ROLLOUT))

@@ -122,11 +122,13 @@ def _sharded_state(on_layout, is_loading: bool = False) -> dict:
 
 def save_model_state(on_layout, path: Path) -> None:
     """Collective: one more model's weights and optimizer state into ``path`` (a new
-    subdirectory of a checkpoint directory being written: ``save_checkpoint``'s ``also``)."""
+    subdirectory of a checkpoint directory being written: ``save_checkpoint``'s ``also``).
+    ``on_layout`` None: this rank holds none of that model and joins with nothing."""
     if dist.get_rank() == 0:
         path.mkdir(parents=True)
     dist.barrier()
-    save_sharded(_sharded_state(on_layout), path)
+    with _quiet("megatron.core.dist_checkpointing.validation", on_layout is None):
+        save_sharded(_sharded_state(on_layout) if on_layout is not None else {}, path)
     dist.barrier()
 
 
@@ -158,23 +160,21 @@ def base_hf_config(init: Optional[str]) -> Optional[Path]:
 def load_checkpoint(on_layout, path: str | Path) -> dict[str, Any]:
     """Collective: load weights (and optimizer state when on_layout has an optimizer) from
     ``path``. ``on_layout`` None: this rank loads nothing and only joins (``save_checkpoint``)."""
-    from megatron.core import dist_checkpointing
-
-    path = Path(path)
-    loop = read_loop_state(path)
-    if on_layout is None:
-        with reading(path, "training checkpoint"):
-            dist_checkpointing.load({}, str(path))
-        return loop
-    load_model_state(on_layout, path)
+    loop = read_loop_state(Path(path))
+    load_model_state(on_layout, Path(path))
     return loop
 
 
 def load_model_state(on_layout, path: Path) -> None:
     """Collective: weights (and optimizer state when ``on_layout`` has an optimizer) from the
-    dist_checkpointing directory ``path``, exactly."""
+    dist_checkpointing directory ``path``, exactly. ``on_layout`` None: this rank loads nothing
+    and only joins."""
     from megatron.core import dist_checkpointing
 
+    if on_layout is None:
+        with reading(path, "training checkpoint"):
+            dist_checkpointing.load({}, str(path))
+        return
     state = _sharded_state(on_layout, is_loading=True)
     # a truncated or missing file: one line (torch's CheckpointException is a BaseException)
     with reading(path, "training checkpoint"):

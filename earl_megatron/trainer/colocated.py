@@ -115,7 +115,8 @@ class Colocated:
 
     def moved_in(self) -> None:
         """auto moved the run here: the policy (and reference) built in the plan's rollout
-        layout from the checkpoint just written, the episode pool restored on every rank."""
+        layout from the checkpoint just written, the episode pool restored on every rank;
+        ppo: the critic in its layout for this placement, from the checkpoint's critic/."""
         from earl_megatron.runtime.checkpoint import load_checkpoint
         from earl_megatron.runtime.checkpoint_files import find_checkpoint
         from earl_megatron.trainer.model_pair import build_model_pair
@@ -128,6 +129,9 @@ class Colocated:
                                        optimizer=tr.optimizer, seed=cfg.run.seed,
                                        init=cfg.run.init)
         load_checkpoint(self.models.policy, found.path)
+        if cfg.algorithm.name == "ppo":
+            tr.planner.critic_layout = tr.planner.critic_choice()
+            self._add_critic(found.path)
         if cfg.sft.steps:
             self._warm_reference()
         tr.planner.restore([], state["last_lengths"], state.get("profile"))

@@ -17,7 +17,8 @@ stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
 
 Placement: the critic lives in one layout for the whole run (trainer/planner.py
 ``critic_choice``: layout.train, or under layout.mode=auto the selector's TRAIN layout for the
-first batch), so it never switches; its groups stay cached (runtime/groups) and are
+first batch; split placement: the train pool's TRAIN layout, trainer/split_sides.py, rebuilt
+from the checkpoint when auto moves the pools), so it never switches; its groups stay cached (runtime/groups) and are
 re-activated in place. The policy switches per stage around it: both critic stages dispatch
 from the batch's rollout layout to the critic's and (VALUES) back, whatever layout the policy
 trains in; CRITIC TRAIN plans its own micro-batches in the critic's layout (its sample tensors,
@@ -67,18 +68,29 @@ CRITIC_TENSORS = (
 """What the CRITIC TRAIN stage reads: its input (first pp_stage) and the loss's terms (last)."""
 
 
-def build_critic(cfg, policy: ModelOnLayout, layout: ParallelLayout) -> ModelOnLayout:
+def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *,
+                 pools: Optional[tuple] = None) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
     policy's groups current: its trunk is the policy's weights gathered whole (or
-    ``algorithm.critic.init``'s, loaded in the policy's layout), its head new from run.seed."""
+    ``algorithm.critic.init``'s, loaded in the policy's layout), its head new from run.seed.
+
+    Split placement (``pools``, the train pool first): the train pool's ranks build it in
+    their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
+    None, joins a converted ``critic.init``'s collective read and gets None."""
     from earl_megatron.models.value_model import critic_config, critic_loader
     from earl_megatron.weights.gather import gather_full
 
     a, seed = cfg.algorithm, cfg.run.seed
+    if policy is None:
+        if a.critic.init:
+            from earl_megatron.weights.convert import join_policy_load
+            join_policy_load(a.critic.init)
+        return None
     source = policy
     if a.critic.init:
         from earl_megatron.weights.convert import load_policy
-        source = load_policy(a.critic.init, policy.layout, ddp=False, seed=seed)
+        source = load_policy(a.critic.init, policy.layout, ddp=False, seed=seed,
+                             pools=None if pools is None else (policy.layout,) + pools[1:])
         if critic_config(source.cfg) != critic_config(cfg.model):
             raise ValueError(f"algorithm.critic.init={a.critic.init} holds another "
                              "architecture than the policy's (model.*): give a checkpoint of "
@@ -88,7 +100,7 @@ def build_critic(cfg, policy: ModelOnLayout, layout: ParallelLayout) -> ModelOnL
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                          use_distributed_optimizer=a.use_distributed_optimizer)
     return build_on_layout(ccfg, layout, load=critic_loader(weights, ccfg, layout, seed=seed),
-                           optimizer=spec, seed=seed)
+                           optimizer=spec, seed=seed, pools=pools, local=pools is not None)
 
 
 def values_of(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int], episodes: list,
@@ -223,25 +235,27 @@ def critic_step(tr, models, policy: ModelOnLayout, ids: list[int], samples: dict
     return found
 
 
-def critic_saver(models):
+def critic_saver(models, *, joins: bool = False):
     """``save_checkpoint``'s ``also`` for ``models``' critic (its groups made current first);
-    None without a critic."""
-    if models.critic is None:
-        return None
-    return lambda directory: save_critic(models.critic_in(models.critic.layout), directory)
+    None without a critic. ``joins``: a rank without the critic (``models`` None: split
+    placement's rollout pool under ppo) joins the collective save with nothing."""
+    if models is not None and models.critic is not None:
+        return lambda directory: save_critic(models.critic_in(models.critic.layout), directory)
+    return (lambda directory: save_critic(None, directory)) if joins else None
 
 
-def save_critic(critic: ModelOnLayout, directory: Path) -> None:
+def save_critic(critic: Optional[ModelOnLayout], directory: Path) -> None:
     """Collective: the critic's weights and Adam state into ``directory/critic`` (a checkpoint
-    directory before it is published), its groups current."""
+    directory before it is published), its groups current; None: this rank joins."""
     from earl_megatron.runtime.checkpoint import save_model_state
 
     save_model_state(critic, directory / CRITIC_DIR)
 
 
-def load_critic(critic: ModelOnLayout, checkpoint: Path) -> None:
+def load_critic(critic: Optional[ModelOnLayout], checkpoint: Path) -> None:
     """Collective: the critic's weights and Adam state from a checkpoint directory's
-    ``critic/``; a checkpoint without one (written by another estimator) is refused."""
+    ``critic/`` (None: this rank joins); a checkpoint without one (written by another
+    estimator) is refused on every rank."""
     from earl_megatron.runtime.checkpoint import load_model_state
     from earl_megatron.runtime.io_errors import CheckpointError
 

@@ -33,7 +33,8 @@ do); ``models.policy`` read directly after ``reference_in`` still has its adapte
 
 PPO's critic (``algorithm.name=ppo``, trainer/critic.py) sits beside them: ``critic_in(layout)``
 makes its groups current like the others', but it never switches: it lives in one layout
-(trainer/planner.py ``critic_choice``), whose groups stay cached.
+(trainer/planner.py ``critic_choice``; split placement: the train pool's TRAIN layout), whose
+groups stay cached.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class ModelPair:
 
     def critic_in(self, layout: ParallelLayout) -> ModelOnLayout:
         """The critic with its groups current; it lives in one layout (module docstring)."""
-        if layout != self.critic.layout or not (self._live == "critic" or
-                                                groups.activate(layout)):
+        pools = None if self.pools is None else (layout,) + tuple(self.pools[1:])
+        if layout != self.critic.layout or not (
+                self._live == "critic" or (groups.activate(layout) if pools is None
+                                           else groups.activate_pool(pools))):
             raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
                                f"{layout} or be regrouped (issue #45): raise "
                                "cluster.group_cache_layouts (config/critic.py)")

@@ -68,7 +68,7 @@ class StagePlanner:
                  world: int, *, distributed_optimizer: bool, episodes: int, batch: BatchShape,
                  sglang_mem_fraction: Optional[float] = None, sglang_restart_s: float = 60.0,
                  prefill_tokens: int = PREFILL_TOKENS, in_flight: Optional[int] = None,
-                 rollout_max_ep: Optional[int] = None):
+                 rollout_max_ep: Optional[int] = None, critic: bool = False):
         self.model, self.layout_cfg, self.world = model, layout, world
         self.episodes, self.batch, self.prefill_tokens = episodes, batch, prefill_tokens
         self.in_flight = in_flight or episodes
@@ -106,6 +106,8 @@ class StagePlanner:
         self.recompute: dict[str, str] = {}
         """The TRAIN stage's recompute mode of the last plan ({"train": "full"})."""
         self.last_lengths: list[int] = []
+        self.critic = critic
+        """ppo: a critic trains where the policy trains (split plans count it there)."""
         self.critic_layout: Optional[ParallelLayout] = None
         """ppo: the critic's layout (trainer/critic.py); its weights, grads and Adam state are
         resident beside every stage, counted in every plan and static check."""
@@ -227,7 +229,8 @@ class StagePlanner:
         lengths = self.last_lengths or [FIRST_ROLLOUT_TOKENS] * self.episodes
         return SplitWorkload(self._workload("rollout", self.rollout_lengths()),
                              self._workload("logprob", lengths),
-                             self._workload("train", lengths), env_seconds=env_seconds)
+                             self._workload("train", lengths), env_seconds=env_seconds,
+                             critic=self.critic)
 
     # --- what the other model keeps resident, per rank (its most loaded pp_stage) ---------
     def weight_bytes(self, layout: Optional[ParallelLayout]) -> int:

@@ -184,7 +184,8 @@ class Trainer:
                             sglang_mem_fraction=frac, sglang_restart_s=r.sglang_restart_s,
                             prefill_tokens=r.prefill_tokens,
                             in_flight=(a.max_staleness + 1) * r.episodes_per_iteration,
-                            rollout_max_ep=1 if agent_programs_on_moe(cfg) else None)
+                            rollout_max_ep=1 if agent_programs_on_moe(cfg) else None,
+                            critic=a.name == "ppo")
 
     # ------------------------------------------------------------------ one iteration
     def score_and_train(self, it: int, models: ModelPair, policy, layouts: dict, ids: list,

@@ -96,6 +96,7 @@ from earl_megatron.runtime.episode_transfer import block_sizes, pack_block, \
     transfer_episodes
 from earl_megatron.seeds import rollout_sample_seed
 from earl_megatron.trainer.audit import RunAudit
+from earl_megatron.trainer.critic import critic_saver
 from earl_megatron.trainer.handoff import Handoff, HandoffFailed, ranks_text
 from earl_megatron.trainer.loop import LoopState, Meeting
 from earl_megatron.trainer.model_pair import ModelPair
@@ -358,7 +359,8 @@ class Split:
             last_lengths=self.tr.planner.last_lengths,
             selector=self.tr.planner.state_json(self.tr.planner.state),
             profile=self.tr.planner.profile_json(), pool=state,
-            placement={"train": str(t), "rollout": str(r)}))
+            placement={"train": str(t), "rollout": str(r)}),
+            also=critic_saver(self.models, joins=self.tr.cfg.algorithm.name == "ppo"))
 
     # ------------------------------------------------------------------ the train pool
     def train(self, it: int, batch: tuple) -> dict:
@@ -385,7 +387,8 @@ class Split:
                                       {"rollout": r, "logprob": self.logprob, "train": t}, ids,
                                       episodes, metrics, timer, sync=False, train_layout=t,
                                       logprob_layout=self.logprob)
-        self.model = models.policy     # in TRAIN's layout: the handoff reads its shards
+        self.model = models.policy_in(t)   # TRAIN's groups current: the handoff reads its
+        # shards (ppo's critic step ran last, in the same layout)
         self._train_s = sum(rec["seconds"].get(k, 0.0) for k in (
             "plan+switch", "old_logprob", "logprob", "switch", "train"))
         # the replica that received the block (LOGPROB's) is the one that trained it

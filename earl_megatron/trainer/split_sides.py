@@ -1,12 +1,12 @@
 """Split placement's two sides: each pool's models built (fresh, from run.init, from a checkpoint,
-or after a warm start on the whole world), the KL reference on the train pool, and each side's
-rollout engine. trainer/split.py's ``Split`` calls these with itself as ``split``.
+or after a warm start on the whole world), the KL reference and PPO's critic on the train pool,
+and each side's rollout engine. trainer/split.py's ``Split`` calls these with itself as ``split``.
 
 Invariants: every rank of the world calls each function with the same arguments (the model
 builds and checkpoint reads are collective over the world; a rank of the other side joins
 them); the train pool holds the policy with its optimizer, built in its TRAIN layout, and, KL
 on, the frozen reference in its LOGPROB layout (the one stage that reads it), whose groups its
-ranks make alone; the rollout pool holds a copy without optimizer (embedded engine) or a seat
+ranks make alone, and, under ppo, the critic in its TRAIN layout; the rollout pool holds a copy without optimizer (embedded engine) or a seat
 only (SGLang: its servers hold the weights).
 """
 
@@ -121,6 +121,7 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     split.models = ModelPair(model, ref, pools=split.pools,
                              live="policy" if ref is None else "reference") \
         if split.train_side else None
+    critic = critic_on(split)
     if split.models is not None:
         split.model = split.models.policy_in(t)   # the policy's groups current again
     if split.sglang:
@@ -128,7 +129,13 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     if found is None:
         return 0, None, []
     state = found.state
-    load_checkpoint(model if split.train_side else None, found.path)
+    load_checkpoint(split.model if split.train_side else None, found.path)
+    if critic:
+        from earl_megatron.trainer.critic import load_critic
+        models = split.models
+        load_critic(models.critic_in(t) if models is not None else None, found.path)
+        if models is not None:
+            split.model = models.policy_in(t)
     # the selector state is per pool layout and the pools may differ: lengths and profile
     split.tr.planner.restore([], state["last_lengths"], state.get("profile"))
     split.tr.history[:] = state["history"]
@@ -162,6 +169,26 @@ def reference_on(split) -> Optional[ModelOnLayout]:
         return load_policy(cfg.run.init, lay, ddp=False, seed=cfg.run.seed, pools=pools)
     return build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed, pools=pools,
                            local=True)
+
+def critic_on(split) -> bool:
+    """ppo: the critic on the train pool, in its TRAIN layout (the pools' first; the stage
+    planner counts it there), from the policy just built or algorithm.critic.init; the rollout
+    pool joins the collective read of a converted init. False: no critic (another
+    estimator)."""
+    from earl_megatron.trainer.critic import build_critic
+
+    tr = split.tr
+    if tr.cfg.algorithm.name != "ppo":
+        return False
+    t = split.pools[0]
+    models = split.models
+    critic = build_critic(tr.cfg, models.policy_in(t) if models is not None else None, t,
+                          pools=split.pools)
+    if models is not None:
+        tr.planner.critic_layout = t
+        models.add_critic(critic)
+    return True
+
 
 def sglang_side(split) -> None:
     """engine=sglang: this rank's rollout, for its side of the current pools. The rollout

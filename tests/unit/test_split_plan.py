@@ -255,3 +255,23 @@ def test_env_seconds_is_the_stage_less_its_decoding():
     assert env_seconds(3.0, {"rollout_decode_s": 1.25}) == 1.75
     assert env_seconds(3.0, {}) == 0.0                        # nothing apart: all decoding
     assert env_seconds(1.0, {"rollout_decode_s": 1.5}) == 0.0  # clocks differ: never < 0
+
+
+def test_a_critic_is_counted_where_the_policy_trains():
+    """ppo (SplitWorkload.critic): each train-pool candidate carries a critic's train state in
+    its own layout (plan/critic_memory.py ``beside_train_state``), the rollout pool none;
+    colocated, every stage carries it."""
+    from earl_megatron.plan.critic_memory import train_bytes
+
+    sel = _cpu()
+    for ranks in (2, 0):
+        plain = plan_split(sel, _work(), rollout_ranks=ranks)
+        ppo = plan_split(sel, replace(_work(), critic=True), rollout_ranks=ranks)
+        assert ppo.train.layout == plain.train.layout   # the tiny model fits either way
+        extra = train_bytes(TINY, ppo.train.layout, sel.train_opts)
+        assert extra > 0
+        assert ppo.train.predicted_memory_bytes == plain.train.predicted_memory_bytes + extra
+        lay = ppo.rollout.layout
+        beside = train_bytes(TINY, lay, sel.train_opts) if ranks == 0 else 0
+        assert ppo.rollout.predicted_memory_bytes == \
+            plain.rollout.predicted_memory_bytes + beside, ranks
