@@ -402,15 +402,16 @@ def print_compare(rows: list[dict], layouts, header: str, out=None) -> None:
 
 def split_rows(selector: Selector, contexts: Sequence[int], loads: Sequence[int],
                micro_batch_tokens: int, split: str, env_seconds: float,
-               decode_fraction: Optional[float] = None) -> list[dict]:
+               decode_fraction: Optional[float] = None, critic: bool = False) -> list[dict]:
     """Colocated against the split (``split``: "auto" or a rollout-pool size) for every
-    (context, batch); a plan that does not fit is its SplitDoesNotFitError's text."""
+    (context, batch); a plan that does not fit is its SplitDoesNotFitError's text.
+    ``critic``: ppo's critic trains where the policy trains (``SplitWorkload.critic``)."""
     rows = []
     for ctx in contexts:
         for load in loads:
             work = SplitWorkload(*(_workload(st, ctx, load, micro_batch_tokens, decode_fraction)
                                    for st in (Stage.ROLLOUT, Stage.LOGPROB, Stage.TRAIN)),
-                                 env_seconds=env_seconds)
+                                 env_seconds=env_seconds, critic=critic)
             row: dict = {"context": ctx, "responses": load}
             for key, ranks in (("colocated", 0), ("split", None if split == "auto"
                                                    else int(split))):
@@ -621,15 +622,11 @@ def _lora_header(model: ModelConfig) -> str:
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
-    if model.lora.enabled and (args.split or args.sglang_mem_fraction is not None):
-        raise SystemExit("--lora-rank with --split / --sglang-mem-fraction: a LoRA run rolls out "
-                         "on the embedded engine, colocated, today (docs/lora.md); drop either")
-    if args.critic and (model.lora.enabled or args.split or args.compare
+    if args.critic and (model.lora.enabled or args.compare
                         or args.sglang_mem_fraction is not None):
-        raise SystemExit("--critic with --lora-rank / --split / --compare / "
-                         "--sglang-mem-fraction: algorithm=ppo trains its critic on the colocated "
-                         "loop with the embedded engine and no LoRA today (config/critic.py "
-                         "ppo_problem); drop either")
+        raise SystemExit("--critic with --lora-rank / --compare / --sglang-mem-fraction: "
+                         "algorithm=ppo trains its critic with the embedded engine and no LoRA "
+                         "today (config/critic.py ppo_problem); drop either")
     cluster = cluster_from_args(args)
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),
@@ -660,7 +657,7 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
         if args.split != "auto" and not args.split.isdigit():
             raise SystemExit(f"--split {args.split!r}: give auto or a number of rollout ranks")
         rows = split_rows(selector, args.contexts, args.in_flight, args.micro_batch_tokens,
-                          args.split, args.env_seconds, args.decode_fraction)
+                          args.split, args.env_seconds, args.decode_fraction, args.critic)
         engine = (f"; rollout on SGLang servers (--mem-fraction-static "
                   f"{args.sglang_mem_fraction:g})" if args.sglang_mem_fraction else "")
         print_split(rows, args.split, header + engine, args.reasons, stream)

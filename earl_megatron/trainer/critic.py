@@ -18,8 +18,8 @@ stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
 Placement: the critic lives in one layout for the whole run (trainer/planner.py
 ``critic_choice``: layout.train, or under layout.mode=auto the selector's TRAIN layout for the
 first batch; split placement: the train pool's TRAIN layout, trainer/split_sides.py, rebuilt
-from the checkpoint when auto moves the pools), so it never switches; its groups stay cached (runtime/groups) and are
-re-activated in place. The policy switches per stage around it: both critic stages dispatch
+from the checkpoint when auto moves the pools), so it never switches; its groups stay cached
+(runtime/groups) and are re-activated in place. The policy switches per stage around it: both critic stages dispatch
 from the batch's rollout layout to the critic's and (VALUES) back, whatever layout the policy
 trains in; CRITIC TRAIN plans its own micro-batches in the critic's layout (its sample tensors,
 padded for TRAIN's plan, are cut or padded to them: every prediction is inside both) and runs

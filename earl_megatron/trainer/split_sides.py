@@ -6,8 +6,9 @@ Invariants: every rank of the world calls each function with the same arguments 
 builds and checkpoint reads are collective over the world; a rank of the other side joins
 them); the train pool holds the policy with its optimizer, built in its TRAIN layout, and, KL
 on, the frozen reference in its LOGPROB layout (the one stage that reads it), whose groups its
-ranks make alone, and, under ppo, the critic in its TRAIN layout; the rollout pool holds a copy without optimizer (embedded engine) or a seat
-only (SGLang: its servers hold the weights).
+ranks make alone, and, under ppo, the critic in its TRAIN layout; the rollout pool holds a
+copy without optimizer (embedded engine) or a seat only (SGLang: its servers hold the
+weights).
 """
 
 from __future__ import annotations

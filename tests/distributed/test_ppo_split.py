@@ -2,7 +2,8 @@
 
 The train pool (ranks 0-1) scores in DP2 and trains in TP2; the critic lives in TP2, the
 pool's TRAIN layout, beside the policy and the KL reference; the rollout pool (rank 2) plays on
-its one rank (TP1), one version ahead (k = 1). Connect Four, GAE (gamma 0.99, lam 0.9), 3 iterations:
+its one rank (TP1), one version ahead (k = 1). Connect Four, GAE (gamma 0.99, lam 0.9), 3
+iterations:
 
 - every record holds the value metrics, finite, with the critic in TP2 and the split's
   numbers; the rollout pool sent every episode and the train pool trained each exactly once

@@ -68,6 +68,12 @@ def test_earl_plan_critic_on_the_7b_node(tool):
 
     with pytest.raises(SystemExit, match="ppo_problem"):
         tool.main(["--critic", "--lora-rank", "8"], out=io.StringIO())
+    # --split: the critic trains where the policy trains, counted in the train pool's plan:
+    # 4 GPUs train the 7B's policy (TP4, 46 GiB) but not policy and critic (TP4: 78 GiB)
+    plain, ppo = (tool.split_rows(selector, [1024], [8], 16384, "4", 0.0, critic=c)[0]
+                  for c in (False, True))
+    assert str(plain["split"].train.layout) == "TP4"
+    assert "the train pool of 4 ranks: no layout fits stage train" in str(ppo["split"])
 
 
 def test_the_critic_is_placed_with_the_policy_laid_out_like_each_candidate(tool):
