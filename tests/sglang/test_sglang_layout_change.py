@@ -73,11 +73,12 @@ def _play_in_two_layouts(python: str, out: str):
                        for p in re.findall(r"=== pid (\d+)", f.read_text())}
             engine = rollout.engine      # rank 1 leads no server in TP2
             old = started - {s.proc.pid for s in getattr(engine, "_servers", None) or []}
-            freed = len(old) == 1 and all(map(process_group_gone, old))
+            # (>= 1: a server the supervisor restarted under load adds its pid)
+            freed = len(old) >= 1 and all(map(process_group_gone, old))
             starts = rollout.take_starts()
         finally:
             rollout.close()
-    return found, freed, starts
+    return found, (freed, sorted(started), sorted(old)), starts
 
 
 def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_dir):
@@ -98,7 +99,7 @@ def test_layout_change_restarts_servers_and_carries_weights(sglang_python, run_d
         assert all(d["rollout_logprob_diff_max"] < 1e-4 for d in (diff0, diff1))
         assert len(ends0) == 2 and len(ends1) == 1 and "tp2" in ends1[0]
         assert (v0, v1) == ("it1", "it2")  # a push into each layout's fresh servers
-        assert freed
+        assert freed[0], (rank, freed)
         # the weight plan: under DP2 both leaders hold the whole model and receive nothing;
         # under TP2 the one leader (rank 0) receives exactly the tp1 half, rank 1 nothing
         half = minimum_recv_bytes(ModelConfig.tiny(vocab_size=32), ParallelLayout(tp=2), 0)
