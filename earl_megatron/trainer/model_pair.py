@@ -101,23 +101,26 @@ class ModelPair:
 
     def critic_in(self, layout: ParallelLayout) -> ModelOnLayout:
         """The critic with its groups current; it lives in one layout (module docstring)."""
-        pools = None if self.pools is None else (layout,) + tuple(self.pools[1:])
-        if layout != self.critic.layout or not (
-                self._live == "critic" or (groups.activate(layout) if pools is None
-                                           else groups.activate_pool(pools))):
+        if layout != self.critic.layout or not (self._live == "critic" or
+                                                self._reactivated(layout)):
             raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
                                f"{layout} or be regrouped (issue #45): raise "
                                "cluster.group_cache_layouts (config/critic.py)")
         self._live = "critic"
         return self.critic
 
+    def _pools_with(self, layout: ParallelLayout) -> Optional[tuple[ParallelLayout, ...]]:
+        """Split placement: the pools with this rank's (the train pool) in ``layout``."""
+        return None if self.pools is None else (layout,) + tuple(self.pools[1:])
+
+    def _reactivated(self, layout: ParallelLayout) -> bool:
+        """``layout``'s cached groups (this pool's, on a split) current again; False: none."""
+        pools = self._pools_with(layout)
+        return groups.activate(layout) if pools is None else groups.activate_pool(pools)
+
     def _live_in(self, model: ModelOnLayout, layout: ParallelLayout, who: str) -> ModelOnLayout:
-        pools = None if self.pools is None else (layout,) + tuple(self.pools[1:])
-
-        def activated() -> bool:
-            return groups.activate(layout) if pools is None else groups.activate_pool(pools)
-
-        if not (layout == model.layout and (self._live == who or activated())):
+        pools = self._pools_with(layout)
+        if not (layout == model.layout and (self._live == who or self._reactivated(layout))):
             model = switch_layout(model, layout, pools=pools)
         self._live = who
         return model

@@ -171,6 +171,7 @@ def reference_on(split) -> Optional[ModelOnLayout]:
     return build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed, pools=pools,
                            local=True)
 
+
 def critic_on(split) -> bool:
     """ppo: the critic on the train pool, in its TRAIN layout (the pools' first; the stage
     planner counts it there), from the policy just built or algorithm.critic.init; the rollout
