@@ -274,11 +274,11 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writer: HFWriter,
-                 part_bytes: int, progress: bool, adapters: dict) -> int:
-    """Stream the checkpoint's tensors out, up to ``part_bytes`` of regions per read; each
-    linear in ``adapters`` ({weight name: {A name: region, B name: region}}) is read with its
-    adapter and written merged."""
-    rules = hfm.rules(cfg)
+                 part_bytes: int, progress: bool, adapters: dict, rules=None) -> int:
+    """Stream the checkpoint's tensors out (``rules``, default all of ``cfg``'s), up to
+    ``part_bytes`` of regions per read; each linear in ``adapters`` ({weight name: {A name:
+    region, B name: region}}) is read with its adapter and written merged."""
+    rules = hfm.rules(cfg) if rules is None else rules
     groups = [{r.name: _region(template[r.name]), **adapters.get(r.name, {})} for r in rules]
     n_parts = done = 0
     # the bar counts the bytes written (a merged adapter's are read, not written)

@@ -70,6 +70,9 @@ def _cases(root: str) -> dict:
     out["unwritable"] = _tool("convert_mcore_to_hf", str(mc), str(r / "a_file" / "sub"))
     out["no_ckpt"] = _tool("convert_mcore_to_hf", str(r / "nowhere"), str(r / "o_nowhere"))
     out["merged_no_lora"] = _tool("convert_mcore_to_hf", str(mc), str(r / "o_merged"), "--merged")
+    out["no_critic"] = _tool("convert_mcore_to_hf", str(mc), str(r / "o_critic"), "--critic")
+    out["critic_merged"] = _tool("convert_mcore_to_hf", str(mc), str(r / "o_critic"), "--critic",
+                                 "--merged")
     # HF side
     bad_hf = r / "bad_hf"
     shutil.copytree(hf, bad_hf)
@@ -157,6 +160,9 @@ def test_output_folders_refused_and_nothing_overwritten(results):
     _one_line(res["no_ckpt"], "not a converted checkpoint", "convert_hf_to_mcore")
     _one_line(res["merged_no_lora"], "--merged merges LoRA adapters", "drop --merged")
     assert not (root / "o_merged").exists()
+    _one_line(res["no_critic"], "holds no critic", "algorithm.name=ppo", "drop --critic")
+    _one_line(res["critic_merged"], "--critic exports the value model", "drop --merged")
+    assert not (root / "o_critic").exists()
     _one_line(res["hf_into_itself"], "choose an output folder outside it")
     _one_line(res["hf_other_config"], "not empty")
     assert json.loads((root / "other" / "config.json").read_text()) == {"mine": 1}

@@ -18,7 +18,12 @@ a seeded head. One packed batch (4 samples of 16 tokens, micro-batches of 1), on
       head seed (every tensor differs before the load) gives back TP2's trunk and head
       bit-exact, and TP2's values after the step; the checkpoint holds the head as
       value_head.weight [1, hidden] and value_head.bias [1], no output layer;
-  (d) building a critic with the policy's tied config is refused, naming critic_config.
+  (d) building a critic with the policy's tied config is refused, naming critic_config;
+  (e) that checkpoint exported by ``earl convert mcore-to-hf --critic`` (given the checkpoint
+      and given a training checkpoint's layout, the critic under critic/ and the policy's
+      config beside it) loads with ``AutoModelForTokenClassification`` as a
+      Qwen2ForTokenClassification with one label whose logits are TP2's values after the step
+      (1e-4), and its score is the head, bit-exact.
 """
 
 import torch
@@ -191,3 +196,39 @@ def test_critic_values_gradients_and_checkpoint_across_layouts(tmp_path):
     stepped = results[CHECKPOINTED][SAVE_ON]["stepped_values"]
     assert (loaded["values"] - stepped).abs().max() < TOL
     assert (stepped - results[CHECKPOINTED]["DP2"]["reference"]).abs().max() > 100 * TOL
+    _check_hf_export(tmp_path, results[CHECKPOINTED][SAVE_ON])
+
+
+def _check_hf_export(tmp_path, saved_on):
+    """(e): the critic checkpoint through the exporter and transformers."""
+    import shutil
+
+    from transformers import AutoModelForTokenClassification
+
+    from earl_megatron.runtime.checkpoint import CONFIG_JSON
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    from earl_megatron.runtime.step import random_batch
+    from earl_megatron.testing.peft_check import export
+    from earl_megatron.testing.tiny_models import tiny_model
+
+    saved = checkpoint_dir(tmp_path, 1)
+    # a training checkpoint's layout: iter_N/critic/ and the policy's (tied) config in iter_N
+    run_ckpt = tmp_path / "run" / "iter_000002"
+    shutil.copytree(saved, run_ckpt / "critic")
+    (run_ckpt / CONFIG_JSON).write_text((saved / CONFIG_JSON).read_text().replace(
+        '"tie_word_embeddings": false', '"tie_word_embeddings": true'))
+    assert tiny_model(CHECKPOINTED).tie_word_embeddings
+    tokens = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=3).tokens[:, :-1]
+    for src, out in ((saved, tmp_path / "hf_critic"), (run_ckpt, tmp_path / "hf_run_critic")):
+        export(str(src), str(out), "--critic")
+        model = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
+        assert type(model).__name__ == "Qwen2ForTokenClassification" and \
+            model.config.num_labels == 1 and not model.config.tie_word_embeddings
+        with torch.no_grad():
+            values = model(tokens).logits[..., 0].double()
+        diff = (values - saved_on["stepped_values"]).abs().max().item()
+        assert diff < 1e-4, (str(src), diff)
+        head = saved_on["params"]
+        assert torch.equal(model.score.weight.float(), head["value_head.weight"])
+        assert torch.equal(model.score.bias.float(), head["value_head.bias"])
+

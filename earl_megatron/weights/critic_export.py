@@ -1,0 +1,123 @@
+"""PPO's critic out to Hugging Face: a token-classification model with one label, the value.
+
+    earl convert mcore-to-hf runs/RUN/checkpoints/iter_N OUT --critic
+
+The critic (models/value_model.py) is the policy's trunk, untied, with ``value_head`` (an
+``nn.Linear(hidden, 1)`` with a bias, after the final norm) where GPTModel's output layer was.
+transformers' ``<Family>ForTokenClassification`` (Llama, Qwen2, Qwen3, Qwen3-MoE) is the same
+function: ``model.*`` (the trunk, the causal LM's names) and ``score`` (a Linear over the final
+norm's output, bias on by default), so ``AutoModelForTokenClassification.from_pretrained(OUT)``
+gives ``logits[..., 0]`` = the critic's values, position t the value of the context up to and
+including token t (rl/value.py's alignment).
+
+Where the critic is read from: ``src/critic/`` (a training checkpoint's, written by
+trainer/critic.save_critic; the model config beside it in ``src``), or ``src`` itself when it
+holds the value head (``iter_N/critic`` given directly: the config from its parent, or a critic
+saved on its own with its config). Invariants: the trunk goes through the policy's own export
+(weights/convert.py, every tensor bit-exact, dtype kept); the head is written as stored; the
+config is the policy's HF config (``hf/config.json`` when the run had one) with the
+architecture, ``num_labels=1`` and untied embeddings; ``classifier_dropout`` is 0 (the critic
+trains without dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
+from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
+from earl_megatron.weights import hf_mapping as hfm
+from earl_megatron.weights.hf_io import HFWriter
+
+CRITIC_DIR = "critic"   # trainer/critic.CRITIC_DIR (weights/ may not import the trainer)
+HEAD = {"value_head.weight": "score.weight", "value_head.bias": "score.bias"}
+"""The value head's checkpoint keys (models/value_model.HEAD_KEY) -> the HF model's names."""
+LABEL = "value"
+
+
+def critic_source(src: str | Path) -> tuple[Path, Path]:
+    """(the directory holding the critic's tensors, the directory holding its model config) for
+    a training checkpoint, its ``critic/`` or a critic saved with its config; a clear error for
+    anything else."""
+    src = Path(src)
+    for tensors in (src / CRITIC_DIR, src):
+        if (tensors / "metadata.json").is_file() and _holds_head(tensors):
+            for config in (tensors, tensors.parent):
+                if (config / CONFIG_JSON).is_file():
+                    return tensors, config
+            raise CheckpointError(f"{tensors} holds a critic but no {CONFIG_JSON} beside it or "
+                                  "in its parent; export the whole checkpoint directory "
+                                  "(runs/RUN/checkpoints/iter_N)")
+    raise CheckpointError(f"{src} holds no critic ({CRITIC_DIR}/ with value_head.* tensors): it "
+                          "was written by a run without algorithm.name=ppo; drop --critic to "
+                          "export the policy")
+
+
+def _holds_head(path: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with reading(path):
+        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return all(k in stored for k in HEAD)
+
+
+def value_model_config(cfg, base: Optional[dict]) -> dict:
+    """The HF config.json of the critic of policy config ``cfg`` (``base``: the run's original
+    HF config, whose other keys are kept)."""
+    from earl_megatron.models.value_model import critic_config
+
+    out = hfm.to_hf_config(critic_config(cfg), base)
+    arch = out["architectures"][0]
+    out.update(architectures=[arch.replace("ForCausalLM", "ForTokenClassification")],
+               num_labels=1, id2label={"0": LABEL}, label2id={LABEL: 0},
+               classifier_dropout=0.0, tie_word_embeddings=False)
+    return out
+
+
+def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: int = 256 << 20,
+                         max_shard_bytes: int = 2 << 30,
+                         tokenizer_from: Optional[str | Path] = None, progress: bool = False):
+    """A checkpoint's critic -> an HF token-classification directory (config.json, safetensors,
+    tokenizer files): ``ConversionStats``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from earl_megatron.models.value_model import critic_config
+    from earl_megatron.weights import convert as cv
+
+    t0 = time.perf_counter()
+    tensors, config_dir = critic_source(src)
+    with reading(config_dir):
+        cfg = cv.read_model_config(config_dir)
+        base_path = config_dir / HF_SUBDIR / "config.json"
+        base = json.loads(base_path.read_text()) if base_path.is_file() else None
+    ccfg = critic_config(cfg)
+    with reading(tensors):
+        stored = FileSystemReader(str(tensors)).read_metadata().state_dict_metadata
+    extra = Path(tokenizer_from) if tokenizer_from else config_dir / HF_SUBDIR
+    if tokenizer_from and not extra.is_dir():
+        raise CheckpointError(f"--tokenizer-from {extra} is not a folder; pass the folder that "
+                              "holds tokenizer.json / tokenizer_config.json")
+    copy = [p for p in extra.iterdir() if p.is_file() and p.name != "config.json"] \
+        if extra.is_dir() else []
+    rules = tuple(r for r in hfm.rules(ccfg) if r.name != "output_layer.weight")
+    with cv.conversion_process(ccfg):
+        template = cv.sharded_template(ccfg)
+    head = {name: (name, tuple(stored[name].size)) for name in HEAD}
+    for name, region in [(r.name, cv._region(template[r.name])) for r in rules] + \
+            list(head.items()):
+        cv.dcp.region_request(region, name, stored, tensors)
+    with new_output_dir(out_dir, inputs=[tensors] + ([extra] if tokenizer_from else [])) as out, \
+            reading(tensors):
+        writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
+        n_parts = cv._mcore_to_hf(tensors, ccfg, template, stored, writer, part_bytes,
+                                  progress, {}, rules=rules)
+        for part in cv.dcp.read_groups(tensors, stored, [head], part_bytes):
+            for name, t in part[0].items():
+                writer.add(HEAD[name], t)
+        writer.finish(value_model_config(cfg, base), copy)
+    return cv.ConversionStats(len(rules) + len(HEAD), writer.total_bytes,
+                              time.perf_counter() - t0, n_parts + 1)
+
