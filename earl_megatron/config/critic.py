@@ -53,7 +53,8 @@ class CriticConfig:
 def ppo_problem(cfg) -> Optional[str]:
     """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
     naming the limit and the fix; None: it runs (every placement, static or auto layouts,
-    synchronous or asynchronous, with the embedded engine: trainer/critic.py)."""
+    synchronous or asynchronous, after a warm start, with the embedded engine:
+    trainer/critic.py)."""
     if cfg.algorithm.name != "ppo":
         return None
     r = cfg.rollout
@@ -68,9 +69,6 @@ def ppo_problem(cfg) -> Optional[str]:
         return (f"cluster.group_cache_layouts={cfg.cluster.group_cache_layouts}: the critic "
                 "is re-activated in its layout's cached groups, not rebuilt yet (issue #45); set "
                 f"cluster.group_cache_layouts >= {cached} ({why})")
-    if cfg.sft.steps:
-        return (f"sft.steps={cfg.sft.steps}: the critic would start from the policy before its "
-                "warm start (issue #45); set sft.steps=0")
     return None
 
 

@@ -71,7 +71,7 @@ class Colocated:
         begin = resume.start(tr.cfg, tr.planner, tr.out, tr.world, tr.optimizer, tr.kl_on,
                              any_placement=self.auto is not None)
         self.models = begin.models
-        if ppo:
+        if ppo and not self._critic_after_warm_start(begin.iteration):
             self._add_critic(begin.checkpoint)
         tr.history.extend(begin.history)
         tr.saved, tr.sft_start, tr.sft_history = begin.saved, begin.sft_step, begin.sft_history
@@ -100,12 +100,21 @@ class Colocated:
         if checkpoint is not None:
             load_critic(models.critic, checkpoint)
 
+    def _critic_after_warm_start(self, iteration: int) -> bool:
+        """ppo on a fresh run with a warm start: the critic's trunk is the warmed policy, so
+        it is built after the warm start (``warm_start``), not before; with
+        algorithm.critic.init its trunk is that init's either way."""
+        cfg = self.tr.cfg
+        return iteration == 0 and bool(cfg.sft.steps) and not cfg.algorithm.critic.init
+
     def warm_start(self) -> bool:
         """The warm start on the world's policy; KL on: the reference is then the warmed
-        policy."""
+        policy; ppo: the critic is built from it (``_critic_after_warm_start``)."""
         if not self.tr.warm_start(self.models):
             return False
         self._warm_reference()
+        if self.tr.cfg.algorithm.name == "ppo" and self.models.critic is None:
+            self._add_critic(None)
         return True
 
     def _warm_reference(self) -> None:

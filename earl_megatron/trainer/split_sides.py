@@ -122,7 +122,10 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     split.models = ModelPair(model, ref, pools=split.pools,
                              live="policy" if ref is None else "reference") \
         if split.train_side else None
-    critic = critic_on(split)
+    # ppo on a fresh run with a warm start: the critic comes from the warmed policy
+    # (warm_start_before_split); a critic.init's trunk is the init's either way
+    critic = not (found is None and cfg.sft.steps and not cfg.algorithm.critic.init) and \
+        critic_on(split)
     if split.models is not None:
         split.model = split.models.policy_in(t)   # the policy's groups current again
     if split.sglang:
@@ -148,6 +151,7 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     notes = [m for m in (found.message(),) if m is not None]
     return state["iteration"] + 1, state.get("pool"), notes + [
         f"resumed from {found.path} at iteration {state['iteration'] + 1}"]
+
 
 def reference_on(split) -> Optional[ModelOnLayout]:
     """KL on: the frozen reference on the train pool, in its LOGPROB layout (the initial
@@ -209,8 +213,9 @@ def warm_start_before_split(split) -> bool:
     """The warm start before the pools split: the world's policy, laid out by the selector
     over the whole world (trainer/warm_start.py, resumed from its own checkpoint), then its
     last checkpoint (weights and Adam state) loaded into the train pool's policy, resharded
-    by dist_checkpointing; KL on: into the reference too. The rollout pool's weights come
-    at the first handoff, as always. False: told to stop (the warm start checkpointed)."""
+    by dist_checkpointing; KL on: into the reference too; ppo: the critic built from it. The
+    rollout pool's weights come at the first handoff, as always. False: told to stop (the
+    warm start checkpointed)."""
     from earl_megatron.trainer.model_pair import build_model_pair
     from earl_megatron.trainer.sft import set_lr
     from earl_megatron.trainer.warm_start import warm_start_state
@@ -237,6 +242,8 @@ def warm_start_before_split(split) -> bool:
     load_checkpoint(split.model if split.train_side else None, path)
     if split.train_side:
         set_lr(split.model.optimizer, cfg.algorithm.lr)
+    if not cfg.algorithm.critic.init and critic_on(split) and split.models is not None:
+        split.model = split.models.policy_in(split.pools[0])   # ppo: from the warmed policy
     if tr.kl_on:
         warmed_reference(split)
     return True

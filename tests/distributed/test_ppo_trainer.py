@@ -14,6 +14,10 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
   on one fixed batch (no clip) lowers the value loss step after step, to below a tenth;
 - algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
   seed) scored by another critic (its trunk the trained policy's);
+- a warm start (sft.steps=2 on the calculator's scripted expert) before RL: the critic's
+  trunk is the warmed policy's, bit-exact (its own steps made too small to move fp32 weights:
+  critic.lr 1e-30, so the trunk saved at iteration 0 is the one it was built with), not the
+  seed's initial policy's;
 - layout.mode=auto under a 0.015 GB budget with algorithm.max_staleness=1 (3 iterations): the
   critic in TP2 for the whole run while the policy rolls out in DP2 and trains in CP2 from
   iteration 1 (a switch there and back each iteration); iterations 1 and 2 train tokens one
@@ -36,6 +40,15 @@ PPO = {"name": "ppo", "gamma": 0.99, "lam": 0.9, "kl_mode": "loss", "kl_coef": 0
        "critic": {"lr": 1e-2, "clip": 0.2, "warmup": 1}}
 VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean",
               "return_mean", "value_grad_norm")
+
+
+WARM = {"model": {"vocab_size": 64},
+        "env": {"name": "calculator", "kwargs": {"system_prompt": "", "num_operands": 2},
+                "eval_opponents": []},
+        "rollout": {"tokenizer": "tool", "episodes_per_iteration": 4, "max_turns": 3,
+                    "max_action_tokens": 16},
+        "sft": {"steps": 2, "batch_size": 4, "expert_episodes": 8}}
+"""The warm-started run: the calculator, whose scripted expert the warm start imitates."""
 
 
 def _cfg(out, iterations, algorithm=None, sections=None, **critic):
@@ -81,6 +94,37 @@ def _critic_changed(root, cfg):
         load_model_state(end, checkpoint_dir(f"{root}/checkpoints", 2) / "critic")
     s, e = start.module().state_dict(), end.module().state_dict()
     return {k: not torch.equal(s[k], e[k]) for k in s if not k.endswith("_extra_state")}
+
+
+def _critic_from_warmed_policy(root, cfg):
+    """(the critic saved at iteration 0 has the last warm-start checkpoint's trunk, bit-exact;
+    it differs from the seed's initial policy) for the run at ``root``."""
+    import torch
+    import torch.distributed as dist
+
+    from earl_megatron.models.value_model import CriticTrunk, critic_config, critic_loader
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.checkpoint import load_checkpoint, load_model_state
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.trainer.warm_start import warm_start_state
+    from earl_megatron.weights.gather import gather_full
+
+    ccfg = critic_config(cfg.model)
+    lay = ParallelLayout.parse("tp2", world_size=dist.get_world_size(), model=cfg.model)
+    with cpu_backend():
+        initial = build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed)
+        start = gather_full(initial.model, cfg.model, lay)
+        warmed = build_on_layout(cfg.model, lay, ddp=False, seed=cfg.run.seed)
+        load_checkpoint(warmed, warm_start_state(root)["path"])
+        warm = gather_full(warmed.model, cfg.model, lay)
+        critic = build_on_layout(ccfg, lay, ddp=False, seed=cfg.run.seed,
+                                 load=critic_loader(start, ccfg, lay, seed=cfg.run.seed))
+        load_model_state(critic, checkpoint_dir(f"{root}/checkpoints", 0) / "critic")
+        trunk = gather_full(CriticTrunk(critic.model), ccfg, lay)
+    return (all(torch.equal(t, warm[k]) for k, t in trunk.items()),
+            any(not torch.equal(t, start[k]) for k, t in trunk.items()))
 
 
 def _fixed_batch_losses(cfg, steps=6):
@@ -167,6 +211,8 @@ def _all(root):
     init = run(_cfg(f"{root}/init", 1, init=str(checkpoint_dir(f"{root}/full/checkpoints", 2))))
     # auto layouts, asynchronous: episodes carried over from the previous stage, scored by
     # today's critic; resumed, the critic's layout is chosen again and its state read back
+    warm = _cfg(f"{root}/warm", 1, sections=WARM, lr=1e-30)
+    run(warm)
     k1 = {"max_staleness": 1}
     auto = run(_cfg(f"{root}/auto", 3, algorithm=k1, sections=AUTO))
     run(_cfg(f"{root}/auto_resumed", 2, algorithm=k1, sections=AUTO))
@@ -176,6 +222,7 @@ def _all(root):
             "auto_equal": strip(auto) == strip(auto_resumed),
             "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
+            "warmed": _critic_from_warmed_policy(f"{root}/warm", warm),
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
 
@@ -227,6 +274,7 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         assert r["auto_equal"], "auto, k=1: 2 iterations resumed to 3 differ from 3"
         sw = r["switches"]
         assert sw["equal"] and sw["lengths"] == [19 + 5 * s for s in sw["ids"]], sw
+        assert r["warmed"] == (True, True), r["warmed"]   # the warmed trunk, not the seed's
         changed = r["changed"]
         assert any(k.startswith("output_layer.") for k in changed), sorted(changed)
         assert changed and all(changed.values()), sorted(k for k, v in changed.items() if not v)

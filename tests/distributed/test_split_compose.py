@@ -1,5 +1,5 @@
 """Capabilities that compose with split placement (issue #43): a warm start before the pools
-split, then the KL reference on the train pool, which is the warmed policy.
+split, then the KL reference and PPO's critic on the train pool, both from the warmed policy.
 
 One 4-rank run (train pool ranks 0-1 in dp2, rollout pool ranks 2-3 in dp2, the calculator, k =
 1, 3 iterations): the warm start runs on the whole world (sft.jsonl, a 4-rank layout), the train
@@ -8,10 +8,15 @@ rollout pool sent exactly once (the split audit, tests/distributed/split_audit.p
 the check that the reference is the warmed policy: iteration 0 trains the first batch on the
 warmed weights, where policy and reference are the same weights in the same layout, so its KL
 is exactly 0 (the initial policy as reference would give a KL far from 0); later iterations,
-after optimizer steps, have a positive one."""
+after optimizer steps, have a positive one. The critic (algorithm.name=ppo, issue #45) is built
+from the warmed policy: its steps are made too small to move fp32 weights (critic.lr 1e-30), so
+the critic of the last checkpoint, exported with ``earl convert mcore-to-hf --critic``, has the
+trunk of the warm start's last checkpoint exported as a policy, tensor for tensor."""
 
 import json
 from pathlib import Path
+
+import torch
 
 from earl_megatron.config.train import TrainConfig
 from earl_megatron.plan.layout import ParallelLayout
@@ -29,7 +34,7 @@ def _cfg(out, iterations=3):
                 "eval_opponents": []},
         "rollout": {"tokenizer": "tool", "episodes_per_iteration": 4, "max_turns": 3,
                     "max_action_tokens": 16, "placement": "split", "pool_ranks": 2},
-        "algorithm": {"name": "grpo", "group_size": 2, "micro_batch_size": 2,
+        "algorithm": {"name": "ppo", "critic": {"lr": 1e-30}, "micro_batch_size": 2,
                       "max_staleness": 1, "off_policy": "decoupled",
                       "old_logprobs": "recompute", "kl_mode": "loss", "kl_coef": 0.1},
         "sft": {"steps": 2, "batch_size": 8, "data": str(TRACES), "lr": 1e-2, "log_every": 1},
@@ -52,6 +57,23 @@ def test_warm_start_then_split_with_the_warmed_policy_as_kl_reference(tmp_path):
     check_exactly_once(read_audit(audit), 3)
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "iter_000002" in ckpts and "sft" in ckpts, ckpts
+    assert all(h["value_loss"] > 0 for h in hist), hist
+    _check_critic_is_the_warmed_policy(out, tmp_path)
+
+
+def _check_critic_is_the_warmed_policy(out, tmp_path):
+    from safetensors.torch import load_file
+
+    from earl_megatron.testing.peft_check import export
+    from earl_megatron.trainer.warm_start import warm_start_state
+
+    export(str(out / "checkpoints" / "iter_000002"), str(tmp_path / "critic"), "--critic")
+    export(warm_start_state(out)["path"], str(tmp_path / "warmed"))
+    critic = load_file(tmp_path / "critic" / "model.safetensors")
+    warmed = load_file(tmp_path / "warmed" / "model.safetensors")
+    trunk = {k for k in critic if not k.startswith("score.")}
+    assert trunk and trunk <= warmed.keys(), sorted(trunk - warmed.keys())
+    assert [k for k in trunk if not torch.equal(critic[k], warmed[k])] == []
 
 
 def test_moe_routing_replay_on_a_split(tmp_path):
