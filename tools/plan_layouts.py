@@ -622,11 +622,10 @@ def _lora_header(model: ModelConfig) -> str:
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
-    if args.critic and (model.lora.enabled or args.compare
-                        or args.sglang_mem_fraction is not None):
-        raise SystemExit("--critic with --lora-rank / --compare / --sglang-mem-fraction: "
-                         "algorithm=ppo trains its critic with the embedded engine and no LoRA "
-                         "today (config/critic.py ppo_problem); drop either")
+    if args.critic and (model.lora.enabled or args.compare):
+        raise SystemExit("--critic with --lora-rank / --compare: algorithm=ppo trains its "
+                         "critic with no LoRA today (config/critic.py ppo_problem), and "
+                         "--compare plans the policy alone; drop either")
     cluster = cluster_from_args(args)
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),

@@ -53,14 +53,9 @@ class CriticConfig:
 def ppo_problem(cfg) -> Optional[str]:
     """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
     naming the limit and the fix; None: it runs (every placement, static or auto layouts,
-    synchronous or asynchronous, after a warm start, with the embedded engine:
-    trainer/critic.py)."""
+    synchronous or asynchronous, after a warm start, with either engine: trainer/critic.py)."""
     if cfg.algorithm.name != "ppo":
         return None
-    r = cfg.rollout
-    if r.engine != "embedded":
-        return (f"rollout.engine={r.engine}: ppo is tested on the embedded engine only yet "
-                "(issue #45); use rollout.engine=embedded")
     if cfg.model.lora.enabled:
         return ("model.lora: a critic beside a LoRA policy is not built yet (issue #45); set "
                 "model.lora.rank=0")

@@ -33,6 +33,7 @@ Checked:
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -132,11 +133,14 @@ def test_trainer_on_sglang_servers_syncs_weights_and_survives_every_fault(sglang
             assert group_gone(pid), (p, pid)
 
 
-def test_asynchronous_rl_on_sglang_servers(sglang_python, run_dir):
+def test_asynchronous_ppo_on_sglang_servers(sglang_python, run_dir):
     """algorithm.max_staleness=1 with SGLang: each replica's leader holds the episodes in flight
     and plays them through its server; the others get the outcome by broadcast. The servers
     hold the trainer's weights for every token the current version sampled, episodes carry
-    over (some trained tokens are a version old, none older), nothing is dropped."""
+    over (some trained tokens are a version old, none older), nothing is dropped. The run is
+    PPO (issue #45): the critic lives beside the policy in the trainer's TRAIN layout (tp2),
+    whatever engine rolls out, and scores every batch (value metrics finite, the value loss
+    positive, the critic's steps recorded)."""
     out = run_dir / "async"
     cfg = TrainConfig.from_dict({
         "model": {"vocab_size": 32},
@@ -145,7 +149,8 @@ def test_asynchronous_rl_on_sglang_servers(sglang_python, run_dir):
                 "eval_opponents": []},
         "rollout": {"engine": "sglang", "sglang_python": sglang_python, "sglang_device": "cpu",
                     "episodes_per_iteration": 4, "max_turns": 4},
-        "algorithm": {"micro_batch_size": 2, "max_staleness": 1, "off_policy": "decoupled",
+        "algorithm": {"name": "ppo", "gamma": 0.99, "lam": 0.95, "critic": {"lr": 1e-2},
+                      "micro_batch_size": 2, "max_staleness": 1, "off_policy": "decoupled",
                       "old_logprobs": "recompute"},
         "cluster": {"collective_timeout_s": 900, "server_start_timeout_s": 300,
                     "server_request_timeout_s": 60, "weight_sync_timeout_s": 45,
@@ -164,6 +169,10 @@ def test_asynchronous_rl_on_sglang_servers(sglang_python, run_dir):
         assert h["rollout_engine"] == "sglang" and h["pool_dropped"] == 0, h
         assert h["rollout_logprob_diff_max"] < 1e-4, h
         assert h["staleness_max"] <= 1, h
+        assert h["critic_layout"] == "TP2" and h["value_loss"] > 0, h
+        assert all(math.isfinite(h[k]) for k in ("value_loss", "explained_variance",
+                                                 "value_mean", "return_mean")), h
+        assert {"values", "critic_train"} <= set(h["seconds"]), h["seconds"]
     assert any(h["staleness_mean"] > 0 for h in hist[1:])
     # each server's KV pool is capped at the run's worst case: (k+1) x 4 episodes of the
     # context bound (config.train.sglang_kv_tokens), not 5% of the host's memory

@@ -68,6 +68,21 @@ def test_earl_plan_critic_on_the_7b_node(tool):
 
     with pytest.raises(SystemExit, match="ppo_problem"):
         tool.main(["--critic", "--lora-rank", "8"], out=io.StringIO())
+    # SGLang servers beside the trainer: a server's static pool is its fraction of the device
+    # less what the device holds at its start, the critic's resident train state included, so
+    # the 7B's rollout with a critic needs a larger fraction than without one
+    for fraction, fits in ((0.3, False), (0.8, True)):
+        engine = tool.DecodeEngine.sglang_servers(fraction)
+        sel = tool.Selector(model, tool.cluster_from_args(args).with_(decode_engine=engine),
+                            opts, tool.SelectorConfig(auto_recompute=True))
+        grid = tool.plan_grid(sel, [Stage.ROLLOUT], [1024], [64], 16384, decode_fraction=0.5,
+                              critic=True)
+        plan = grid[(Stage.ROLLOUT, 1024, 64)]
+        assert (not isinstance(plan, Exception)) == fits, (fraction, plan)
+        plain = tool.plan_grid(sel, [Stage.ROLLOUT], [1024], [64], 16384, decode_fraction=0.5)
+        assert not isinstance(plain[(Stage.ROLLOUT, 1024, 64)], Exception), fraction
+    assert tool.main(argv[:-2] + ["--stages", "rollout", "--critic", "--sglang-mem-fraction",
+                                  "0.8"], out=io.StringIO()) == 0
     # --split: the critic trains where the policy trains, counted in the train pool's plan:
     # 4 GPUs train the 7B's policy (TP4, 46 GiB) but not policy and critic (TP4: 78 GiB)
     plain, ppo = (tool.split_rows(selector, [1024], [8], 16384, "4", 0.0, critic=c)[0]
