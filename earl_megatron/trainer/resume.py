@@ -79,7 +79,7 @@ def start(cfg: TrainConfig, planner: StagePlanner, out: Path, world: int,
             return Start(state["iteration"] + 1, models, [
                 f"resumed from {ckpt} (written by split placement) at iteration "
                 f"{state['iteration'] + 1}"], history=list(state["history"]),
-                saved=state["iteration"], pool=state.get("pool"))
+                saved=state["iteration"], pool=state.get("pool"), checkpoint=ckpt)
         if state.get("placement"):
             raise ConfigError(
                 f"{ckpt} was written under rollout.placement=split (pools "

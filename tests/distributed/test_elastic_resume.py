@@ -11,7 +11,7 @@ from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _cfg(out, iterations, **layout):
+def _cfg(out, iterations, algorithm=None, **layout):
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
         "layout": layout or {"mode": "auto"},
@@ -19,7 +19,7 @@ def _cfg(out, iterations, **layout):
                 "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
                 "eval_opponents": ["random"]},
         "rollout": {"episodes_per_iteration": 4, "max_turns": 4},
-        "algorithm": {"micro_batch_size": 2},
+        "algorithm": algorithm or {"micro_batch_size": 2},
         "run": {"iterations": iterations, "output_dir": str(out), "checkpoint_every": 1,
                 "eval_episodes": 2, "live_view": False},
     })
@@ -59,11 +59,58 @@ def test_four_ranks_to_two_and_back(tmp_path, capfd):
     assert set(evals) == {"start", "iter2", "iter4", "end"}, evals
 
 
+PPO = {"name": "ppo", "micro_batch_size": 2, "critic": {"lr": 1e-2}}
+
+
+def _train_reloading(cfg, reloaded):
+    """``_train``, and right after the critic loads from the checkpoint it is saved again, as
+    this world holds it, into ``reloaded`` (a collective save in the new layout)."""
+    from pathlib import Path
+
+    from earl_megatron.runtime.checkpoint import save_model_state
+    from earl_megatron.trainer import critic as critic_mod
+
+    load = critic_mod.load_critic
+
+    def loading(critic, checkpoint):
+        load(critic, checkpoint)
+        save_model_state(critic, Path(reloaded))
+
+    critic_mod.load_critic = loading
+    return _train(cfg)
+
+
+def _tensors(dcp_dir, tmp):
+    """Every tensor of a dist_checkpointing directory, read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(dcp_dir), str(tmp))
+    return {k: v for k, v in torch.load(tmp, weights_only=False).items()
+            if isinstance(v, torch.Tensor)}
+
+
 def test_static_layout_of_the_new_world(tmp_path):
+    """2 ranks -> 4 under static layouts, PPO: the critic (issue #45) lives in layout.train,
+    TP2 and then TP2xDP2, and what the 4 ranks load from the 2 ranks' critic/ is that checkpoint
+    (saved again right after the load and read back: every tensor, weights and Adam state,
+    bit-exact)."""
+    import torch
+
     out = tmp_path / "static"
-    run_distributed(_train, 2, _cfg(out, 1, mode="static", rollout="dp2", logprob="dp2",
-                                    train="tp2"), timeout=500)
-    hist = run_distributed(_train, 4, _cfg(out, 2, mode="static", rollout="dp4", logprob="dp4",
-                                           train="tp2"), timeout=500)[0]
-    assert [h["iteration"] for h in hist] == [0, 1]
+    first = run_distributed(_train, 2, _cfg(out, 1, mode="static", rollout="dp2",
+                                            logprob="dp2", train="tp2", algorithm=PPO),
+                            timeout=500)[0]
+    hist = run_distributed(_train_reloading, 4,
+                           _cfg(out, 2, mode="static", rollout="dp4", logprob="dp4",
+                                train="tp2", algorithm=PPO), str(tmp_path / "reloaded"),
+                           timeout=500)[0]
+    assert [h["iteration"] for h in hist] == [0, 1] and hist[0] == first[0]
     assert hist[1]["layouts"] == {"rollout": "DP4", "train": "TP2xDP2"}
+    assert [h["critic_layout"] for h in hist] == ["TP2", "TP2xDP2"], hist
+    assert all(h["value_loss"] > 0 for h in hist), hist
+    saved = _tensors(out / "checkpoints" / "iter_000000" / "critic", tmp_path / "a.pt")
+    again = _tensors(tmp_path / "reloaded", tmp_path / "b.pt")
+    assert saved.keys() == again.keys() and any("exp_avg" in k for k in saved), sorted(saved)
+    assert any(k.startswith("value_head.") for k in saved), sorted(saved)
+    assert [k for k in saved if not torch.equal(saved[k], again[k])] == []
