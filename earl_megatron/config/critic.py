@@ -56,9 +56,6 @@ def ppo_problem(cfg) -> Optional[str]:
     synchronous or asynchronous, after a warm start, with either engine: trainer/critic.py)."""
     if cfg.algorithm.name != "ppo":
         return None
-    if cfg.model.lora.enabled:
-        return ("model.lora: a critic beside a LoRA policy is not built yet (issue #45); set "
-                "model.lora.rank=0")
     cached, why = critic_cache_layouts(cfg)
     if cfg.cluster.group_cache_layouts < cached:
         return (f"cluster.group_cache_layouts={cfg.cluster.group_cache_layouts}: the critic "

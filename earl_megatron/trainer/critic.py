@@ -72,7 +72,8 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                  pools: Optional[tuple] = None) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
     policy's groups current: its trunk is the policy's weights gathered whole (or
-    ``algorithm.critic.init``'s, loaded in the policy's layout), its head new from run.seed.
+    ``algorithm.critic.init``'s, loaded in the policy's layout; a LoRA policy's adapters
+    merged in, so the trunk computes what the policy does), its head new from run.seed.
 
     Split placement (``pools``, the train pool first): the train pool's ranks build it in
     their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
@@ -96,6 +97,9 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                              "architecture than the policy's (model.*): give a checkpoint of "
                              "the policy's shape, or drop it (the policy's initial weights)")
     weights = gather_full(source.model, source.cfg, source.layout)
+    if source.cfg.lora.enabled:   # the policy as it acts: its adapters merged into the trunk
+        from earl_megatron.weights.peft_export import merged_weights
+        weights = merged_weights(weights, source.cfg)
     ccfg = critic_config(cfg.model)
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                          use_distributed_optimizer=a.use_distributed_optimizer)

@@ -115,6 +115,17 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
+def merged_weights(full: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A LoRA model's full Megatron tensors (``weights/gather.gather_full``) -> its base's, each
+    adapted linear's weight merged with its adapter (``merged``) and the adapters dropped: the
+    un-adapted model that computes what the adapted one does (PPO's critic starts from it)."""
+    out = dict(full)
+    for lin in adapted_linears(cfg):
+        out[lin.base.name] = merged(full[lin.base.name], out.pop(lin.a.name),
+                                    out.pop(lin.b.name), cfg.lora.scaling)
+    return out
+
+
 def target_modules(cfg: ModelConfig) -> list[str]:
     """The HF module names PEFT targets (``q_proj``, ..., ``down_proj``), sorted."""
     return sorted({_module(n).rsplit(".", 1)[1] for lin in adapted_linears(cfg)

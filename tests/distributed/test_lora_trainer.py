@@ -9,16 +9,22 @@ targets, B set from seeded full tensors so that every adapter is nonzero:
 - saved on tp2 and loaded on tp1 (dp2), the adapters (assembled over tp) and the base come
   back bit-exact; saved again on tp1 and loaded on tp2, they equal the first tp2 model's
   bit-exact;
-- the LoRA checkpoint loads into an un-adapted model as a full one would (its base)
+- the LoRA checkpoint loads into an un-adapted model as a full one would (its base);
+- ``merged_weights`` of the adapted model (what PPO's critic starts from) built as an
+  un-adapted model gives the adapted model's logits (1e-5), not the base's
   (its export as a PEFT adapter: tests/distributed/test_peft_export.py).
 
 The trainer: tiny_connect_four with model.lora.rank=4 on one static tp2 layout, KL in the loss
-(the reference is the base), 3 iterations: every adapter changed, every base parameter
-bit-identical to the seed's initial model; a run of 2 iterations resumed to 3 records the same
-iterations (every metric but the timings) as the uninterrupted run.
+(the reference is the base), PPO (issue #45: the critic beside a LoRA policy is a full model of
+the base's trunk, every parameter trained), 3 iterations: every adapter changed, every base
+parameter bit-identical to the seed's initial model, the value metrics finite; a run of 2
+iterations resumed to 3 records the same iterations (every metric but the timings) as the
+uninterrupted run. The checkpoint exports as a PEFT adapter and, with --critic, as a value
+model with no adapter names.
 """
 
 import json
+import math
 import re
 
 import pytest
@@ -96,6 +102,20 @@ def _checkpoints(root):
     again_local = local(again)
     out["tp1_to_tp2"] = again_local.keys() == src_local.keys() and all(
         torch.equal(again_local[k], v) for k, v in src_local.items())
+    # PPO's critic starts from the policy as it acts: a model of the base's shape built from
+    # merged_weights (the adapters merged in) computes the LoRA model's logits
+    from earl_megatron.testing.logits import megatron_logits
+    from earl_megatron.weights.gather import gather_full
+    from earl_megatron.weights.peft_export import merged_weights
+
+    tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(3))
+    merged = build("tp2", model=cfg.base,
+                   weights=merged_weights(gather_full(src.model, cfg, src.layout), cfg))
+    want, got = megatron_logits(src, tokens), megatron_logits(merged, tokens)
+    base_logits = megatron_logits(plain, tokens)
+    out["merged_acts_as_adapted"] = want is None or (
+        (got[1] - want[1]).abs().max().item() < 1e-5 and
+        (base_logits[1] - want[1]).abs().max().item() > 1e-3)
     base_only = build("tp1", model=cfg.base, seed=5)
     load_checkpoint(base_only, ckpt2)
     out["base_loads_as_full"] = all(torch.equal(base_only.model.state_dict()[n], w)
@@ -117,7 +137,8 @@ def _training(root):
 
     def cfg(out, iterations):
         return tiny_connect_four(out, model={"lora": {"rank": 4, "alpha": 8}}, layout=LAYOUT,
-                                 algorithm={"kl_mode": "loss", "kl_coef": 0.1},
+                                 algorithm={"kl_mode": "loss", "kl_coef": 0.1, "name": "ppo",
+                                            "critic": {"lr": 1e-2}},
                                  run={"iterations": iterations})
 
     full_cfg = cfg(f"{root}/full", 3)
@@ -141,6 +162,8 @@ def _training(root):
         "iterations": ([h["iteration"] for h in full], [h["iteration"] for h in resumed]),
         "records_equal": strip(full) == strip(resumed),
         "kl_recorded": all("kl" in h for h in full),
+        "values_finite": all(h["value_loss"] > 0 and math.isfinite(h["value_loss"]) and
+                             h["critic_layout"] == "TP2" for h in full),
     }
 
 
@@ -161,9 +184,10 @@ def test_lora_checkpoints_reshard_and_the_trainer_trains_adapters_only(tmp_path)
         assert c["base_entries_same"], c
         assert c["extra"] == (2 * 4 * 4, True), c      # lora_a, lora_b x 4 linears x 4 layers
         assert c["tp2_to_tp1"] and c["tp1_to_tp2"] and c["base_loads_as_full"], c
+        assert c["merged_acts_as_adapted"], c
         assert t["n_adapters"] == 32 and t["base_unchanged"] and t["adapters_changed"], t
         assert t["iterations"] == ([0, 1, 2], [0, 1, 2]), t
-        assert t["records_equal"] and t["kl_recorded"], t
+        assert t["records_equal"] and t["kl_recorded"] and t["values_finite"], t
     # the trainer's checkpoint (optimizer state beside the model) exports as a PEFT adapter;
     # its run recorded no HF base (run.init unset)
     from safetensors.torch import load_file
@@ -174,3 +198,9 @@ def test_lora_checkpoints_reshard_and_the_trainer_trains_adapters_only(tmp_path)
     conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert (conf["r"], conf["lora_alpha"], conf["base_model_name_or_path"]) == (4, 8, None)
     assert len(load_file(tmp_path / "peft" / "adapter_model.safetensors")) == 4 * 7 * 2
+    # its critic: the base's architecture with a value head, no adapters
+    from earl_megatron.weights.critic_export import convert_critic_to_hf
+
+    convert_critic_to_hf(tmp_path / "full" / "checkpoints" / "iter_000002", tmp_path / "critic")
+    names = load_file(tmp_path / "critic" / "model.safetensors").keys()
+    assert {"score.weight", "score.bias"} <= names and not [n for n in names if "lora" in n]
