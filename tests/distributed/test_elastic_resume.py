@@ -11,9 +11,9 @@ from earl_megatron.config.train import TrainConfig
 from earl_megatron.testing.multiproc import run_distributed
 
 
-def _cfg(out, iterations, algorithm=None, **layout):
+def _cfg(out, iterations, algorithm=None, model=None, **layout):
     return TrainConfig.from_dict({
-        "model": {"vocab_size": 32},
+        "model": model or {"vocab_size": 32},
         "layout": layout or {"mode": "auto"},
         "env": {"name": "connect_four",
                 "kwargs": {"system_prompt": "", "legal_move_reward": 0.1},
@@ -63,20 +63,24 @@ PPO = {"name": "ppo", "micro_batch_size": 2, "critic": {"lr": 1e-2}}
 
 
 def _train_reloading(cfg, reloaded):
-    """``_train``, and right after the critic loads from the checkpoint it is saved again, as
-    this world holds it, into ``reloaded`` (a collective save in the new layout)."""
+    """``_train``, and right after the policy and the critic load from the checkpoint each is
+    saved again, as this world holds it, into ``reloaded``/policy and /critic (collective
+    saves in the new layouts)."""
     from pathlib import Path
 
     from earl_megatron.runtime.checkpoint import save_model_state
     from earl_megatron.trainer import critic as critic_mod
+    from earl_megatron.trainer import resume as resume_mod
 
-    load = critic_mod.load_critic
+    def again(load, what):
+        def loading(model, checkpoint):
+            out = load(model, checkpoint)
+            save_model_state(model, Path(reloaded) / what)
+            return out
+        return loading
 
-    def loading(critic, checkpoint):
-        load(critic, checkpoint)
-        save_model_state(critic, Path(reloaded))
-
-    critic_mod.load_critic = loading
+    critic_mod.load_critic = again(critic_mod.load_critic, "critic")
+    resume_mod.load_checkpoint = again(resume_mod.load_checkpoint, "policy")
     return _train(cfg)
 
 
@@ -91,26 +95,32 @@ def _tensors(dcp_dir, tmp):
 
 
 def test_static_layout_of_the_new_world(tmp_path):
-    """2 ranks -> 4 under static layouts, PPO: the critic (issue #45) lives in layout.train,
-    TP2 and then TP2xDP2, and what the 4 ranks load from the 2 ranks' critic/ is that checkpoint
-    (saved again right after the load and read back: every tensor, weights and Adam state,
+    """2 ranks -> 4 under static layouts, a LoRA policy (issue #46) trained by PPO: the critic
+    (issue #45) lives in layout.train, TP2 and then TP2xDP2; what the 4 ranks load from the 2
+    ranks' checkpoint, the policy (its base, its adapters and their Adam state) and critic/, is
+    that checkpoint (each saved again right after its load and read back: every tensor,
     bit-exact)."""
     import torch
 
     out = tmp_path / "static"
+    lora = {"vocab_size": 32, "lora": {"rank": 4, "alpha": 8}}
     first = run_distributed(_train, 2, _cfg(out, 1, mode="static", rollout="dp2",
-                                            logprob="dp2", train="tp2", algorithm=PPO),
-                            timeout=500)[0]
+                                            logprob="dp2", train="tp2", algorithm=PPO,
+                                            model=lora), timeout=500)[0]
     hist = run_distributed(_train_reloading, 4,
                            _cfg(out, 2, mode="static", rollout="dp4", logprob="dp4",
-                                train="tp2", algorithm=PPO), str(tmp_path / "reloaded"),
-                           timeout=500)[0]
+                                train="tp2", algorithm=PPO, model=lora),
+                           str(tmp_path / "reloaded"), timeout=500)[0]
     assert [h["iteration"] for h in hist] == [0, 1] and hist[0] == first[0]
     assert hist[1]["layouts"] == {"rollout": "DP4", "train": "TP2xDP2"}
     assert [h["critic_layout"] for h in hist] == ["TP2", "TP2xDP2"], hist
     assert all(h["value_loss"] > 0 for h in hist), hist
-    saved = _tensors(out / "checkpoints" / "iter_000000" / "critic", tmp_path / "a.pt")
-    again = _tensors(tmp_path / "reloaded", tmp_path / "b.pt")
-    assert saved.keys() == again.keys() and any("exp_avg" in k for k in saved), sorted(saved)
-    assert any(k.startswith("value_head.") for k in saved), sorted(saved)
-    assert [k for k in saved if not torch.equal(saved[k], again[k])] == []
+    ckpt = out / "checkpoints" / "iter_000000"
+    for what, src, marks in (("critic", ckpt / "critic", ("value_head.", "exp_avg")),
+                             ("policy", ckpt, ("lora_b", "exp_avg.decoder.layers.mlp.linear_"
+                                                         "fc1.lora_a"))):
+        saved = _tensors(src, tmp_path / f"{what}_a.pt")
+        again = _tensors(tmp_path / "reloaded" / what, tmp_path / f"{what}_b.pt")
+        assert saved.keys() == again.keys(), (what, sorted(saved.keys() ^ again.keys()))
+        assert all(any(m in k for k in saved) for m in marks), (what, sorted(saved))
+        assert [k for k in saved if not torch.equal(saved[k], again[k])] == [], what
