@@ -51,7 +51,8 @@ from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights import peft_export as peft
 from earl_megatron.weights.peft_import import for_policy, is_peft_adapter, recorded_base
-from earl_megatron.weights.hf_io import HFCheckpoint, HFWriter, release_freed_memory
+from earl_megatron.weights.hf_io import (HFCheckpoint, HFWriter, release_freed_memory,
+                                        tokenizer_copies)
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
 
 
@@ -243,12 +244,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if merged and not cfg.lora.enabled:
         raise CheckpointError(f"--merged merges LoRA adapters, and {src} has none "
                               "(model.lora.rank=0): drop --merged")
-    extra = Path(tokenizer_from) if tokenizer_from else src / HF_SUBDIR
-    if tokenizer_from and not extra.is_dir():
-        raise CheckpointError(f"--tokenizer-from {extra} is not a folder; pass the folder that "
-                              "holds tokenizer.json / tokenizer_config.json")
-    copy = [p for p in extra.iterdir() if p.is_file() and p.name != "config.json"] \
-        if extra.is_dir() else []
+    extra, copy = tokenizer_copies(src / HF_SUBDIR, tokenizer_from)
     rules = hfm.rules(cfg)
     with conversion_process(cfg):
         template = sharded_template(cfg.base)

@@ -30,7 +30,7 @@ from typing import Optional
 from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
 from earl_megatron.weights import hf_mapping as hfm
-from earl_megatron.weights.hf_io import HFWriter
+from earl_megatron.weights.hf_io import HFWriter, tokenizer_copies
 
 CRITIC_DIR = "critic"   # trainer/critic.CRITIC_DIR (weights/ may not import the trainer)
 HEAD = {"value_head.weight": "score.weight", "value_head.bias": "score.bias"}
@@ -96,12 +96,7 @@ def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: in
     ccfg = critic_config(cfg)
     with reading(tensors):
         stored = FileSystemReader(str(tensors)).read_metadata().state_dict_metadata
-    extra = Path(tokenizer_from) if tokenizer_from else config_dir / HF_SUBDIR
-    if tokenizer_from and not extra.is_dir():
-        raise CheckpointError(f"--tokenizer-from {extra} is not a folder; pass the folder that "
-                              "holds tokenizer.json / tokenizer_config.json")
-    copy = [p for p in extra.iterdir() if p.is_file() and p.name != "config.json"] \
-        if extra.is_dir() else []
+    extra, copy = tokenizer_copies(config_dir / HF_SUBDIR, tokenizer_from)
     rules = tuple(r for r in hfm.rules(ccfg) if r.name != "output_layer.weight")
     with cv.conversion_process(ccfg):
         template = cv.sharded_template(ccfg)

@@ -176,6 +176,18 @@ class HFCheckpoint:
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
 
 
+def tokenizer_copies(default_dir: Path, tokenizer_from=None) -> tuple[Path, list[Path]]:
+    """(the folder an export copies tokenizer files from, those files): ``--tokenizer-from``
+    when given (it must be a folder), else ``default_dir`` (a checkpoint's hf/, possibly
+    absent: nothing to copy); config.json is the export's own."""
+    extra = Path(tokenizer_from) if tokenizer_from else Path(default_dir)
+    if tokenizer_from and not extra.is_dir():
+        raise CheckpointError(f"--tokenizer-from {extra} is not a folder; pass the folder that "
+                              "holds tokenizer.json / tokenizer_config.json")
+    return extra, [p for p in extra.iterdir() if p.is_file() and p.name != "config.json"] \
+        if extra.is_dir() else []
+
+
 class HFWriter:
     """Writes an HF directory shard by shard (``add`` ... ``finish``)."""
 
