@@ -51,7 +51,8 @@ from typing import Optional, Sequence
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.plan.critic_memory import FIRST_ROLLOUT_TOKENS, critic_plan, train_bytes
+from earl_megatron.plan.critic_memory import (FIRST_ROLLOUT_TOKENS, critic_model, critic_plan,
+                                              critic_selector, held_bytes)
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
 from earl_megatron.plan.layout import ParallelLayout
@@ -196,8 +197,9 @@ def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[in
             current, state, resident = None, SelectorState(), 0
             if critic:
                 try:
-                    resident = train_bytes(selector.model, critic_choice(selector, load).layout,
-                                           selector.train_opts)
+                    resident = held_bytes(critic_model(selector.model),
+                                          critic_choice(selector, load).layout,
+                                          selector.train_opts)
                 except NoLayoutFitsError as e:
                     grid.update({(stage, ctx, load): e for stage in stages})
                     continue
@@ -226,9 +228,9 @@ def critic_memory(selector: Selector, layout: ParallelLayout, train: StageWorklo
     """The critic's own TRAIN of ``train`` in ``layout`` beside ``resident`` bytes (the
     policy's train state): the estimate of the first recompute mode that fits, else of the
     last (the smallest; it does not fit)."""
-    mems = [selector.memory(layout, train, resident, rc)
-            for rc in selector.recompute_modes(Stage.TRAIN)]
-    return next((m for m in mems if selector.fits(m)), mems[-1])
+    sel = critic_selector(selector)
+    mems = [sel.memory(layout, train, resident, rc) for rc in sel.recompute_modes(Stage.TRAIN)]
+    return next((m for m in mems if sel.fits(m)), mems[-1])
 
 
 def cell_text(result) -> str:
@@ -527,12 +529,12 @@ def critic_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorCo
         def with_critic(world):
             sel = Selector(model, _on_devices(args, world), opts, config)
             critic = critic_choice(sel, load)
-            resident = train_bytes(model, critic.layout, opts)
+            resident = held_bytes(critic_model(model), critic.layout, opts)
             try:
                 policy = sel.plan(wl, resident_bytes=resident)[0]
             except NoLayoutFitsError as e:
                 policy = e
-            mem = critic_memory(sel, critic.layout, wl, train_bytes(model, policy.layout, opts)) \
+            mem = critic_memory(sel, critic.layout, wl, held_bytes(model, policy.layout, opts)) \
                 if isinstance(policy, LayoutPlan) else None
             return {"policy": policy, "critic": critic, "resident": resident, "memory": mem}
 
@@ -622,10 +624,9 @@ def _lora_header(model: ModelConfig) -> str:
 def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
     args = build_parser().parse_args(argv)
     model = model_from_args(args)
-    if args.critic and (model.lora.enabled or args.compare):
-        raise SystemExit("--critic with --lora-rank / --compare: algorithm=ppo trains its "
-                         "critic with no LoRA today (config/critic.py ppo_problem), and "
-                         "--compare plans the policy alone; drop either")
+    if args.critic and args.compare:
+        raise SystemExit("--critic with --compare: --compare prices the policy's layouts "
+                         "alone; drop either")
     cluster = cluster_from_args(args)
     auto = args.recompute == "auto"
     opts = TrainOptions(recompute=Recompute.NONE if auto else Recompute(args.recompute),

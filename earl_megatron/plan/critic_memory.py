@@ -9,9 +9,13 @@ as a run does. Invariants:
   parameter dtype (``TrainOptions.param_bytes``).
 - ``train_bytes``: those weights plus the grads and optimizer state (``train_state_bytes``),
   the whole training state one model keeps beside another's stage; with LoRA the grads and
-  optimizer state only (the adapters'), since the stage beside it runs on the same weights and
-  counts them. The critic (the policy's shape, its value head counted as the output layer: an
-  overestimate) is counted with this function on the policy's config.
+  optimizer state only (the adapters'), since the stage beside it (the reference's LOGPROB)
+  runs on the same weights and counts them.
+- ``held_bytes``: the same with the weights always counted: a model beside a stage of ANOTHER
+  model (the critic beside the policy's stages, the policy beside the critic's TRAIN), which
+  shares none of its weights. The critic is counted as ``critic_model``: the policy's config
+  (its value head counted as the output layer: an overestimate), a LoRA policy's base (its
+  critic trains every parameter: trainer/critic.py).
 - ``critic_plan``: the selector's plan for ``workload`` (a TRAIN stage) with the policy's
   training state counted resident in each candidate's own layout (the policy is laid out like
   the candidate): every valid TRAIN layout L and every recompute mode the selector weighs
@@ -57,25 +61,43 @@ def train_bytes(model: ModelConfig, layout: ParallelLayout, opts: TrainOptions) 
     return weights + train_state_bytes(model, layout, opts)
 
 
+def held_bytes(model: ModelConfig, layout: ParallelLayout, opts: TrainOptions) -> int:
+    """Weights, grads and optimizer state per rank in ``layout``, the weights counted with LoRA
+    too: a model held beside another model's stage (module docstring)."""
+    return weight_bytes(model, layout, opts) + train_state_bytes(model, layout, opts)
+
+
+def critic_model(model: ModelConfig) -> ModelConfig:
+    """The config the critic of policy ``model`` is counted as (module docstring)."""
+    return model.base
+
+
 @dataclass(frozen=True)
-class _BesidePolicy(Selector):
-    """A selector whose every estimate counts, besides ``resident_bytes``, the policy's train
-    state in the estimated layout itself (``train_bytes``): the critic's TRAIN beside a policy
-    laid out like it."""
+class _Beside(Selector):
+    """A selector whose every estimate counts, besides ``resident_bytes``, the training state
+    of ``beside`` (``held_bytes``) in the estimated layout itself."""
+
+    beside: Optional[ModelConfig] = None
 
     def memory(self, layout: ParallelLayout, workload: StageWorkload,
                resident_bytes: int = 0, recompute: Optional[Recompute] = None) -> MemoryEstimate:
-        policy = train_bytes(self.model, layout, self.train_opts)
-        return super().memory(layout, workload, resident_bytes + policy, recompute)
+        other = held_bytes(self.beside, layout, self.train_opts)
+        return super().memory(layout, workload, resident_bytes + other, recompute)
 
 
-def beside_train_state(selector: Selector) -> Selector:
-    """``selector`` with every estimate counting one more model of the policy's architecture
-    in training (weights, grads, Adam state) in the estimated layout itself: the critic's
-    TRAIN beside a policy laid out like it (``critic_plan``), or a split's train pool under
-    ppo, whose critic lives in its TRAIN layout (plan/split.py; for the pool's LOGPROB
-    candidates an estimate of the same bytes)."""
-    return _BesidePolicy(**{f.name: getattr(selector, f.name) for f in fields(selector)})
+def beside_train_state(selector: Selector, beside: ModelConfig) -> Selector:
+    """``selector`` with every estimate counting ``beside`` in training (weights, grads, Adam
+    state) in the estimated layout itself: the critic's TRAIN beside a policy laid out like it
+    (``critic_plan``), or a split's train pool under ppo, whose critic lives in its TRAIN
+    layout (plan/split.py, ``beside`` the critic's model; for the pool's LOGPROB candidates an
+    estimate of the same bytes)."""
+    return _Beside(**{f.name: getattr(selector, f.name) for f in fields(selector)},
+                   beside=beside)
+
+
+def critic_selector(selector: Selector) -> Selector:
+    """``selector`` estimating the critic of its (policy) model: ``critic_model``'s memory."""
+    return replace(selector, model=critic_model(selector.model))
 
 
 def critic_plan(selector: Selector, workload: StageWorkload) -> LayoutPlan:
@@ -86,7 +108,7 @@ def critic_plan(selector: Selector, workload: StageWorkload) -> LayoutPlan:
     in the same layout; ``selector`` and its state are left as they were."""
     if workload.stage is not Stage.TRAIN:
         raise ValueError(f"the critic is placed for TRAIN, not {workload.stage.value}")
-    plan = beside_train_state(selector).plan(workload)[0]
+    plan = beside_train_state(critic_selector(selector), selector.model).plan(workload)[0]
     return replace(plan, reason=(
         f"{plan.reason}; the policy's train state counted resident in each candidate's own "
         f"layout ({human_bytes(plan.chosen.memory.resident)} in {plan.layout})"))

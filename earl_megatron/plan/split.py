@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from earl_megatron.plan.critic_memory import beside_train_state
+from earl_megatron.plan.critic_memory import beside_train_state, critic_model
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import LayoutPlan, NoLayoutFitsError, Selector, SelectorState
@@ -215,7 +215,7 @@ def _pools(selector: Selector, workload: SplitWorkload, rollout_ranks: int,
         on_rollout = replace(selector, cluster=c)
         on_train = replace(selector, cluster=pool_cluster(selector.cluster, n_t))
     if workload.critic:
-        on_train = beside_train_state(on_train)
+        on_train = beside_train_state(on_train, critic_model(on_train.model))
         on_rollout = on_train if rollout_ranks == 0 else on_rollout
     try:
         rollout, _ = on_rollout.plan(workload.rollout, state=state,

@@ -120,8 +120,9 @@ class StagePlanner:
         ``fixed``: this layout, checked as a static one is (split placement's train pool, whose
         layout the split's plan chose)."""
         wl = self._workload(stage, lengths)
-        if self.critic_layout is not None:   # the critic's TRAIN is counted as the policy's
-            resident_bytes += self.train_bytes(self.critic_layout)
+        if self.critic_layout is not None:   # the critic's train state beside every stage
+            resident_bytes += critic_memory.held_bytes(critic_memory.critic_model(self.model),
+                                                       self.critic_layout, self.opts)
         if not self.auto or fixed is not None:
             lay = fixed or ParallelLayout.parse(self.layout_cfg.static(stage),
                                                 world_size=self.world, model=self.model)
@@ -172,18 +173,21 @@ class StagePlanner:
         step, so an over-budget batch stops the iteration before anything trains; the estimate
         is ``predicted_memory["critic_train"]``."""
         wl = self._workload("train", lengths)
-        mem, rc = self._static_memory(self.critic_layout, wl, self.train_bytes(policy_layout))
+        mem, rc = self._static_memory(
+            self.critic_layout, wl, critic_memory.held_bytes(self.model, policy_layout, self.opts),
+            sel=critic_memory.critic_selector(self.selector))
         if mem.total > self.selector.budget_bytes:
             raise LayoutOverBudgetError(mem, self.selector.budget_bytes, max(lengths))
         self.predicted_memory["critic_train"] = mem.total
         self.recompute["critic_train"] = rc.value
         return rc.value
 
-    def _static_memory(self, lay: ParallelLayout, wl: StageWorkload,
-                       resident_bytes: int) -> tuple[MemoryEstimate, Recompute]:
+    def _static_memory(self, lay: ParallelLayout, wl: StageWorkload, resident_bytes: int,
+                       sel: Optional[Selector] = None) -> tuple[MemoryEstimate, Recompute]:
         """A static layout's estimate with its recompute mode: the fastest that fits (the
-        smallest estimate when none does)."""
-        sel, fitting = self.selector, []
+        smallest estimate when none does); ``sel``: the selector of another model (the
+        critic's)."""
+        sel, fitting = sel or self.selector, []
         modes = sel.recompute_modes(wl.stage)
         for rc in modes:
             mem = sel.memory(lay, wl, resident_bytes, rc)

@@ -2,11 +2,12 @@
 trainer (trainer/planner.py) and ``earl plan --critic`` (tools/plan_layouts.py)."""
 
 import io
+from dataclasses import replace
 
 import pytest
 from test_plan_layouts_cli import tool  # noqa: F401 - the fixture loading tools/plan_layouts.py
 
-from earl_megatron.plan.critic_memory import critic_plan, train_bytes, weight_bytes
+from earl_megatron.plan.critic_memory import critic_plan, held_bytes, train_bytes, weight_bytes
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import RECOMPUTE_ORDER, NoLayoutFitsError
@@ -38,6 +39,27 @@ def test_the_tool_places_and_counts_the_critic_as_the_trainer_does(tmp_path, too
     assert chosen.chosen.memory.resident == p.train_bytes(chosen.layout) > 0
     assert "in each candidate's own layout" in chosen.reason
 
+    # a LoRA policy: its critic is a full model (the base's), counted so beside every stage
+    # and in CRITIC TRAIN; the policy beside the critic's TRAIN holds its weights too
+    lcfg = tiny_connect_four(str(tmp_path), algorithm={"name": "ppo"},
+                             model={"vocab_size": 32, "lora": {"rank": 4}},
+                             layout={"mode": "auto", "memory_budget_gb": 1.0})
+    lp = StagePlanner(lcfg.model, lcfg.layout, lcfg.cluster, 2, distributed_optimizer=False,
+                      episodes=8, batch=BatchShape(1))
+    lp.critic_layout = one
+    lopts = lp.selector.train_opts
+    full = held_bytes(lcfg.model.base, one, lopts)
+    assert full == train_bytes(lcfg.model.base, one, lopts) > held_bytes(lcfg.model, one, lopts) \
+        > train_bytes(lcfg.model, one, lopts)
+    lay = lp.plan("logprob", [64] * 8, None)
+    plain = lp.selector.memory(lay, lp._workload("logprob", [64] * 8))
+    assert lp.predicted_memory["logprob"] == plain.total + full
+    lp.critic_train([64] * 8, one)
+    wl = lp._workload("train", [64] * 8)
+    critic = replace(lp.selector, model=lcfg.model.base).memory(
+        one, wl, held_bytes(lcfg.model, one, lopts), Recompute(lp.recompute["critic_train"]))
+    assert lp.predicted_memory["critic_train"] == critic.total
+
 
 def test_earl_plan_critic_on_the_7b_node(tool):
     argv = ["--model", "qwen2.5-7b", "--contexts", "1024,32768", "--responses", "64",
@@ -66,8 +88,17 @@ def test_earl_plan_critic_on_the_7b_node(tool):
     assert [r["with_fewest"][0] for r in rows] == [8, 8]
     assert rows[0]["with"]["critic"].layout == critic and rows[0]["with"]["resident"] == state
 
-    with pytest.raises(SystemExit, match="ppo_problem"):
-        tool.main(["--critic", "--lora-rank", "8"], out=io.StringIO())
+    # a LoRA policy (rank 8) beside a full critic: the policy alone trains 1K on 1 GPU, with
+    # the critic (every parameter trained, counted as the base: critic_model) on 4; the
+    # critic's resident state is the full model's either way
+    lora_args = tool.build_parser().parse_args(argv + ["--lora-rank", "8"])
+    lora = tool.model_from_args(lora_args)
+    lrows = tool.critic_rows(lora, lora_args, opts, selector.config, 64)
+    assert [r["alone_fewest"][0] for r in lrows] == [1, 4]
+    assert [r["with_fewest"][0] for r in lrows] == [4, 8]
+    assert lrows[0]["with"]["resident"] == rows[0]["with"]["resident"] == \
+        held_bytes(lora.base, critic, opts) > train_bytes(lora, critic, opts)
+    assert tool.main(argv + ["--critic", "--lora-rank", "8"], out=io.StringIO()) == 0
     # SGLang servers beside the trainer: a server's static pool is its fraction of the device
     # less what the device holds at its start, the critic's resident train state included, so
     # the 7B's rollout with a critic needs a larger fraction than without one
@@ -136,7 +167,6 @@ def test_the_critic_is_placed_with_the_policy_laid_out_like_each_candidate(tool)
 def test_critic_plan_raises_with_suggestions_checked_under_its_rule(tmp_path):
     """Nowhere to fit: NoLayoutFitsError as Selector.plan raises it, its smallest estimate and
     its suggestion (more nodes) both with the policy's state in the layout they name."""
-    from dataclasses import replace
 
     from earl_megatron.trainer.planner import StagePlanner
     from earl_megatron.trainer.stages import BatchShape
