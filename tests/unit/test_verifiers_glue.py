@@ -110,6 +110,22 @@ def test_rewards_are_the_rubric_scores_of_the_recorded_conversations(kind, rewar
                     == len(wrote)
 
 
+def test_an_env_group_plays_each_kind_with_its_own_rubric():
+    """verifiers' EnvGroup of the three (vf_envs/all_kinds.py): each row is played by its own
+    environment and scored by its rubric, the same rewards as each kind alone."""
+    from earl_megatron.testing.vf_envs import rescore
+
+    player, seeds, outcomes = _play("all_kinds")
+    env = player.agent.__self__.env
+    assert [o.reward for o in outcomes] == [1.5, 0.5, 1.5, 1.5, 1.25, 0.25, 0.0, 1.25,
+                                            1.5, 0.5, 1.5, 1.5]
+    assert [o.episode.calls for o in outcomes] == [1] * 4 + [2] * 8
+    assert [o.episode.task["info"]["env_id"] for o in outcomes] == \
+        ["single_turn"] * 4 + ["multi_turn"] * 4 + ["tool"] * 4
+    for o in outcomes:
+        assert rescore(env, o.episode.task, o.episode.last_messages) == o.reward
+
+
 class _Params:
     stop_token_ids = (TOK.convert_tokens_to_ids("<|end|>"),)
 

@@ -5,14 +5,15 @@ in-memory datasets (no hub), for env=verifiers' tests (agents/verifiers_glue.py)
     earl_megatron.testing.vf_envs.multi_turn    MultiTurnEnv whose env_response asks once more
     earl_megatron.testing.vf_envs.tool          ToolEnv with one Python tool, ``add``
 
-Each task asks for a sum; every rubric rewards the right number in the last assistant message
-(1.0) plus a kind's own term, so a score tells which parts of a conversation it saw.
+Each task asks for a sum; every rubric rewards the right number (the last one) in the last
+assistant message (1.0) plus a kind's own term, so a score tells which parts of a conversation it saw.
 ``rescore`` scores recorded messages with an environment's own rubric, as a test's yardstick.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 QUESTIONS = [("What is 2+3?", "5"), ("What is 4+4?", "8"), ("What is 1+6?", "7"),
              ("What is 3+6?", "9")]
@@ -40,8 +41,10 @@ def last_answer(completion) -> str:
 
 
 def correct(completion, answer) -> float:
-    """1.0 when the last assistant message is the answer."""
-    return float(last_answer(completion) == str(answer))
+    """1.0 when the last number in the last assistant message is the answer ("3 + 6 = 9" and
+    "9" both answer 9), as a math environment parses a reply."""
+    numbers = re.findall(r"-?\d+", last_answer(completion))
+    return float(bool(numbers) and numbers[-1] == str(answer))
 
 
 def rescore(env, task: dict, messages: list) -> float:

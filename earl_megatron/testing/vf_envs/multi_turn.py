@@ -4,7 +4,7 @@ first one (``kept``)."""
 
 import verifiers as vf
 
-from earl_megatron.testing.vf_envs import correct, dataset, role, text
+from earl_megatron.testing.vf_envs import QUESTIONS, correct, dataset, role, text
 
 ASK = "Are you sure? Answer again."
 
@@ -19,7 +19,7 @@ class AskTwice(vf.MultiTurnEnv):
         return [{"role": "user", "content": ASK}]
 
 
-def load_environment(max_turns: int = 2) -> vf.Environment:
-    return AskTwice(dataset=dataset(), max_turns=max_turns,
+def load_environment(max_turns: int = 2, questions: int = len(QUESTIONS)) -> vf.Environment:
+    return AskTwice(dataset=dataset(QUESTIONS[:questions]), max_turns=max_turns,
                     system_prompt="Answer with the number only.",
                     rubric=vf.Rubric(funcs=[correct, kept], weights=[1.0, 0.25]))

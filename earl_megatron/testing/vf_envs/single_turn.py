@@ -3,7 +3,7 @@
 
 import verifiers as vf
 
-from earl_megatron.testing.vf_envs import correct, dataset, last_answer
+from earl_megatron.testing.vf_envs import QUESTIONS, correct, dataset, last_answer
 
 EVAL = [("What is 5+2?", "7"), ("What is 0+1?", "1")]
 
@@ -13,7 +13,8 @@ def brief(completion) -> float:
     return float(0 < len(last_answer(completion)) <= 3)
 
 
-def load_environment(system_prompt: str = "Answer with the number only.") -> vf.Environment:
+def load_environment(system_prompt: str = "Answer with the number only.",
+                     questions: int = len(QUESTIONS)) -> vf.Environment:
     rubric = vf.Rubric(funcs=[correct, brief], weights=[1.0, 0.5])
-    return vf.SingleTurnEnv(dataset=dataset(), eval_dataset=dataset(EVAL),
+    return vf.SingleTurnEnv(dataset=dataset(QUESTIONS[:questions]), eval_dataset=dataset(EVAL),
                             system_prompt=system_prompt, rubric=rubric)
