@@ -33,7 +33,7 @@ as a run does. Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from earl_megatron.config.model import ModelConfig
@@ -77,7 +77,7 @@ class _Beside(Selector):
     """A selector whose every estimate counts, besides ``resident_bytes``, the training state
     of ``beside`` (``held_bytes``) in the estimated layout itself."""
 
-    beside: Optional[ModelConfig] = None
+    beside: ModelConfig = field(kw_only=True)   # required: Selector's fields have defaults
 
     def memory(self, layout: ParallelLayout, workload: StageWorkload,
                resident_bytes: int = 0, recompute: Optional[Recompute] = None) -> MemoryEstimate:

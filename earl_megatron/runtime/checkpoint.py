@@ -41,6 +41,8 @@ CONFIG_JSON = "earl_model_config.json"
 """The ModelConfig beside the weights, in training checkpoints and converted ones alike."""
 HF_SUBDIR = "hf"
 """A checkpoint's HF side files: the tokenizer and the HF config.json it was made from."""
+CRITIC_DIR = "critic"
+"""A PPO checkpoint's critic (its own DCP directory beside the policy's, value_head.* included)."""
 
 
 def save_sharded(state: dict, path: str | Path, **kwargs) -> None:

@@ -50,14 +50,13 @@ from earl_megatron.plan.placement import TensorSpec
 from earl_megatron.rl.value import (explained_variance, explained_variance_inputs, gae,
                                     value_clip_sums, value_loss)
 from earl_megatron.runtime.build import ModelOnLayout, OptimizerSpec, build_on_layout
+from earl_megatron.runtime.checkpoint import CRITIC_DIR, load_model_state, save_model_state
+from earl_megatron.runtime.io_errors import CheckpointError
 from earl_megatron.runtime.recompute import set_recompute
 from earl_megatron.runtime.reduce import global_moments, global_sum
 from earl_megatron.trainer.scoring import normalized, owns_samples
 from earl_megatron.trainer.stages import (dispatched_microbatches, micro_batch_plan,
                                           over_world, scored_on)
-
-CRITIC_DIR = "critic"
-"""The critic's subdirectory of a checkpoint directory."""
 
 CRITIC_TENSORS = (
     TensorSpec("input_ids", "int64", per_token=True, pp_stages="first"),
@@ -251,8 +250,6 @@ def critic_saver(models, *, joins: bool = False):
 def save_critic(critic: Optional[ModelOnLayout], directory: Path) -> None:
     """Collective: the critic's weights and Adam state into ``directory/critic`` (a checkpoint
     directory before it is published), its groups current; None: this rank joins."""
-    from earl_megatron.runtime.checkpoint import save_model_state
-
     save_model_state(critic, directory / CRITIC_DIR)
 
 
@@ -260,9 +257,6 @@ def load_critic(critic: Optional[ModelOnLayout], checkpoint: Path) -> None:
     """Collective: the critic's weights and Adam state from a checkpoint directory's
     ``critic/`` (None: this rank joins); a checkpoint without one (written by another
     estimator) is refused on every rank."""
-    from earl_megatron.runtime.checkpoint import load_model_state
-    from earl_megatron.runtime.io_errors import CheckpointError
-
     if not (Path(checkpoint) / CRITIC_DIR).is_dir():
         raise CheckpointError(f"{checkpoint} holds no critic ({CRITIC_DIR}/): it was written by "
                               "a run without algorithm.name=ppo; start a new run.output_dir "

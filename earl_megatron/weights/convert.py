@@ -250,7 +250,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         template = sharded_template(cfg.base)
     adapters = peft.adapter_groups(cfg, template)
     # every key and shape checked against the model before anything is written
-    for name, region in [(r.name, _region(template[r.name])) for r in rules] + \
+    for name, region in [(r.name, region_of(template[r.name])) for r in rules] + \
             [kv for g in adapters.values() for kv in g.items()]:
         dcp.region_request(region, name, stored, src)
     with new_output_dir(out_dir, inputs=[src] + ([extra] if tokenizer_from else [])) as out, \
@@ -263,19 +263,20 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
                 shutil.copy2(f, out / f.name)
             return ConversionStats(n, nbytes, time.perf_counter() - t0, n_parts)
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
-        n_parts = _mcore_to_hf(src, cfg, template, stored, writer, part_bytes, progress,
+        n_parts = mcore_to_hf_parts(src, cfg, template, stored, writer, part_bytes, progress,
                                adapters if merged else {})
         writer.finish(hfm.to_hf_config(cfg, base), copy)
     return ConversionStats(len(rules), writer.total_bytes, time.perf_counter() - t0, n_parts)
 
 
-def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writer: HFWriter,
-                 part_bytes: int, progress: bool, adapters: dict, rules=None) -> int:
+def mcore_to_hf_parts(src: Path, cfg: ModelConfig, template: dict, stored: dict,
+                      writer: HFWriter, part_bytes: int, progress: bool, adapters: dict,
+                      rules=None) -> int:
     """Stream the checkpoint's tensors out (``rules``, default all of ``cfg``'s), up to
     ``part_bytes`` of regions per read; each linear in ``adapters`` ({weight name: {A name:
     region, B name: region}}) is read with its adapter and written merged."""
     rules = hfm.rules(cfg) if rules is None else rules
-    groups = [{r.name: _region(template[r.name]), **adapters.get(r.name, {})} for r in rules]
+    groups = [{r.name: region_of(template[r.name]), **adapters.get(r.name, {})} for r in rules]
     n_parts = done = 0
     # the bar counts the bytes written (a merged adapter's are read, not written)
     total = sum(dcp.region_bytes(g[r.name], stored) for r, g in zip(rules, groups))
@@ -298,7 +299,8 @@ def _mcore_to_hf(src: Path, cfg: ModelConfig, template: dict, stored: dict, writ
     return n_parts
 
 
-def _region(entry) -> dcp.Region:
+def region_of(entry) -> dcp.Region:
+    """The stored (key, global shape) a sharded template entry reads."""
     return entry.key, tuple(entry.data.shape)
 
 

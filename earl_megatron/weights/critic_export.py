@@ -27,27 +27,28 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from earl_megatron.runtime.checkpoint import CONFIG_JSON, HF_SUBDIR
+from earl_megatron.runtime.checkpoint import CONFIG_JSON, CRITIC_DIR, HF_SUBDIR
 from earl_megatron.runtime.io_errors import CheckpointError, new_output_dir, reading
+from earl_megatron.weights import dcp_parts as dcp
 from earl_megatron.weights import hf_mapping as hfm
 from earl_megatron.weights.hf_io import HFWriter, tokenizer_copies
 
-CRITIC_DIR = "critic"   # trainer/critic.CRITIC_DIR (weights/ may not import the trainer)
 HEAD = {"value_head.weight": "score.weight", "value_head.bias": "score.bias"}
 """The value head's checkpoint keys (models/value_model.HEAD_KEY) -> the HF model's names."""
 LABEL = "value"
 
 
-def critic_source(src: str | Path) -> tuple[Path, Path]:
-    """(the directory holding the critic's tensors, the directory holding its model config) for
-    a training checkpoint, its ``critic/`` or a critic saved with its config; a clear error for
-    anything else."""
+def critic_source(src: str | Path) -> tuple[Path, Path, dict]:
+    """(the directory holding the critic's tensors, the directory holding its model config, the
+    tensors' DCP metadata) for a training checkpoint, its ``critic/`` or a critic saved with its
+    config; a clear error for anything else."""
     src = Path(src)
     for tensors in (src / CRITIC_DIR, src):
-        if (tensors / "metadata.json").is_file() and _holds_head(tensors):
+        stored = _stored(tensors) if (tensors / "metadata.json").is_file() else {}
+        if all(k in stored for k in HEAD):
             for config in (tensors, tensors.parent):
                 if (config / CONFIG_JSON).is_file():
-                    return tensors, config
+                    return tensors, config, stored
             raise CheckpointError(f"{tensors} holds a critic but no {CONFIG_JSON} beside it or "
                                   "in its parent; export the whole checkpoint directory "
                                   "(runs/RUN/checkpoints/iter_N)")
@@ -56,12 +57,11 @@ def critic_source(src: str | Path) -> tuple[Path, Path]:
                           "export the policy")
 
 
-def _holds_head(path: Path) -> bool:
+def _stored(path: Path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     with reading(path):
-        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return all(k in stored for k in HEAD)
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def value_model_config(cfg, base: Optional[dict]) -> dict:
@@ -82,34 +82,30 @@ def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: in
                          tokenizer_from: Optional[str | Path] = None, progress: bool = False):
     """A checkpoint's critic -> an HF token-classification directory (config.json, safetensors,
     tokenizer files): ``ConversionStats``."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from earl_megatron.models.value_model import critic_config
     from earl_megatron.weights import convert as cv
 
     t0 = time.perf_counter()
-    tensors, config_dir = critic_source(src)
+    tensors, config_dir, stored = critic_source(src)
     with reading(config_dir):
         cfg = cv.read_model_config(config_dir)
         base_path = config_dir / HF_SUBDIR / "config.json"
         base = json.loads(base_path.read_text()) if base_path.is_file() else None
     ccfg = critic_config(cfg)
-    with reading(tensors):
-        stored = FileSystemReader(str(tensors)).read_metadata().state_dict_metadata
     extra, copy = tokenizer_copies(config_dir / HF_SUBDIR, tokenizer_from)
     rules = tuple(r for r in hfm.rules(ccfg) if r.name != "output_layer.weight")
     with cv.conversion_process(ccfg):
         template = cv.sharded_template(ccfg)
     head = {name: (name, tuple(stored[name].size)) for name in HEAD}
-    for name, region in [(r.name, cv._region(template[r.name])) for r in rules] + \
+    for name, region in [(r.name, cv.region_of(template[r.name])) for r in rules] + \
             list(head.items()):
-        cv.dcp.region_request(region, name, stored, tensors)
+        dcp.region_request(region, name, stored, tensors)
     with new_output_dir(out_dir, inputs=[tensors] + ([extra] if tokenizer_from else [])) as out, \
             reading(tensors):
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
-        n_parts = cv._mcore_to_hf(tensors, ccfg, template, stored, writer, part_bytes,
+        n_parts = cv.mcore_to_hf_parts(tensors, ccfg, template, stored, writer, part_bytes,
                                   progress, {}, rules=rules)
-        for part in cv.dcp.read_groups(tensors, stored, [head], part_bytes):
+        for part in dcp.read_groups(tensors, stored, [head], part_bytes):
             for name, t in part[0].items():
                 writer.add(HEAD[name], t)
         writer.finish(value_model_config(cfg, base), copy)
