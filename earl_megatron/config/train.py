@@ -240,12 +240,34 @@ def _lora_problem(cfg: "TrainConfig") -> Optional[str]:
     return None
 
 
+PRETRAINED_LR_MAX = 1e-3
+"""An RL learning rate at or above this, on a pretrained checkpoint (run.init), gets a note:
+the default recipe's 1e-2 is the tiny random model's; SmolLM2's recipes train at 2e-5 (2e-4 for
+adapters), the Qwen recipes at 5e-7..1e-6, and at 1e-2 a real model's replies degrade to noise
+within an iteration or two."""
+
+
 def config_notes(cfg: TrainConfig) -> list[str]:
-    """The lines a run starts with that say what the configuration chose for the user (the
-    trainer shows them before anything else, trainer/runner.py ``drive``): today the off-policy
-    correction and the old logprobs that ``algorithm.off_policy=auto`` and
-    ``algorithm.old_logprobs=auto`` resolved to (config/algorithm.py). None when nothing was
-    chosen beyond the synchronous defaults, so a k=0 run starts as it always did."""
+    """The lines a run starts with that say what the configuration chose for the user, or what
+    it holds that is likely a mistake (the trainer shows them before anything else,
+    trainer/runner.py ``drive``): the off-policy correction and the old logprobs that
+    ``algorithm.off_policy=auto`` and ``algorithm.old_logprobs=auto`` resolved to
+    (config/algorithm.py), and a random-init learning rate on a pretrained checkpoint
+    (``PRETRAINED_LR_MAX``). Empty when neither applies, so a k=0 run starts as it always
+    did."""
+    return _async_notes(cfg) + _lr_notes(cfg)
+
+
+def _lr_notes(cfg: TrainConfig) -> list[str]:
+    a = cfg.algorithm
+    if cfg.run.init is None or a.lr < PRETRAINED_LR_MAX:
+        return []
+    return [f"algorithm.lr={a.lr:g} on the pretrained run.init={cfg.run.init}: that rate is "
+            "for a randomly initialised model; a pretrained one usually RL-trains at 1e-6 to "
+            "5e-5 (recipes/smollm2_tool.yaml: 2e-5, 2e-4 with LoRA adapters); set algorithm.lr"]
+
+
+def _async_notes(cfg: TrainConfig) -> list[str]:
     a = cfg.algorithm
     if not a.chosen or a.off_policy_weights is None:
         return []

@@ -43,7 +43,22 @@ def test_every_recipe_at_k0_is_the_config_it_was(recipe):
     auto = _composed(*args)
     assert auto.algorithm.max_staleness == 0
     assert auto == _composed(*args, "algorithm.off_policy=none", "algorithm.old_logprobs=rollout")
-    assert config_notes(auto) == []
+    assert [n for n in config_notes(auto) if not n.startswith("algorithm.lr=")] == []
+
+
+def test_a_random_init_learning_rate_on_a_pretrained_checkpoint_gets_a_note():
+    """The default recipe's lr (1e-2, the tiny random model's) with run.init: a note naming
+    both and the fix; the real recipes' rates, and any rate without run.init, say nothing."""
+    note = _composed("run.init=/ckpt/hf")
+    assert note.algorithm.lr == 1e-2
+    assert config_notes(note) == [
+        "algorithm.lr=0.01 on the pretrained run.init=/ckpt/hf: that rate is for a randomly "
+        "initialised model; a pretrained one usually RL-trains at 1e-6 to 5e-5 "
+        "(recipes/smollm2_tool.yaml: 2e-5, 2e-4 with LoRA adapters); set algorithm.lr"]
+    assert config_notes(_composed()) == []                                  # no run.init
+    assert config_notes(_composed("run.init=/ckpt/hf", "algorithm.lr=2e-5")) == []
+    for recipe in ("qwen2.5-7b", "smollm2_tool", "smollm2_tool_lora"):
+        assert config_notes(_composed("--config-name", recipe, "run.init=/ckpt/hf")) == [], recipe
 
 
 def test_one_switch_is_the_three_keys():
