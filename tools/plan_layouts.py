@@ -265,7 +265,9 @@ def _k(n: int) -> str:
 
 
 def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None,
-                 reasons: bool = False) -> None:
+                 reasons: bool = False, sglang_fraction: Optional[float] = None) -> None:
+    """The grid as one table per stage; where nothing fits, what would (``sglang_fraction``:
+    the servers' --mem-fraction-static, which bounds ROLLOUT alone)."""
     from rich.console import Console
     from rich.table import Table
     console = Console(file=out or sys.stdout, width=max(160, 40 + 26 * len(loads)),
@@ -296,8 +298,17 @@ def print_tables(grid: Grid, stages, contexts, loads, header: str, out=None,
             errs = [grid[(stage, ctx, ld)] for ld in loads
                     if isinstance(grid[(stage, ctx, ld)], NoLayoutFitsError)]
             if errs:
-                console.print(f"  {stage.value} {_k(ctx)}: would fit with "
-                              f"{'; '.join(errs[-1].suggestions) or 'nothing tried'}")
+                console.print(f"  {stage.value} {_k(ctx)}: "
+                              + _what_fits(errs[-1], stage, sglang_fraction))
+
+
+def _what_fits(err: NoLayoutFitsError, stage: Stage, sglang_fraction: Optional[float]) -> str:
+    if err.suggestions:
+        return f"would fit with {'; '.join(err.suggestions)}"
+    if stage is Stage.ROLLOUT and sglang_fraction is not None and sglang_fraction < 0.9:
+        return (f"nothing tried fits; the servers hold --sglang-mem-fraction {sglang_fraction:g} "
+                "of each device: raise it (recipes: 0.8 on cuda), or add devices")
+    return "nothing tried fits: add devices (--nodes, --gpus-per-node) or shorten the context"
 
 
 def write_png(grid: Grid, stages, contexts, loads, path: str, title: str) -> None:
@@ -680,7 +691,8 @@ def main(argv: Optional[Sequence[str]] = None, out=None) -> int:
         raise SystemExit("--json needs --compare (the grid is printed, or drawn with --png)")
     grid = plan_grid(selector, stages, args.contexts, args.in_flight, args.micro_batch_tokens,
                      args.decode_fraction, args.critic)
-    print_tables(grid, stages, args.contexts, args.in_flight, header, out, args.reasons)
+    print_tables(grid, stages, args.contexts, args.in_flight, header, out, args.reasons,
+                 args.sglang_mem_fraction)
     if model.lora.enabled and Stage.TRAIN in stages:
         load = max(args.in_flight)
         print_lora(lora_rows(model, args, opts, selector.config, load), model, load,

@@ -57,6 +57,20 @@ def test_without_recompute_long_training_is_oom_and_the_fix_is_named(tool):
     assert "train 128K: would fit with" in text and "recompute=full" in text
 
 
+def test_where_nothing_tried_fits_the_fix_is_still_named(tool):
+    """A 7B on one GPU at 32K: with SGLang servers holding 0.1 of it, no change the planner
+    tries fits ROLLOUT, and the line names the fraction to raise; at 0.8 the checked fixes."""
+    one = ["--model", "qwen2.5-7b", "--nodes", "1", "--gpus-per-node", "1", "--stages",
+           "rollout", "--contexts", "32768", "--in-flight", "8"]
+    out = io.StringIO()
+    assert tool.main(one + ["--sglang-mem-fraction", "0.1"], out=out) == 0
+    assert ("rollout 32K: nothing tried fits; the servers hold --sglang-mem-fraction 0.1 of "
+            "each device: raise it (recipes: 0.8 on cuda), or add devices") in out.getvalue()
+    out = io.StringIO()
+    assert tool.main(one + ["--sglang-mem-fraction", "0.8"], out=out) == 0
+    assert "rollout 32K: would fit with 2 nodes" in out.getvalue()
+
+
 def test_grid_matches_the_selector(tool):
     model = get_preset("qwen2.5-72b")
     sel = Selector(model, ClusterSpec.h100_80gb(nodes=16, inter_node_gbps=200))
