@@ -7,7 +7,8 @@ tests fail with the fixture's message naming ``make smollm2``.
 
 Measured values (max abs logit diffs, logprob diffs, the round trip, seconds) are kept with
 ``record(name, value)`` and printed in pytest's terminal summary, so a plain ``pytest
-tests/real`` shows the numbers docs/conversion.md quotes.
+tests/real`` shows the numbers docs/conversion.md quotes. They travel as the test report's
+``user_properties``, so the summary has them under pytest-xdist (``-n 2``) too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-_RECORDED: dict[str, str] = {}
+RECORDED = "earl_measured"
+"""The user_properties key under which a test's ``record`` values reach the summary."""
 
 # Two short conversations in the model's own chat format; distinct system prompts so that the
 # two rows of a batch differ from the first token after <|im_start|>system.
@@ -73,16 +75,22 @@ def scratch_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def record():
+@pytest.fixture
+def record(request):
     """``record(name, value)``: keep a measured number for the terminal summary."""
     def put(name: str, value) -> None:
-        _RECORDED[name] = f"{value:.3e}" if isinstance(value, float) else str(value)
+        shown = f"{value:.3e}" if isinstance(value, float) else str(value)
+        request.node.user_properties.append((RECORDED, (name, shown)))
     return put
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _RECORDED:
+    measured = {}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get(
+            "failed", []):
+        if report.when == "call":
+            measured.update(v for k, v in report.user_properties if k == RECORDED)
+    if measured:
         terminalreporter.section("real model: measured")
-        for name, value in _RECORDED.items():
+        for name, value in measured.items():
             terminalreporter.write_line(f"{name:<48} {value}")
