@@ -30,9 +30,12 @@ class CriticConfig:
     """Iterations at the start of the run that train only the critic (the policy is not
     updated, its weights stay those the rollout played with) before the policy uses it."""
     init: Optional[str] = None
-    """The critic's trunk: an HF directory or converted checkpoint of the policy's
-    architecture (null: the policy's initial weights, run.init or the seed's init); the value
-    head is always new."""
+    """Where the critic starts, of the policy's architecture (null: the policy's initial
+    weights, run.init or the seed's init, and a new value head). An HF causal LM or a converted
+    policy: its trunk, a new head. An HF value model (``earl convert mcore-to-hf CKPT OUT
+    --critic``'s OUT, or a ForTokenClassification / ForSequenceClassification reward model with
+    one label) or a PPO run's checkpoint (its ``critic/``): trunk and head
+    (weights/critic_import.py)."""
 
     def _check(self) -> None:
         if not self.lr > 0:

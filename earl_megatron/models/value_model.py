@@ -126,11 +126,16 @@ def value_head(model) -> Optional[ValueHead]:
     return head if isinstance(head, ValueHead) else None
 
 
-def critic_loader(weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: ParallelLayout, *,
-                  seed: int = 1234) -> Callable[[torch.nn.Module, Coords], None]:
+def critic_loader(weights: Optional[dict[str, torch.Tensor]], cfg: ModelConfig,
+                  layout: ParallelLayout, *, seed: int = 1234,
+                  fill: Optional[Callable[[torch.nn.Module, Coords], None]] = None
+                  ) -> Callable[[torch.nn.Module, Coords], None]:
     """``build_on_layout``'s ``load`` hook for the critic: the trunk from the policy's full
     ``weights`` (tied or not: the output layer is never read), then the head on the last
-    pp_stage. ``cfg``: the critic's (``critic_config``) or the policy's."""
+    pp_stage. ``cfg``: the critic's (``critic_config``) or the policy's. ``fill``: a critic
+    read whole from elsewhere instead (a value model, a trained critic:
+    weights/critic_import.py), called with the bare GPTModel once its head is in place; it
+    overwrites the trunk and the head (``weights`` unused)."""
     ccfg = critic_config(cfg)
 
     def load(model: torch.nn.Module, coords: Coords) -> None:
@@ -138,7 +143,8 @@ def critic_loader(weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: Pa
         if gpt.share_embeddings_and_output_weights:
             raise ValueError("the critic must be built untied: build_on_layout(critic_config("
                              "cfg), ...), not the policy's config")
-        load_full_weights(CriticTrunk(gpt), weights, ccfg, layout, coords)
+        if fill is None:
+            load_full_weights(CriticTrunk(gpt), weights, ccfg, layout, coords)
         if gpt.post_process:
             tcfg = gpt.config
             gpt.output_layer = ValueHead(ccfg.hidden_size, dtype=tcfg.params_dtype, seed=seed,
@@ -146,6 +152,8 @@ def critic_loader(weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: Pa
                                          sequence_parallel=tcfg.sequence_parallel)
             if torch.cuda.is_available():
                 gpt.output_layer.cuda(torch.cuda.current_device())
+        if fill is not None:
+            fill(gpt, coords)
 
     return load
 

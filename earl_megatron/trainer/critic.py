@@ -70,22 +70,34 @@ CRITIC_TENSORS = (
 def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *,
                  pools: Optional[tuple] = None) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
-    policy's groups current: its trunk is the policy's weights gathered whole (or
-    ``algorithm.critic.init``'s, loaded in the policy's layout; a LoRA policy's adapters
-    merged in, so the trunk computes what the policy does), its head new from run.seed.
+    policy's groups current: its trunk is the policy's weights gathered whole (or a
+    policy-shaped ``algorithm.critic.init``'s, loaded in the policy's layout; a LoRA policy's
+    adapters merged in, so the trunk computes what the policy does), its head new from
+    run.seed. A ``critic.init`` that is a value model or a PPO run's critic gives trunk and
+    head, read in ``layout`` itself (weights/critic_import.py).
 
     Split placement (``pools``, the train pool first): the train pool's ranks build it in
     their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
-    None, joins a converted ``critic.init``'s collective read and gets None."""
+    None, joins a ``critic.init``'s collective read (a converted or trained one) and gets
+    None."""
     from earl_megatron.models.value_model import critic_config, critic_loader
+    from earl_megatron.weights.critic_import import critic_init, join_critic_init
     from earl_megatron.weights.gather import gather_full
 
     a, seed = cfg.algorithm, cfg.run.seed
     if policy is None:
-        if a.critic.init:
+        if a.critic.init and not join_critic_init(a.critic.init):
             from earl_megatron.weights.convert import join_policy_load
             join_policy_load(a.critic.init)
         return None
+    ccfg = critic_config(cfg.model)
+    spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
+                         use_distributed_optimizer=a.use_distributed_optimizer)
+    trained = critic_init(a.critic.init, cfg.model, layout) if a.critic.init else None
+    if trained is not None:   # a value model or a trained critic: trunk and head
+        return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
+                                                                fill=trained[1]),
+                               optimizer=spec, seed=seed, pools=pools, local=pools is not None)
     source = policy
     if a.critic.init:
         from earl_megatron.weights.convert import load_policy
@@ -99,9 +111,6 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
     if source.cfg.lora.enabled:   # the policy as it acts: its adapters merged into the trunk
         from earl_megatron.weights.peft_export import merged_weights
         weights = merged_weights(weights, source.cfg)
-    ccfg = critic_config(cfg.model)
-    spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
-                         use_distributed_optimizer=a.use_distributed_optimizer)
     return build_on_layout(ccfg, layout, load=critic_loader(weights, ccfg, layout, seed=seed),
                            optimizer=spec, seed=seed, pools=pools, local=pools is not None)
 

@@ -377,11 +377,12 @@ def join_policy_load(path: str | os.PathLike) -> None:
 
 
 def load_hf_into(model, ckpt: HFCheckpoint, cfg: ModelConfig, layout: ParallelLayout,
-                 coords) -> None:
-    """Read only this rank's shard of each of its parameters from HF shards (row/col ranges)."""
+                 coords, expected: Optional[dict] = None) -> None:
+    """Read only this rank's shard of each of its parameters from HF shards (row/col ranges);
+    ``expected``: the HF tensors checked present (default: all of ``cfg``'s)."""
     from earl_megatron.plan.tensor_table import tensor_table
 
-    ckpt.check_against(hfm.hf_shapes(cfg))
+    ckpt.check_against(hfm.hf_shapes(cfg) if expected is None else expected)
     table = tensor_table(cfg)
     rank = layout.rank(coords)
     for lname, p in model.named_parameters():

@@ -42,6 +42,17 @@ def critic_source(src: str | Path) -> tuple[Path, Path, dict]:
     """(the directory holding the critic's tensors, the directory holding its model config, the
     tensors' DCP metadata) for a training checkpoint, its ``critic/`` or a critic saved with its
     config; a clear error for anything else."""
+    found = find_critic(src)
+    if found is None:
+        raise CheckpointError(f"{src} holds no critic ({CRITIC_DIR}/ with value_head.* "
+                              "tensors): it was written by a run without algorithm.name=ppo; "
+                              "drop --critic to export the policy")
+    return found
+
+
+def find_critic(src: str | Path) -> Optional[tuple[Path, Path, dict]]:
+    """``critic_source``'s answer, or None where ``src`` holds no critic at all; a critic
+    without a model config beside it or in its parent is refused."""
     src = Path(src)
     for tensors in (src / CRITIC_DIR, src):
         stored = _stored(tensors) if (tensors / "metadata.json").is_file() else {}
@@ -50,11 +61,9 @@ def critic_source(src: str | Path) -> tuple[Path, Path, dict]:
                 if (config / CONFIG_JSON).is_file():
                     return tensors, config, stored
             raise CheckpointError(f"{tensors} holds a critic but no {CONFIG_JSON} beside it or "
-                                  "in its parent; export the whole checkpoint directory "
+                                  "in its parent; give the whole checkpoint directory "
                                   "(runs/RUN/checkpoints/iter_N)")
-    raise CheckpointError(f"{src} holds no critic ({CRITIC_DIR}/ with value_head.* tensors): it "
-                          "was written by a run without algorithm.name=ppo; drop --critic to "
-                          "export the policy")
+    return None
 
 
 def _stored(path: Path) -> dict:

@@ -34,7 +34,7 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_clip_frac", "value_mean
               "return_mean", "value_grad_norm")
 
 
-def _cfg(out, iterations, placement="split"):
+def _cfg(out, iterations, placement="split", init=None):
     fixed = placement == "split"
     return TrainConfig.from_dict({
         "model": {"vocab_size": 32},
@@ -44,7 +44,7 @@ def _cfg(out, iterations, placement="split"):
                 "eval_opponents": []},
         "rollout": {"episodes_per_iteration": 6, "max_turns": 3, "placement": placement,
                     **({"pool_ranks": 1} if fixed else {})},
-        "algorithm": PPO,
+        "algorithm": {**PPO, "critic": {**PPO["critic"], "init": init}},
         "run": {"iterations": iterations, "output_dir": str(out), "eval_episodes": 2,
                 "live_view": False, "checkpoint_every": 1 if fixed else 0},
     })
@@ -94,7 +94,12 @@ def _runs(root):
     run(_cfg(root / "resumed", 2))
     resumed = run(_cfg(root / "resumed", 3))
     moved = train_scheduled(_cfg(root / "auto", 3, "auto"), str(root / "audit_auto"), [1, 0, 1])
-    return full, resumed, moved, seen
+    # the full run's trained critic as critic.init: the train pool reads it (trunk and head,
+    # dist_checkpointing), the rollout rank joins that read
+    os.environ["EARL_SPLIT_AUDIT"] = str(root / "audit_inited")
+    inited = run(_cfg(root / "inited", 1, init=str(root / "full" / "checkpoints" /
+                                                   "iter_000002")))
+    return full, resumed, moved, seen, inited
 
 
 def _numbers(hist):
@@ -107,7 +112,7 @@ def _numbers(hist):
 @pytest.mark.timeout(900)
 def test_ppo_critic_trains_on_the_split_train_pool_resumes_and_moves(tmp_path):
     results = run_distributed(_runs, 3, str(tmp_path), timeout=800)
-    full, resumed, moved, _ = results[0]
+    full, resumed, moved, _, inited = results[0]
     assert [h["iteration"] for h in full] == [0, 1, 2]
     for h in full:
         assert all(math.isfinite(h[k]) for k in VALUE_KEYS) and h["value_loss"] > 0, h
@@ -116,6 +121,9 @@ def test_ppo_critic_trains_on_the_split_train_pool_resumes_and_moves(tmp_path):
         assert h["split"]["rollout_ranks"] == 1 and h["staleness_max"] <= 1, h
         assert {"values", "critic_train"} <= set(h["seconds"]), h["seconds"]
         assert math.isfinite(h["loss"]) and "kl" in h, h
+    # the trained critic scores the same first batch otherwise than a new one
+    assert [h["iteration"] for h in inited] == [0] and inited[0]["reward"] == full[0]["reward"]
+    assert inited[0]["value_mean"] != full[0]["value_mean"], (inited, full[0])
     rows = read_audit(tmp_path / "audit")
     check_exactly_once(rows, 3, per_batch=6)
     check_handoffs(rows)
@@ -129,7 +137,7 @@ def test_ppo_critic_trains_on_the_split_train_pool_resumes_and_moves(tmp_path):
                             for k in x if x[k] != y.get(k)]
     assert [h["iteration"] for h in resumed] == [0, 1, 2] and \
         all(math.isfinite(h["value_loss"]) for h in resumed)
-    for rank, (*_, seen) in enumerate(results):
+    for rank, (*_, seen, _) in enumerate(results):
         saved = {name: d for what, name, d in seen[:6] if what == "saved"}
         loaded = [(name, d) for what, name, d in seen if what == "loaded"]
         assert loaded[0][0] == "iter_000001", seen

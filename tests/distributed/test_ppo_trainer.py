@@ -13,7 +13,10 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
   initial ones, every trunk tensor and the head (it trained); the trainer's CRITIC TRAIN stage
   on one fixed batch (no clip) lowers the value loss step after step, to below a tenth;
 - algorithm.critic.init=<that run's last checkpoint>: the same first batch (the policy from the
-  seed) scored by another critic (its trunk the trained policy's);
+  seed) scored by that run's trained critic, trunk and head (weights/critic_import.py); the
+  same critic exported as an HF value model (earl convert mcore-to-hf --critic) scores it the
+  same (1e-6); the checkpoint's policy exported as an HF causal LM gives a critic of the
+  trained policy's trunk and a new head: other values again;
 - a warm start (sft.steps=2 on the calculator's scripted expert) before RL: the critic's
   trunk is the warmed policy's, bit-exact (its own steps made too small to move fp32 weights:
   critic.lr 1e-30, so the trunk saved at iteration 0 is the one it was built with), not the
@@ -226,9 +229,24 @@ def _all(root):
             "fixed_batch": _fixed_batch_losses(_cfg(f"{root}/full", 3, lr=3e-3))}
 
 
+def _inits(root, value_model, causal_lm):
+    from earl_megatron.train import run
+
+    return {name: run(_cfg(f"{root}/{name}", 1, init=path))[0]
+            for name, path in (("value_model", value_model), ("causal_lm", causal_lm))}
+
+
 @pytest.mark.timeout(900)
 def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
+    from earl_megatron.runtime.checkpoint_files import checkpoint_dir
+    from earl_megatron.testing.peft_check import export
+
     results = run_distributed(_all, 2, str(tmp_path), timeout=800)
+    last = checkpoint_dir(tmp_path / "full" / "checkpoints", 2)
+    export(str(last), str(tmp_path / "hf_value"), "--critic")
+    export(str(last), str(tmp_path / "hf_policy"))
+    inits = run_distributed(_inits, 2, str(tmp_path), str(tmp_path / "hf_value"),
+                            str(tmp_path / "hf_policy"), timeout=300)[0]
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     a, b = strip(results[0]["full"]), strip(results[1]["full"])
     assert a == b, [(k, x[k], y.get(k)) for x, y in zip(a, b) for k in x if x[k] != y.get(k)]
@@ -252,6 +270,14 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         same = ("reward", "mean_context", "max_context")   # the batch (GAE's returns move
         assert [init[k] for k in same] == [first[k] for k in same]   # with the values, lam < 1)
         assert init["value_mean"] != first["value_mean"], (init, first)
+    # the trained critic read back from HF (its head included) scores as from its checkpoint;
+    # the trained policy's trunk under a new head does not
+    init = results[0]["init"]
+    assert abs(inits["value_model"]["value_mean"] - init["value_mean"]) < 1e-6, (inits, init)
+    assert abs(inits["value_model"]["value_loss"] - init["value_loss"]) < 1e-6, (inits, init)
+    assert abs(inits["causal_lm"]["value_mean"] - init["value_mean"]) > 1e-3, (inits, init)
+    assert inits["causal_lm"]["value_mean"] != results[0]["full"][0]["value_mean"]
+    for r in results:
         # one fixed batch: 0.366 -> 0.083 -> 0.022 -> 0.013, then about 0.015 (Adam at 3e-3)
         losses = r["fixed_batch"]
         assert losses[0] > losses[1] > losses[2] > losses[3], losses
