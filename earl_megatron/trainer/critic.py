@@ -70,11 +70,12 @@ CRITIC_TENSORS = (
 def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *,
                  pools: Optional[tuple] = None) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
-    policy's groups current: its trunk is the policy's weights gathered whole (or a
-    policy-shaped ``algorithm.critic.init``'s, loaded in the policy's layout; a LoRA policy's
-    adapters merged in, so the trunk computes what the policy does), its head new from
-    run.seed. A ``critic.init`` that is a value model or a PPO run's critic gives trunk and
-    head, read in ``layout`` itself (weights/critic_import.py).
+    policy's groups current: its trunk is the policy's weights gathered whole (a LoRA
+    policy's adapters merged in, so the trunk computes what the policy does), its head new
+    from run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
+    (weights/critic_import.py): a model's trunk, and a value model's or a PPO run's critic's
+    head too; a PEFT adapter or LoRA checkpoint as init is loaded as a policy, merged and
+    gathered.
 
     Split placement (``pools``, the train pool first): the train pool's ranks build it in
     their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
@@ -94,7 +95,7 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                          use_distributed_optimizer=a.use_distributed_optimizer)
     trained = critic_init(a.critic.init, cfg.model, layout) if a.critic.init else None
-    if trained is not None:   # a value model or a trained critic: trunk and head
+    if trained is not None:   # read in the critic's own layout (weights/critic_import.py)
         return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
                                                                 fill=trained[1]),
                                optimizer=spec, seed=seed, pools=pools, local=pools is not None)

@@ -8,10 +8,13 @@
     algorithm.critic.init=runs/RUN/checkpoints/iter_N   a PPO run's trained critic (its
                                      ``critic/``; or that ``critic/`` itself)
 
-``critic_init`` returns, for trainer/critic.build_critic, the init's model config and a ``fill``
-hook (models/value_model.critic_loader's) that reads this rank's shard of the trunk and the whole
-head into the critic as it is built; None for a policy-shaped init (an HF causal LM or a
-converted policy: its trunk, a new head), which build_critic reads itself.
+    algorithm.critic.init=HF_DIR | CONVERTED   a policy-shaped model: its trunk, a new head
+
+``critic_init`` returns, for trainer/critic.build_critic, what the init is and a ``fill`` hook
+(models/value_model.critic_loader's) that reads this rank's shard of the trunk (and of a value
+model or trained critic, the whole head) into the critic as it is built, in the critic's own
+layout: no rank gathers the whole model. None for a PEFT adapter or a LoRA checkpoint (the base
+with its adapters merged), which build_critic loads as a policy and gathers.
 
 Invariants: an HF value model is read shard by shard (weights/convert.load_hf_into's reads, no
 rank holds the whole model); its ``score.weight`` [1, hidden] is the head's weight and
@@ -53,9 +56,9 @@ def value_model_architecture(path: str | Path) -> Optional[str]:
 
 def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
                 ) -> Optional[tuple[str, Callable]]:
-    """(what the init is, the ``fill`` hook) for a value model or a trained critic at ``path``
-    (module docstring); None: a policy-shaped init. ``policy``: the policy's model config, whose
-    critic the init must be; ``layout``: the critic's."""
+    """(what the init is, the ``fill`` hook) for the init at ``path`` (module docstring); None:
+    one build_critic gathers. ``policy``: the policy's model config, whose critic the init must
+    be; ``layout``: the critic's."""
     from earl_megatron.models.value_model import critic_config
 
     arch = value_model_architecture(path)
@@ -63,7 +66,7 @@ def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
         return _value_model(Path(path), arch, critic_config(policy), layout)
     found = find_critic(path)
     if found is None:
-        return None
+        return _policy_shaped(Path(path), critic_config(policy), layout)
     tensors, config_dir, _ = found
     from earl_megatron.weights.convert import load_mcore_into, read_model_config
 
@@ -75,6 +78,50 @@ def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
             load_mcore_into(gpt, tensors)
 
     return f"the trained critic in {tensors}", fill
+
+
+def _policy_shaped(path: Path, ccfg: ModelConfig, layout: ParallelLayout
+                   ) -> Optional[tuple[str, Callable]]:
+    """An HF causal LM or a converted policy read straight into the critic's trunk in its own
+    layout (its head stays the seeded one); None where build_critic gathers instead: a PEFT
+    adapter or a LoRA checkpoint (the base with its adapters merged), or no model at all
+    (load_policy's error names it)."""
+    from earl_megatron.models.value_model import CriticTrunk, critic_config
+    from earl_megatron.weights.convert import is_mcore_checkpoint, load_hf_into, read_model_config
+    from earl_megatron.weights.hf_io import HFCheckpoint
+    from earl_megatron.weights.peft_import import is_peft_adapter
+
+    if is_peft_adapter(path) or not (is_mcore_checkpoint(path) or (path / "config.json").is_file()):
+        return None
+    with reading(path):
+        cfg = read_model_config(path)
+    if cfg.lora.enabled:
+        return None
+    _same_shape(critic_config(cfg), ccfg, path)
+    if is_mcore_checkpoint(path):
+        def fill(gpt, coords) -> None:
+            from megatron.core import dist_checkpointing
+
+            want = {k: v for k, v in gpt.sharded_state_dict().items()
+                    if not k.startswith("output_layer.")}
+            with reading(path, "policy checkpoint"):
+                loaded = dist_checkpointing.load(want, str(path))
+            missing, _ = gpt.load_state_dict({k: v for k, v in loaded.items() if k in want},
+                                             strict=False)
+            left = [k for k in missing if not k.startswith("output_layer.")]
+            if left:
+                raise CheckpointError(f"{path} lacks the critic's trunk tensors {left[:3]}")
+
+        return f"the trunk of the converted policy {path}", fill
+    with reading(path, "HF model"):
+        ckpt = HFCheckpoint(path)
+    trunk = _trunk_shapes(ccfg)
+
+    def fill(gpt, coords) -> None:
+        with reading(path, "HF model"):
+            load_hf_into(CriticTrunk(gpt), ckpt, ccfg, layout, coords, expected=trunk)
+
+    return f"the trunk of the HF model {path}", fill
 
 
 def join_critic_init(path: str | Path) -> bool:
@@ -103,7 +150,6 @@ def _same_shape(init: ModelConfig, critic: ModelConfig, path) -> None:
 def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayout
                  ) -> tuple[str, Callable]:
     from earl_megatron.models.value_model import CriticTrunk
-    from earl_megatron.plan.tensor_table import OUTPUT
     from earl_megatron.weights.convert import load_hf_into
     from earl_megatron.weights.hf_io import HFCheckpoint
 
@@ -121,8 +167,7 @@ def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayou
             raise CheckpointError(f"{path}: {arch} with {head} of shape {got}; the critic's "
                                   f"head is one value ({head} [1, {ccfg.hidden_size}]): give a "
                                   "value or reward model with one label")
-    lm_head = set(next(r.hf for r in hfm.rules(ccfg) if r.name == OUTPUT))
-    trunk = {k: v for k, v in hfm.hf_shapes(ccfg).items() if k not in lm_head}
+    trunk = _trunk_shapes(ccfg)
 
     def fill(gpt, coords) -> None:
         with reading(path, "value model"):
@@ -136,3 +181,11 @@ def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayou
                     out.bias.copy_(b.reshape(out.bias.shape).to(out.bias.dtype))
 
     return f"the value model {path} ({arch})", fill
+
+
+def _trunk_shapes(ccfg: ModelConfig) -> dict:
+    """The HF tensors (name: shape) of the critic's trunk: all of the model's but the LM head."""
+    from earl_megatron.plan.tensor_table import OUTPUT
+
+    lm_head = set(next(r.hf for r in hfm.rules(ccfg) if r.name == OUTPUT))
+    return {k: v for k, v in hfm.hf_shapes(ccfg).items() if k not in lm_head}

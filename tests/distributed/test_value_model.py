@@ -23,7 +23,10 @@ a seeded head. One packed batch (4 samples of 16 tokens, micro-batches of 1), on
       and given a training checkpoint's layout, the critic under critic/ and the policy's
       config beside it) loads with ``AutoModelForTokenClassification`` as a
       Qwen2ForTokenClassification with one label whose logits are TP2's values after the step
-      (1e-4), and its score is the head, bit-exact.
+      (1e-4), and its score is the head, bit-exact;
+  (f) (a launch of its own) a policy-shaped algorithm.critic.init, an HF causal LM and its
+      conversion, read in the critic's layout (weights/critic_import.py) equals the critic
+      built from the same weights gathered whole, bit for bit.
 """
 
 import torch
@@ -232,3 +235,56 @@ def _check_hf_export(tmp_path, saved_on):
         assert torch.equal(model.score.weight.float(), head["value_head.weight"])
         assert torch.equal(model.score.bias.float(), head["value_head.bias"])
 
+
+
+def _inits_in_own_layout(hf_dir, mcore_dir):
+    """{layout: {init: (trunk equal, head equal)}}: the critic built by critic_import's fill
+    from each policy-shaped init, against the one built from the same weights gathered whole."""
+    import torch.distributed as dist
+
+    from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.models.value_model import critic_config, critic_loader
+    from earl_megatron.plan.layout import ParallelLayout
+    from earl_megatron.runtime import groups
+    from earl_megatron.runtime.build import build_on_layout
+    from earl_megatron.runtime.cpu_backend import cpu_backend
+    from earl_megatron.testing.tiny_models import tiny_model
+    from earl_megatron.weights.critic_import import critic_init
+
+    policy = tiny_model(CHECKPOINTED, vocab_size=VOCAB, num_layers=2)
+    cfg = critic_config(policy)
+    out = {}
+    with cpu_backend():
+        for name in ("pp2", "tp2"):
+            lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
+            ref = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
+                reference_weights(policy, seed=7), cfg, lay, seed=11)), cfg, "param")
+            groups.destroy_groups()
+            for init in (hf_dir, mcore_dir):
+                what, fill = critic_init(init, policy, lay)
+                got = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
+                    None, cfg, lay, seed=11, fill=fill)), cfg, "param")
+                groups.destroy_groups()
+                out[(name, what.split()[4])] = (got.keys() == ref.keys() and
+                                                all(torch.equal(got[k], ref[k]) for k in ref))
+    return out
+
+
+def test_a_policy_shaped_critic_init_is_read_in_the_critics_own_layout(tmp_path):
+    """(f) algorithm.critic.init as an HF causal LM and as its conversion: each rank reads its
+    shard of the trunk in the critic's layout (PP2, TP2), no whole model gathered, and the
+    critic equals the one built from the same weights gathered whole, bit for bit, head
+    included (the seeded one)."""
+    from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.testing.tiny_models import tiny_model
+    from earl_megatron.weights.convert import convert_hf_to_mcore
+    from earl_megatron.weights.hf_io import write_hf_dir
+    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
+
+    policy = tiny_model(CHECKPOINTED, vocab_size=VOCAB, num_layers=2)
+    write_hf_dir(tmp_path / "hf", to_hf(policy, reference_weights(policy, seed=7)),
+                 to_hf_config(policy))
+    convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    out = run_distributed(_inits_in_own_layout, 2, str(tmp_path / "hf"),
+                          str(tmp_path / "mcore"), timeout=240)[0]
+    assert out == {(lay, kind): True for lay in ("pp2", "tp2") for kind in ("HF", "converted")}

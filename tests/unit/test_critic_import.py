@@ -1,7 +1,7 @@
 """algorithm.critic.init's sources, told apart and checked in one process before any read
 (weights/critic_import.py): an HF value model (token or sequence classification, one label) is
-trunk and head; a causal LM is policy-shaped (None: build_critic reads its trunk); a value model
-with several labels, or of another architecture, is one line naming the fix."""
+trunk and head; a causal LM is its trunk; a value model with several labels, or of another
+architecture, is one line naming the fix."""
 
 import pytest
 import torch
@@ -40,8 +40,8 @@ def test_value_models_give_trunk_and_head_and_causal_lms_are_policy_shaped(tmp_p
     reward = _write(tmp_path / "reward", POLICY, "Qwen2ForSequenceClassification", bias=False)
     assert critic_init(reward, POLICY, layout)[0].endswith("(Qwen2ForSequenceClassification)")
     causal = _write(tmp_path / "causal", POLICY, "Qwen2ForCausalLM")
-    assert critic_init(causal, POLICY, layout) is None
-    assert critic_init(tmp_path / "nowhere", POLICY, layout) is None
+    assert critic_init(causal, POLICY, layout)[0] == f"the trunk of the HF model {causal}"
+    assert critic_init(tmp_path / "nowhere", POLICY, layout) is None   # load_policy's error
     # nothing for a rank without a critic to join but a trained critic's collective read
     assert join_critic_init(token) is True and join_critic_init(causal) is False
 
