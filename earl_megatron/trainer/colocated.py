@@ -96,7 +96,8 @@ class Colocated:
 
         tr, models = self.tr, self.models
         models.add_critic(build_critic(tr.cfg, models.policy_in(models.policy.layout),
-                                       tr.planner.critic_layout))
+                                       tr.planner.critic_layout,
+                                       resuming=checkpoint is not None))
         if checkpoint is not None:
             load_critic(models.critic, checkpoint)
 

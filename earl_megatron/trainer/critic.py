@@ -68,14 +68,16 @@ CRITIC_TENSORS = (
 
 
 def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *,
-                 pools: Optional[tuple] = None) -> Optional[ModelOnLayout]:
+                 pools: Optional[tuple] = None, resuming: bool = False
+                 ) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
     policy's groups current: its trunk is the policy's weights gathered whole (a LoRA
     policy's adapters merged in, so the trunk computes what the policy does), its head new
     from run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
     (weights/critic_import.py): a model's trunk, and a value model's or a PPO run's critic's
     head too; a PEFT adapter or LoRA checkpoint as init is loaded as a policy, merged and
-    gathered.
+    gathered. ``resuming`` (every rank alike): a checkpoint's critic/ is loaded over it next
+    (``load_critic``), so nothing is read or gathered: the trunk keeps Megatron's init.
 
     Split placement (``pools``, the train pool first): the train pool's ranks build it in
     their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
@@ -87,14 +89,17 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
 
     a, seed = cfg.algorithm, cfg.run.seed
     if policy is None:
-        if a.critic.init and not join_critic_init(a.critic.init):
+        if a.critic.init and not resuming and not join_critic_init(a.critic.init):
             from earl_megatron.weights.convert import join_policy_load
             join_policy_load(a.critic.init)
         return None
     ccfg = critic_config(cfg.model)
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                          use_distributed_optimizer=a.use_distributed_optimizer)
-    trained = critic_init(a.critic.init, cfg.model, layout) if a.critic.init else None
+    if resuming:
+        trained = ("the checkpoint's", lambda gpt, coords: None)   # load_critic's, next
+    else:
+        trained = critic_init(a.critic.init, cfg.model, layout) if a.critic.init else None
     if trained is not None:   # read in the critic's own layout (weights/critic_import.py)
         return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
                                                                 fill=trained[1]),

@@ -125,7 +125,7 @@ def build_sides(split, *, moved: bool = False) -> tuple[int, Optional[dict], lis
     # ppo on a fresh run with a warm start: the critic comes from the warmed policy
     # (warm_start_before_split); a critic.init's trunk is the init's either way
     critic = not (found is None and cfg.sft.steps and not cfg.algorithm.critic.init) and \
-        critic_on(split)
+        critic_on(split, resuming=found is not None)
     if split.models is not None:
         split.model = split.models.policy_in(t)   # the policy's groups current again
     if split.sglang:
@@ -176,11 +176,11 @@ def reference_on(split) -> Optional[ModelOnLayout]:
                            local=True)
 
 
-def critic_on(split) -> bool:
+def critic_on(split, resuming: bool = False) -> bool:
     """ppo: the critic on the train pool, in its TRAIN layout (the pools' first; the stage
     planner counts it there), from the policy just built or algorithm.critic.init; the rollout
-    pool joins the collective read of a converted init. False: no critic (another
-    estimator)."""
+    pool joins the collective read of a converted init; ``resuming``: built to be loaded from
+    the checkpoint (build_critic). False: no critic (another estimator)."""
     from earl_megatron.trainer.critic import build_critic
 
     tr = split.tr
@@ -189,7 +189,7 @@ def critic_on(split) -> bool:
     t = split.pools[0]
     models = split.models
     critic = build_critic(tr.cfg, models.policy_in(t) if models is not None else None, t,
-                          pools=split.pools)
+                          pools=split.pools, resuming=resuming)
     if models is not None:
         tr.planner.critic_layout = t
         models.add_critic(critic)
