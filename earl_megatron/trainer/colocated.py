@@ -95,9 +95,19 @@ class Colocated:
         from earl_megatron.trainer.critic import build_critic, load_critic
 
         tr, models = self.tr, self.models
-        models.add_critic(build_critic(tr.cfg, models.policy_in(models.policy.layout),
-                                       tr.planner.critic_layout,
+        a = tr.cfg.algorithm
+        # a fresh trunk from the policy: the policy moved into the critic's layout (the
+        # switcher, point to point) so each rank copies its own shard, then back, so the
+        # planner starts from the layout it would have; a LoRA policy's adapters merge over
+        # the gathered whole
+        copy = checkpoint is None and not a.critic.init and not tr.cfg.model.lora.enabled
+        start = models.policy.layout
+        policy = models.policy_in(tr.planner.critic_layout if copy else start)
+        models.add_critic(build_critic(tr.cfg, policy, tr.planner.critic_layout,
                                        resuming=checkpoint is not None))
+        if models.policy.layout != start:
+            models.policy_in(start)
+            models.critic_in(tr.planner.critic_layout)   # the critic's groups current again
         if checkpoint is not None:
             load_critic(models.critic, checkpoint)
 

@@ -71,9 +71,10 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                  pools: Optional[tuple] = None, resuming: bool = False
                  ) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
-    policy's groups current: its trunk is the policy's weights gathered whole (a LoRA
-    policy's adapters merged in, so the trunk computes what the policy does), its head new
-    from run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
+    policy's groups current: its trunk is the policy's weights, each rank's shard copied when
+    the policy is in ``layout`` (``_copied_from``), else gathered whole (and a LoRA policy's,
+    its adapters merged in, so the trunk computes what the policy does), its head new from
+    run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
     (weights/critic_import.py): a model's trunk, and a value model's or a PPO run's critic's
     head too; a PEFT adapter or LoRA checkpoint as init is loaded as a policy, merged and
     gathered. ``resuming`` (every rank alike): a checkpoint's critic/ is loaded over it next
@@ -98,8 +99,12 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                          use_distributed_optimizer=a.use_distributed_optimizer)
     if resuming:
         trained = ("the checkpoint's", lambda gpt, coords: None)   # load_critic's, next
+    elif a.critic.init:
+        trained = critic_init(a.critic.init, cfg.model, layout)
+    elif policy.layout == layout and not policy.cfg.lora.enabled:
+        trained = ("the policy's shards", _copied_from(policy))
     else:
-        trained = critic_init(a.critic.init, cfg.model, layout) if a.critic.init else None
+        trained = None
     if trained is not None:   # read in the critic's own layout (weights/critic_import.py)
         return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
                                                                 fill=trained[1]),
@@ -119,6 +124,22 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
         weights = merged_weights(weights, source.cfg)
     return build_on_layout(ccfg, layout, load=critic_loader(weights, ccfg, layout, seed=seed),
                            optimizer=spec, seed=seed, pools=pools, local=pools is not None)
+
+
+def _copied_from(policy: ModelOnLayout):
+    """``critic_loader``'s fill from the policy in the critic's own layout: each trunk tensor
+    is this rank's shard of the policy's same tensor (the tensor table's names), copied; no
+    rank gathers the model."""
+    from earl_megatron.models.value_model import CriticTrunk
+
+    mine = dict(policy.module().named_parameters())
+
+    def fill(gpt, coords) -> None:
+        with torch.no_grad():
+            for name, p in CriticTrunk(gpt).named_parameters():
+                p.copy_(mine[name])
+
+    return fill
 
 
 def values_of(critic: ModelOnLayout, producer: ParallelLayout, ids: list[int], episodes: list,
