@@ -97,10 +97,9 @@ class Colocated:
         tr, models = self.tr, self.models
         a = tr.cfg.algorithm
         # a fresh trunk from the policy: the policy moved into the critic's layout (the
-        # switcher, point to point) so each rank copies its own shard, then back, so the
-        # planner starts from the layout it would have; a LoRA policy's adapters merge over
-        # the gathered whole
-        copy = checkpoint is None and not a.critic.init and not tr.cfg.model.lora.enabled
+        # switcher, point to point) so each rank copies its own shard (a LoRA policy's merged
+        # on it), then back, so the planner starts from the layout it would have
+        copy = checkpoint is None and not a.critic.init
         start = models.policy.layout
         policy = models.policy_in(tr.planner.critic_layout if copy else start)
         models.add_critic(build_critic(tr.cfg, policy, tr.planner.critic_layout,

@@ -71,9 +71,9 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                  pools: Optional[tuple] = None, resuming: bool = False
                  ) -> Optional[ModelOnLayout]:
     """The critic in ``layout`` with its optimizer. Collective over the world, with the
-    policy's groups current: its trunk is the policy's weights, each rank's shard copied when
-    the policy is in ``layout`` (``_copied_from``), else gathered whole (and a LoRA policy's,
-    its adapters merged in, so the trunk computes what the policy does), its head new from
+    policy's groups current: its trunk is the policy's weights (a LoRA policy's with its
+    adapters merged in, so the trunk computes what the policy does), each rank's shard copied
+    when the policy is in ``layout`` (``copied_from``), else gathered whole; its head new from
     run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
     (weights/critic_import.py): a model's trunk, and a value model's or a PPO run's critic's
     head too; a PEFT adapter or LoRA checkpoint as init is loaded as a policy, merged and
@@ -101,8 +101,8 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
         trained = ("the checkpoint's", lambda gpt, coords: None)   # load_critic's, next
     elif a.critic.init:
         trained = critic_init(a.critic.init, cfg.model, layout)
-    elif policy.layout == layout and not policy.cfg.lora.enabled:
-        trained = ("the policy's shards", _copied_from(policy))
+    elif policy.layout == layout:
+        trained = ("the policy's shards", copied_from(policy))
     else:
         trained = None
     if trained is not None:   # read in the critic's own layout (weights/critic_import.py)
@@ -126,18 +126,32 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                            optimizer=spec, seed=seed, pools=pools, local=pools is not None)
 
 
-def _copied_from(policy: ModelOnLayout):
+def copied_from(policy: ModelOnLayout):
     """``critic_loader``'s fill from the policy in the critic's own layout: each trunk tensor
-    is this rank's shard of the policy's same tensor (the tensor table's names), copied; no
-    rank gathers the model."""
+    is this rank's shard of the policy's same tensor, copied; an adapted linear's
+    (``<linear>.base.weight`` beside ``lora_a`` / ``lora_b``) is merged on the shard,
+    ``W + scaling B A`` with this rank's A and B, which are the rows or columns of the whole
+    product that the shard of W holds (models/lora.py's split: column-parallel B by rows,
+    row-parallel A by columns). No rank gathers the model."""
     from earl_megatron.models.value_model import CriticTrunk
+    from earl_megatron.weights.peft_export import merged
 
     mine = dict(policy.module().named_parameters())
+    scaling = policy.cfg.lora.scaling if policy.cfg.lora.enabled else 0.0
+
+    def shard(name: str) -> torch.Tensor:
+        if name in mine:
+            return mine[name]
+        linear, kind = name.rsplit(".", 1)   # an adapted linear's base
+        base = mine[f"{linear}.base.{kind}"]
+        if kind != "weight":
+            return base
+        return merged(base, mine[f"{linear}.lora_a"], mine[f"{linear}.lora_b"], scaling)
 
     def fill(gpt, coords) -> None:
         with torch.no_grad():
             for name, p in CriticTrunk(gpt).named_parameters():
-                p.copy_(mine[name])
+                p.copy_(shard(name))
 
     return fill
 

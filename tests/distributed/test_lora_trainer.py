@@ -12,7 +12,9 @@ targets, B set from seeded full tensors so that every adapter is nonzero:
 - the LoRA checkpoint loads into an un-adapted model as a full one would (its base);
 - ``merged_weights`` of the adapted model (what PPO's critic starts from) built as an
   un-adapted model gives the adapted model's logits (1e-5), not the base's
-  (its export as a PEFT adapter: tests/distributed/test_peft_export.py).
+  (its export as a PEFT adapter: tests/distributed/test_peft_export.py); the critic's trunk
+  merged shard by shard on the policy's tp2 ranks (trainer/critic.py ``copied_from``) equals
+  that gathered merge's shards (1e-6).
 
 The trainer: tiny_connect_four with model.lora.rank=4 on one static tp2 layout, KL in the loss
 (the reference is the base), PPO (issue #45: the critic beside a LoRA policy is a full model of
@@ -116,6 +118,20 @@ def _checkpoints(root):
     out["merged_acts_as_adapted"] = want is None or (
         (got[1] - want[1]).abs().max().item() < 1e-5 and
         (base_logits[1] - want[1]).abs().max().item() > 1e-3)
+    # the critic's trunk merged shard by shard on the policy's own ranks (trainer/critic.py
+    # copied_from) equals the gathered merge's shards
+    from earl_megatron.models.value_model import CriticTrunk, critic_config, critic_loader
+    from earl_megatron.trainer.critic import copied_from
+
+    ccfg = critic_config(cfg)
+    local_critic = build_on_layout(ccfg, src.layout, load=critic_loader(
+        None, ccfg, src.layout, fill=copied_from(src)))
+    gathered_critic = build_on_layout(ccfg, src.layout, load=critic_loader(
+        merged_weights(gather_full(src.model, cfg, src.layout), cfg), ccfg, src.layout))
+    a, b = (dict(CriticTrunk(m.model).named_parameters()) for m in (local_critic,
+                                                                     gathered_critic))
+    out["critic_merged_on_shards"] = a.keys() == b.keys() and max(
+        (a[k].float() - b[k].float()).abs().max().item() for k in a) < 1e-6
     base_only = build("tp1", model=cfg.base, seed=5)
     load_checkpoint(base_only, ckpt2)
     out["base_loads_as_full"] = all(torch.equal(base_only.model.state_dict()[n], w)
@@ -185,6 +201,7 @@ def test_lora_checkpoints_reshard_and_the_trainer_trains_adapters_only(tmp_path)
         assert c["extra"] == (2 * 4 * 4, True), c      # lora_a, lora_b x 4 linears x 4 layers
         assert c["tp2_to_tp1"] and c["tp1_to_tp2"] and c["base_loads_as_full"], c
         assert c["merged_acts_as_adapted"], c
+        assert c["critic_merged_on_shards"], c
         assert t["n_adapters"] == 32 and t["base_unchanged"] and t["adapters_changed"], t
         assert t["iterations"] == ([0, 1, 2], [0, 1, 2]), t
         assert t["records_equal"] and t["kl_recorded"] and t["values_finite"], t
