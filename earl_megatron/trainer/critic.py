@@ -70,15 +70,14 @@ CRITIC_TENSORS = (
 def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *,
                  pools: Optional[tuple] = None, resuming: bool = False
                  ) -> Optional[ModelOnLayout]:
-    """The critic in ``layout`` with its optimizer. Collective over the world, with the
-    policy's groups current: its trunk is the policy's weights (a LoRA policy's with its
-    adapters merged in, so the trunk computes what the policy does), each rank's shard copied
-    when the policy is in ``layout`` (``copied_from``), else gathered whole; its head new from
-    run.seed. An ``algorithm.critic.init`` is read in ``layout`` itself
-    (weights/critic_import.py): a model's trunk, and a value model's or a PPO run's critic's
-    head too; a PEFT adapter or LoRA checkpoint as init is loaded as a policy, merged and
-    gathered. ``resuming`` (every rank alike): a checkpoint's critic/ is loaded over it next
-    (``load_critic``), so nothing is read or gathered: the trunk keeps Megatron's init.
+    """The critic in ``layout`` with its optimizer. Collective over the world. No rank reads
+    more than its shard: the trunk is the policy's weights, which must be in ``layout``
+    (``copied_from``; a LoRA policy's adapters merged on the shard, so the trunk computes what
+    the policy does), the head new from run.seed. An ``algorithm.critic.init`` is read in
+    ``layout`` itself: a model's trunk, and a value model's or a PPO run's critic's head too
+    (weights/critic_import.py); a PEFT adapter is loaded as a policy there, base and adapter,
+    and copied merged. ``resuming`` (every rank alike): a checkpoint's critic/ is loaded over
+    it next (``load_critic``), so nothing is read: the trunk keeps Megatron's init.
 
     Split placement (``pools``, the train pool first): the train pool's ranks build it in
     their pool's ``layout``, its groups made by them alone; a rollout rank passes ``policy``
@@ -86,7 +85,6 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
     None."""
     from earl_megatron.models.value_model import critic_config, critic_loader
     from earl_megatron.weights.critic_import import critic_init, join_critic_init
-    from earl_megatron.weights.gather import gather_full
 
     a, seed = cfg.algorithm, cfg.run.seed
     if policy is None:
@@ -98,32 +96,35 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
     spec = OptimizerSpec(lr=a.critic.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
                          use_distributed_optimizer=a.use_distributed_optimizer)
     if resuming:
-        trained = ("the checkpoint's", lambda gpt, coords: None)   # load_critic's, next
+        fill = lambda gpt, coords: None   # noqa: E731 - load_critic's, next
     elif a.critic.init:
-        trained = critic_init(a.critic.init, cfg.model, layout)
-    elif policy.layout == layout:
-        trained = ("the policy's shards", copied_from(policy))
+        read = critic_init(a.critic.init, cfg.model, layout)
+        fill = read[1] if read is not None else copied_from(_as_policy(cfg, layout, pools))
     else:
-        trained = None
-    if trained is not None:   # read in the critic's own layout (weights/critic_import.py)
-        return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
-                                                                fill=trained[1]),
-                               optimizer=spec, seed=seed, pools=pools, local=pools is not None)
-    source = policy
-    if a.critic.init:
-        from earl_megatron.weights.convert import load_policy
-        source = load_policy(a.critic.init, policy.layout, ddp=False, seed=seed,
-                             pools=None if pools is None else (policy.layout,) + pools[1:])
-        if critic_config(source.cfg) != critic_config(cfg.model):
-            raise ValueError(f"algorithm.critic.init={a.critic.init} holds another "
-                             "architecture than the policy's (model.*): give a checkpoint of "
-                             "the policy's shape, or drop it (the policy's initial weights)")
-    weights = gather_full(source.model, source.cfg, source.layout)
-    if source.cfg.lora.enabled:   # the policy as it acts: its adapters merged into the trunk
-        from earl_megatron.weights.peft_export import merged_weights
-        weights = merged_weights(weights, source.cfg)
-    return build_on_layout(ccfg, layout, load=critic_loader(weights, ccfg, layout, seed=seed),
+        if policy.layout != layout:
+            raise ValueError(f"the critic copies the policy's shards: pass the policy in the "
+                             f"critic's layout {layout}, not {policy.layout} "
+                             "(models.policy_in(layout))")
+        fill = copied_from(policy)
+    return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
+                                                            fill=fill),
                            optimizer=spec, seed=seed, pools=pools, local=pools is not None)
+
+
+def _as_policy(cfg, layout: ParallelLayout, pools: Optional[tuple]) -> ModelOnLayout:
+    """``algorithm.critic.init`` that critic_import leaves to the policy's loader (a PEFT
+    adapter: its base with the adapter), loaded in the critic's ``layout``."""
+    from earl_megatron.models.value_model import critic_config
+    from earl_megatron.weights.convert import load_policy
+
+    init = cfg.algorithm.critic.init
+    source = load_policy(init, layout, ddp=False, seed=cfg.run.seed,
+                         pools=None if pools is None else (layout,) + pools[1:])
+    if critic_config(source.cfg) != critic_config(cfg.model):
+        raise ValueError(f"algorithm.critic.init={init} holds another architecture than the "
+                         "policy's (model.*): give a checkpoint of the policy's shape, or drop "
+                         "it (the policy's initial weights)")
+    return source
 
 
 def copied_from(policy: ModelOnLayout):

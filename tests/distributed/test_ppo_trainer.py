@@ -190,7 +190,7 @@ def _values_across_switches(cfg):
     with cpu_backend():
         models = build_model_pair(cfg.model, lay["dp2"], None, seed=cfg.run.seed,
                                   optimizer=OptimizerSpec(lr=1e-3))
-        models.add_critic(build_critic(cfg, models.policy_in(lay["dp2"]), lay["cp2"]))
+        models.add_critic(build_critic(cfg, models.policy_in(lay["cp2"]), lay["cp2"]))
 
         def values():
             return values_of(models.critic_in(lay["cp2"]), lay["dp2"], ids, episodes, tokens,

@@ -237,9 +237,13 @@ def _check_hf_export(tmp_path, saved_on):
 
 
 
-def _inits_in_own_layout(hf_dir, mcore_dir):
-    """{layout: {init: (trunk equal, head equal)}}: the critic built by critic_import's fill
-    from each policy-shaped init, against the one built from the same weights gathered whole."""
+def _inits_in_own_layout(hf_dir, mcore_dir, peft_dir, peft_merged):
+    """{(layout, init): equal}: the critic built by critic_import's fill from each
+    policy-shaped init against the one built from the same weights whole (bit for bit), and
+    the critic from a PEFT adapter (trainer/critic.build_critic: loaded as a policy in the
+    critic's layout, merged on each shard) against PEFT's own merge (1e-6)."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from earl_megatron.models.sharding import reference_weights
@@ -249,6 +253,9 @@ def _inits_in_own_layout(hf_dir, mcore_dir):
     from earl_megatron.runtime.build import build_on_layout
     from earl_megatron.runtime.cpu_backend import cpu_backend
     from earl_megatron.testing.tiny_models import tiny_model
+    from earl_megatron.config.critic import CriticConfig
+    from earl_megatron.config.train import TrainConfig
+    from earl_megatron.trainer.critic import _as_policy, copied_from
     from earl_megatron.weights.critic_import import critic_init
 
     policy = tiny_model(CHECKPOINTED, vocab_size=VOCAB, num_layers=2)
@@ -267,6 +274,20 @@ def _inits_in_own_layout(hf_dir, mcore_dir):
                 groups.destroy_groups()
                 out[(name, what.split()[4])] = (got.keys() == ref.keys() and
                                                 all(torch.equal(got[k], ref[k]) for k in ref))
+            base = TrainConfig()
+            cfg_init = dataclasses.replace(
+                base, model=policy, run=dataclasses.replace(base.run, seed=11),
+                algorithm=dataclasses.replace(base.algorithm, name="ppo",
+                                              critic=CriticConfig(init=peft_dir)))
+            fill = copied_from(_as_policy(cfg_init, lay, None))
+            got = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
+                None, cfg, lay, seed=11, fill=fill)), cfg, "param")
+            groups.destroy_groups()
+            ref = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
+                torch.load(peft_merged), cfg, lay, seed=11)), cfg, "param")
+            groups.destroy_groups()
+            out[(name, "peft")] = got.keys() == ref.keys() and max(
+                (got[k] - ref[k]).abs().max().item() for k in ref) < 1e-6
     return out
 
 
@@ -274,17 +295,30 @@ def test_a_policy_shaped_critic_init_is_read_in_the_critics_own_layout(tmp_path)
     """(f) algorithm.critic.init as an HF causal LM and as its conversion: each rank reads its
     shard of the trunk in the critic's layout (PP2, TP2), no whole model gathered, and the
     critic equals the one built from the same weights gathered whole, bit for bit, head
-    included (the seeded one)."""
+    included (the seeded one); as a PEFT adapter (random A and B on q, v, o and the MLP), the
+    trunk merged on each shard equals peft's own merge_and_unload (1e-6)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.testing.peft_check import peft_adapter
     from earl_megatron.testing.tiny_models import tiny_model
     from earl_megatron.weights.convert import convert_hf_to_mcore
     from earl_megatron.weights.hf_io import write_hf_dir
-    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config
+    from earl_megatron.weights.hf_mapping import to_hf, to_hf_config, to_megatron
 
     policy = tiny_model(CHECKPOINTED, vocab_size=VOCAB, num_layers=2)
     write_hf_dir(tmp_path / "hf", to_hf(policy, reference_weights(policy, seed=7)),
                  to_hf_config(policy))
     convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore")
+    base, adapter = peft_adapter(tmp_path / "peft", policy,
+                                 ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                  "down_proj"])
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        base, dtype=torch.float32), adapter).merge_and_unload()
+    torch.save(to_megatron(policy, hf.state_dict()), tmp_path / "peft_merged.pt")
     out = run_distributed(_inits_in_own_layout, 2, str(tmp_path / "hf"),
-                          str(tmp_path / "mcore"), timeout=240)[0]
-    assert out == {(lay, kind): True for lay in ("pp2", "tp2") for kind in ("HF", "converted")}
+                          str(tmp_path / "mcore"), str(adapter), str(tmp_path / "peft_merged.pt"),
+                          timeout=240)[0]
+    assert out == {(lay, kind): True for lay in ("pp2", "tp2")
+                   for kind in ("HF", "converted", "peft")}
