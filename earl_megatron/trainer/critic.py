@@ -116,14 +116,12 @@ def _as_policy(cfg, layout: ParallelLayout, pools: Optional[tuple]) -> ModelOnLa
     adapter: its base with the adapter), loaded in the critic's ``layout``."""
     from earl_megatron.models.value_model import critic_config
     from earl_megatron.weights.convert import load_policy
+    from earl_megatron.weights.critic_import import same_shape
 
     init = cfg.algorithm.critic.init
     source = load_policy(init, layout, ddp=False, seed=cfg.run.seed,
                          pools=None if pools is None else (layout,) + pools[1:])
-    if critic_config(source.cfg) != critic_config(cfg.model):
-        raise ValueError(f"algorithm.critic.init={init} holds another architecture than the "
-                         "policy's (model.*): give a checkpoint of the policy's shape, or drop "
-                         "it (the policy's initial weights)")
+    same_shape(critic_config(source.cfg), critic_config(cfg.model), init)
     return source
 
 

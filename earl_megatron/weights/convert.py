@@ -264,7 +264,7 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
             return ConversionStats(n, nbytes, time.perf_counter() - t0, n_parts)
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
         n_parts = mcore_to_hf_parts(src, cfg, template, stored, writer, part_bytes, progress,
-                               adapters if merged else {})
+                                    adapters if merged else {})
         writer.finish(hfm.to_hf_config(cfg, base), copy)
     return ConversionStats(len(rules), writer.total_bytes, time.perf_counter() - t0, n_parts)
 
@@ -299,8 +299,7 @@ def mcore_to_hf_parts(src: Path, cfg: ModelConfig, template: dict, stored: dict,
     return n_parts
 
 
-def region_of(entry) -> dcp.Region:
-    """The stored (key, global shape) a sharded template entry reads."""
+def region_of(entry) -> dcp.Region:   # the stored (key, global shape) a template entry reads
     return entry.key, tuple(entry.data.shape)
 
 
@@ -353,15 +352,18 @@ def load_policy(path: str | os.PathLike, layout: ParallelLayout, *, ddp: bool = 
                            recompute=recompute, pools=pools, adapters=adapters)
 
 
-def load_mcore_into(model, path: str | os.PathLike) -> None:
+def load_mcore_into(model, path: str | os.PathLike, skip: tuple[str, ...] = ()) -> None:
     """dist_checkpointing.load into a bare GPTModel pp_stage (resharding to its layout). A
     trainer's checkpoint also holds the optimizer and the run's state: only the model's keys
-    are taken (every one of them: strict)."""
+    are taken, every one required but those under a ``skip`` prefix, which are not read."""
     from megatron.core import dist_checkpointing
 
-    want = model.sharded_state_dict()
+    want = {k: v for k, v in model.sharded_state_dict().items() if not k.startswith(skip)}
     loaded = dist_checkpointing.load(want, str(path))
-    model.load_state_dict({k: v for k, v in loaded.items() if k in want}, strict=True)
+    missing, _ = model.load_state_dict({k: v for k, v in loaded.items() if k in want},
+                                       strict=not skip)
+    if left := [k for k in missing if not k.startswith(skip)]:
+        raise CheckpointError(f"{path} lacks the model's tensors {left[:3]}")
 
 
 def join_policy_load(path: str | os.PathLike) -> None:

@@ -113,7 +113,7 @@ def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: in
             reading(tensors):
         writer = HFWriter(out, max_shard_bytes=max_shard_bytes)
         n_parts = cv.mcore_to_hf_parts(tensors, ccfg, template, stored, writer, part_bytes,
-                                  progress, {}, rules=rules)
+                                       progress, {}, rules=rules)
         for part in dcp.read_groups(tensors, stored, [head], part_bytes):
             for name, t in part[0].items():
                 writer.add(HEAD[name], t)

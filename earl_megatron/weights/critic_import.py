@@ -13,8 +13,9 @@
 ``critic_init`` returns, for trainer/critic.build_critic, what the init is and a ``fill`` hook
 (models/value_model.critic_loader's) that reads this rank's shard of the trunk (and of a value
 model or trained critic, the whole head) into the critic as it is built, in the critic's own
-layout: no rank gathers the whole model. None for a PEFT adapter or a LoRA checkpoint (the base
-with its adapters merged), which build_critic loads as a policy and gathers.
+layout: no rank gathers the whole model. None for anything else (a PEFT adapter, which
+build_critic loads as a policy in the critic's layout and merges on each shard; a LoRA
+checkpoint or a path that holds no model, which that load refuses in one line).
 
 Invariants: an HF value model is read shard by shard (weights/convert.load_hf_into's reads, no
 rank holds the whole model); its ``score.weight`` [1, hidden] is the head's weight and
@@ -57,8 +58,8 @@ def value_model_architecture(path: str | Path) -> Optional[str]:
 def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
                 ) -> Optional[tuple[str, Callable]]:
     """(what the init is, the ``fill`` hook) for the init at ``path`` (module docstring); None:
-    one build_critic gathers. ``policy``: the policy's model config, whose critic the init must
-    be; ``layout``: the critic's."""
+    one build_critic loads as a policy. ``policy``: the policy's model config, whose critic the
+    init must be; ``layout``: the critic's."""
     from earl_megatron.models.value_model import critic_config
 
     arch = value_model_architecture(path)
@@ -71,7 +72,7 @@ def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
     from earl_megatron.weights.convert import load_mcore_into, read_model_config
 
     with reading(config_dir):
-        _same_shape(critic_config(read_model_config(config_dir)), critic_config(policy), path)
+        same_shape(critic_config(read_model_config(config_dir)), critic_config(policy), path)
 
     def fill(gpt, coords) -> None:
         with reading(tensors, "critic checkpoint"):
@@ -83,11 +84,12 @@ def critic_init(path: str | Path, policy: ModelConfig, layout: ParallelLayout
 def _policy_shaped(path: Path, ccfg: ModelConfig, layout: ParallelLayout
                    ) -> Optional[tuple[str, Callable]]:
     """An HF causal LM or a converted policy read straight into the critic's trunk in its own
-    layout (its head stays the seeded one); None where build_critic gathers instead: a PEFT
-    adapter or a LoRA checkpoint (the base with its adapters merged), or no model at all
-    (load_policy's error names it)."""
+    layout (its head stays the seeded one); None where build_critic loads it as a policy
+    instead: a PEFT adapter (the base with its adapter), a LoRA checkpoint or no model at all
+    (load_policy's refusals name them)."""
     from earl_megatron.models.value_model import CriticTrunk, critic_config
-    from earl_megatron.weights.convert import is_mcore_checkpoint, load_hf_into, read_model_config
+    from earl_megatron.weights.convert import (is_mcore_checkpoint, load_hf_into,
+                                               load_mcore_into, read_model_config)
     from earl_megatron.weights.hf_io import HFCheckpoint
     from earl_megatron.weights.peft_import import is_peft_adapter
 
@@ -97,20 +99,11 @@ def _policy_shaped(path: Path, ccfg: ModelConfig, layout: ParallelLayout
         cfg = read_model_config(path)
     if cfg.lora.enabled:
         return None
-    _same_shape(critic_config(cfg), ccfg, path)
+    same_shape(critic_config(cfg), ccfg, path)
     if is_mcore_checkpoint(path):
-        def fill(gpt, coords) -> None:
-            from megatron.core import dist_checkpointing
-
-            want = {k: v for k, v in gpt.sharded_state_dict().items()
-                    if not k.startswith("output_layer.")}
+        def fill(gpt, coords) -> None:   # the trunk alone: the seeded head stays
             with reading(path, "policy checkpoint"):
-                loaded = dist_checkpointing.load(want, str(path))
-            missing, _ = gpt.load_state_dict({k: v for k, v in loaded.items() if k in want},
-                                             strict=False)
-            left = [k for k in missing if not k.startswith("output_layer.")]
-            if left:
-                raise CheckpointError(f"{path} lacks the critic's trunk tensors {left[:3]}")
+                load_mcore_into(gpt, path, skip=("output_layer.",))
 
         return f"the trunk of the converted policy {path}", fill
     with reading(path, "HF model"):
@@ -140,7 +133,9 @@ def join_critic_init(path: str | Path) -> bool:
     return True
 
 
-def _same_shape(init: ModelConfig, critic: ModelConfig, path) -> None:
+def same_shape(init: ModelConfig, critic: ModelConfig, path) -> None:
+    """``init`` (a critic.init's critic config) must be ``critic``, the policy's; else one
+    line naming the fix."""
     if init != critic:
         raise ValueError(f"algorithm.critic.init={path} holds another architecture than the "
                          "policy's (model.*): give a value model or critic of the policy's "
@@ -149,11 +144,9 @@ def _same_shape(init: ModelConfig, critic: ModelConfig, path) -> None:
 
 def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayout
                  ) -> tuple[str, Callable]:
-    from earl_megatron.models.value_model import CriticTrunk
+    from earl_megatron.models.value_model import CriticTrunk, critic_config
     from earl_megatron.weights.convert import load_hf_into
     from earl_megatron.weights.hf_io import HFCheckpoint
-
-    from earl_megatron.models.value_model import critic_config
 
     head, bias = HEAD["value_head.weight"], HEAD["value_head.bias"]   # score.weight, .bias
     with reading(path, "value model"):
@@ -161,7 +154,7 @@ def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayou
         causal = next(a for a in VALUE_ARCHITECTURES if arch.endswith(a))
         cfg = hfm.from_hf_config({**ckpt.config,
                                   "architectures": [arch.replace(causal, "ForCausalLM")]})
-        _same_shape(critic_config(cfg), ccfg, path)
+        same_shape(critic_config(cfg), ccfg, path)
         if head not in ckpt.files or ckpt.shape(head) != (1, ccfg.hidden_size):
             got = ckpt.shape(head) if head in ckpt.files else "none"
             raise CheckpointError(f"{path}: {arch} with {head} of shape {got}; the critic's "

@@ -89,27 +89,17 @@ def _runs(root):
     critic_mod.save_critic, critic_mod.load_critic = saving, loading
     root = Path(root)
     os.environ["EARL_SPLIT_AUDIT"] = str(root / "audit")
-    # no rank gathers the policy for the critic's trunk: a fresh critic copies its shards of
-    # the policy in the same layout, a resumed one is built to be loaded
-    import inspect
+    # a fresh critic copies its shards of the policy in the same layout (the train pool's
+    # ranks); a resumed one is built to be loaded, with nothing read
+    from earl_megatron.testing.calls import callers
 
-    from earl_megatron.weights import gather
-
-    gathered, gather_full = [], gather.gather_full
-
-    def counting(*args, **kwargs):
-        gathered.append(inspect.stack()[1].function)
-        return gather_full(*args, **kwargs)
-
-    gather.gather_full = counting
-    try:
+    with callers(critic_mod, "copied_from") as fresh:
         full = run(_cfg(root / "full", 3))
-        os.environ["EARL_SPLIT_AUDIT"] = str(root / "audit_resumed")
-        run(_cfg(root / "resumed", 2))
+    os.environ["EARL_SPLIT_AUDIT"] = str(root / "audit_resumed")
+    run(_cfg(root / "resumed", 2))
+    with callers(critic_mod, "copied_from") as again:
         resumed = run(_cfg(root / "resumed", 3))
-    finally:
-        gather.gather_full = gather_full
-    seen.append(("gathered by build_critic", gathered.count("build_critic")))
+    seen.append(("critic copies: fresh, resumed", len(fresh), len(again)))
     moved = train_scheduled(_cfg(root / "auto", 3, "auto"), str(root / "audit_auto"), [1, 0, 1])
     # the full run's trained critic as critic.init: the train pool reads it (trunk and head,
     # dist_checkpointing), the rollout rank joins that read
@@ -155,8 +145,8 @@ def test_ppo_critic_trains_on_the_split_train_pool_resumes_and_moves(tmp_path):
     assert [h["iteration"] for h in resumed] == [0, 1, 2] and \
         all(math.isfinite(h["value_loss"]) for h in resumed)
     for rank, (*_, seen, _) in enumerate(results):
-        assert ("gathered by build_critic", 0) in seen, seen
-        seen = [x for x in seen if len(x) == 3]
+        assert ("critic copies: fresh, resumed", int(rank < 2), 0) in seen, seen
+        seen = [x for x in seen if x[0] != "critic copies: fresh, resumed"]
         saved = {name: d for what, name, d in seen[:6] if what == "saved"}
         loaded = [(name, d) for what, name, d in seen if what == "loaded"]
         assert loaded[0][0] == "iter_000001", seen

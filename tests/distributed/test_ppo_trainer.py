@@ -207,21 +207,12 @@ def _values_across_switches(cfg):
 def _all(root):
     from earl_megatron.train import run
 
-    import inspect
+    from earl_megatron.testing.calls import callers
+    from earl_megatron.trainer import critic
 
-    from earl_megatron.weights import gather
-
-    gathered, gather_full = [], gather.gather_full
-
-    def counting(*args, **kwargs):
-        gathered.append(inspect.stack()[1].function)
-        return gather_full(*args, **kwargs)
-
-    gather.gather_full = counting
-    try:   # the critic's trunk copied from the policy moved into its layout: nothing gathered
+    # the critic's trunk copied shard by shard from the policy moved into its layout
+    with callers(critic, "copied_from") as copies:
         full = run(_cfg(f"{root}/full", 3))
-    finally:
-        gather.gather_full = gather_full
     # critic.init: the trunk from the full run's last checkpoint (its trained policy), the
     # policy from the seed as before: the same first batch, other values
     from earl_megatron.runtime.checkpoint_files import checkpoint_dir
@@ -236,7 +227,7 @@ def _all(root):
     auto_resumed = run(_cfg(f"{root}/auto_resumed", 3, algorithm=k1, sections=AUTO))
     strip = lambda hs: [{k: v for k, v in h.items() if k != "seconds"} for h in hs]  # noqa: E731
     return {"full": full, "init": init[0], "auto": auto,
-            "gathered": gathered.count("build_critic"),
+            "copies": copies,
             "auto_equal": strip(auto) == strip(auto_resumed),
             "switches": _values_across_switches(_cfg(f"{root}/full", 3)),
             "changed": _critic_changed(f"{root}/full", _cfg(f"{root}/full", 3)),
@@ -266,7 +257,7 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
     a, b = strip(results[0]["full"]), strip(results[1]["full"])
     assert a == b, [(k, x[k], y.get(k)) for x, y in zip(a, b) for k in x if x[k] != y.get(k)]
     for r in results:
-        assert r["gathered"] == 0, r["gathered"]
+        assert r["copies"] == ["build_critic"], r["copies"]
         hist = r["full"]
         assert [h["iteration"] for h in hist] == [0, 1, 2]
         for h in hist:
