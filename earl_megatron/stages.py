@@ -27,10 +27,10 @@ class Stage(Enum):
 STAGE_NAMES = tuple(s.value for s in Stage)
 """("rollout", "logprob", "train"): the loop order."""
 
-ITERATION_TIMERS = ("plan+switch", "rollout", "old_logprob", "logprob", "values", "switch",
-                    "train", "critic_train", "weight_sync")
+ITERATION_TIMERS = ("plan+switch", "rollout", "old_logprob", "logprob", "critic_switch",
+                    "values", "switch", "train", "critic_train", "weight_sync")
 """The phases of one iteration, in loop order: planning and moving to the rollout layout, the
-rollout, the policy's re-scoring of its episodes (old logprobs), the reference's scoring, the
-critic's values (PPO), moving to the train layout, the train step, the critic's train step
-(PPO), the weight sync to the rollout engine. A record's ``seconds`` also holds their
-``total``."""
+rollout, the policy's re-scoring of its episodes (old logprobs), the reference's scoring,
+moving the critic to the batch's TRAIN layout and its values (PPO), moving to the train layout,
+the train step, the critic's train step (PPO), the weight sync to the rollout engine. A
+record's ``seconds`` also holds their ``total``."""

@@ -27,11 +27,12 @@ then whole nodes) on which TRAIN fits at all (docs/lora.md).
 ``--critic`` plans PPO's run (``algorithm=ppo``, issue #45): a critic of the policy's shape
 trains beside it, and its weights, grads and Adam state stay resident beside every stage, counted
 as the trainer counts them (plan/critic_memory.py, the functions trainer/planner.py calls). The
-tables are the policy's stages with the critic's state resident in the layout the trainer's auto
-choice gives it, once per run (``critic_choice``: a first batch of 128-token episodes, here of
-the column's size); under them a TRAIN table per context: the policy without and with the
-critic, the critic's layout and its own TRAIN there, the fewest devices on which the policy's
-TRAIN fits without and with it, and the memory rows of both (docs/algorithms.md).
+tables are the policy's stages with the critic's state resident as the trainer counts it under
+auto: the critic trains where the policy trains and moves with it, so TRAIN counts it in each
+candidate's own layout and the other stages in the cell's TRAIN layout (``critic_layout``);
+under them a TRAIN table per context: the policy without and with the critic, the critic's
+layout (the TRAIN layout) and its own TRAIN there, the fewest devices on which TRAIN fits
+without and with it, and the memory rows of both (docs/algorithms.md).
 
 ``--compare tp4,tp8`` instead prices the named layouts side by side for one stage (``--stage``):
 for ROLLOUT, ``--responses`` then counts responses PER ROLLOUT REPLICA (as engine benchmarks and
@@ -51,7 +52,7 @@ from typing import Optional, Sequence
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.plan.critic_memory import (FIRST_ROLLOUT_TOKENS, critic_model, critic_plan,
+from earl_megatron.plan.critic_memory import (beside_train_state, critic_model,
                                               critic_selector, held_bytes)
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
@@ -189,25 +190,27 @@ def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[in
               loads: Sequence[int], micro_batch_tokens: int,
               decode_fraction: Optional[float] = None, critic: bool = False) -> Grid:
     """The plan (or the NoLayoutFitsError) of every (stage, context, load) cell. ``critic``:
-    each cell's stages with the critic's train state resident in the layout the trainer gives
-    it for a batch of ``load`` (``critic_choice``; every stage OOM when it fits nowhere)."""
+    each cell's stages with the critic's train state resident as the trainer counts it
+    (``critic_layout``; every stage OOM when TRAIN fits nowhere beside it)."""
     grid: Grid = {}
     for ctx in contexts:
         for load in loads:
-            current, state, resident = None, SelectorState(), 0
+            current, state, resident, train_sel = None, SelectorState(), 0, selector
             if critic:
+                train_sel = beside_train_state(selector, critic_model(selector.model))
                 try:
-                    resident = held_bytes(critic_model(selector.model),
-                                          critic_choice(selector, load).layout,
-                                          selector.train_opts)
+                    resident = held_bytes(critic_model(selector.model), critic_layout(
+                        selector, _workload(Stage.TRAIN, ctx, load, micro_batch_tokens,
+                                            decode_fraction)), selector.train_opts)
                 except NoLayoutFitsError as e:
                     grid.update({(stage, ctx, load): e for stage in stages})
                     continue
             for stage in stages:
                 wl = _workload(stage, ctx, load, micro_batch_tokens, decode_fraction)
                 try:
-                    plan, state = selector.plan(wl, current=current, state=state,
-                                                resident_bytes=resident)
+                    plan, state = (train_sel if stage is Stage.TRAIN else selector).plan(
+                        wl, current=current, state=state,
+                        resident_bytes=0 if stage is Stage.TRAIN else resident)
                     current = plan.layout
                     grid[(stage, ctx, load)] = plan
                 except NoLayoutFitsError as e:
@@ -215,12 +218,11 @@ def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[in
     return grid
 
 
-def critic_choice(selector: Selector, load: int) -> LayoutPlan:
-    """The critic's plan as trainer/planner.py ``critic_choice`` makes it under auto, once per
-    run: TRAIN of a first batch of ``load`` episodes of FIRST_ROLLOUT_TOKENS tokens, one per
-    micro-batch (the recipes' micro_batch_size 1); NoLayoutFitsError when none fits."""
-    return critic_plan(selector, StageWorkload.of(Stage.TRAIN, FIRST_ROLLOUT_TOKENS, load,
-                                                  micro_batch_tokens=FIRST_ROLLOUT_TOKENS))
+def critic_layout(selector: Selector, train: StageWorkload) -> ParallelLayout:
+    """Where the trainer's critic is for a batch of TRAIN workload ``train`` under auto: the
+    batch's TRAIN layout, planned with the critic's train state in each candidate's own layout
+    (trainer/planner.py); NoLayoutFitsError when none fits."""
+    return beside_train_state(selector, critic_model(selector.model)).plan(train)[0].layout
 
 
 def critic_memory(selector: Selector, layout: ParallelLayout, train: StageWorkload,
@@ -527,27 +529,24 @@ def _fewest(args, plan_on, fits=lambda plan: isinstance(plan, LayoutPlan)):
 def critic_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorConfig,
                 load: int) -> list[dict]:
     """Per context, TRAIN of ``load`` sequences: the policy's plan without the critic
-    ("alone") and with its train state resident in the layout ``critic_choice`` gives it
-    ("with": {"policy": plan, "critic": the critic's plan, "resident": its bytes, "memory": the
-    critic's own TRAIN at this context beside the policy's state}), on the whole cluster and on
-    the fewest devices where the policy's fits as the trainer counts it (the critic's own TRAIN
-    is not checked there: the trainer does not check it either); "with" is a NoLayoutFitsError
-    when the critic fits nowhere."""
+    ("alone") and with it ("with": {"policy": the plan with the critic's train state in each
+    candidate's own layout, "critic": the critic's layout, the plan's, "resident": its bytes
+    there, "memory": the critic's own TRAIN there beside the policy's state}), on the whole
+    cluster and on the fewest devices where it fits as the trainer counts it."""
     rows = []
     for ctx in args.contexts:
         wl = _workload(Stage.TRAIN, ctx, load, args.micro_batch_tokens, args.decode_fraction)
 
         def with_critic(world):
             sel = Selector(model, _on_devices(args, world), opts, config)
-            critic = critic_choice(sel, load)
-            resident = held_bytes(critic_model(model), critic.layout, opts)
             try:
-                policy = sel.plan(wl, resident_bytes=resident)[0]
+                policy = beside_train_state(sel, critic_model(model)).plan(wl)[0]
             except NoLayoutFitsError as e:
-                policy = e
-            mem = critic_memory(sel, critic.layout, wl, held_bytes(model, policy.layout, opts)) \
-                if isinstance(policy, LayoutPlan) else None
-            return {"policy": policy, "critic": critic, "resident": resident, "memory": mem}
+                return e
+            lay = policy.layout
+            return {"policy": policy, "critic": lay, "memory": critic_memory(
+                        sel, lay, wl, held_bytes(model, lay, opts)),
+                    "resident": held_bytes(critic_model(model), lay, opts)}
 
         row: dict = {"context": ctx}
         row["alone"], row["alone_fewest"] = _fewest(
@@ -574,7 +573,7 @@ def _fewest_cell(x, world: int) -> str:
 def print_critic(rows: list[dict], load: int, world: int, budget: int, out=None) -> None:
     stream = out or sys.stdout
     print(f"train, ppo ({load} sequences per context): the policy without and with the "
-          f"critic's train state resident, the critic's layout (chosen once per run) and its own "
+          f"critic's train state resident, the critic's layout (the TRAIN layout) and its own "
           f"TRAIN at this context, on these {world} devices; the fewest devices on which TRAIN "
           f"fits (with the critic: the policy's, as the trainer counts it)", file=stream)
     print(f"{'context':>8}  {'policy alone':<22} {'policy + critic':<22} {'critic':<34} "
@@ -582,10 +581,10 @@ def print_critic(rows: list[dict], load: int, world: int, budget: int, out=None)
     for r in rows:
         w = r["with"]
         if isinstance(w, NoLayoutFitsError):
-            policy = critic = "OOM (the critic fits nowhere)"
+            policy = critic = "OOM with the critic"
         else:
             policy, m = _plan_cell(w["policy"]), w["memory"]
-            critic = f"{w['critic'].layout} +{w['resident'] / 2**30:.0f}G" + (
+            critic = f"{w['critic']} +{w['resident'] / 2**30:.0f}G" + (
                 "" if m is None else f", own {m.total / 2**30:.0f}G" + (
                     "" if m.total <= budget else " over"))
         print(f"{_k(r['context']):>8}  {_plan_cell(r['alone']):<22} {policy:<22} {critic:<34} "
@@ -594,8 +593,9 @@ def print_critic(rows: list[dict], load: int, world: int, budget: int, out=None)
     print("cells: chosen layout (and recompute mode unless none) and GiB per rank; critic: its "
           "layout, +its weights, grads and Adam state resident beside every policy stage, own: "
           "its TRAIN here beside the policy's state, the value head counted as the policy's "
-          "output layer and its logits (an overestimate; over: above the budget; not checked "
-          "by the trainer); fewest: devices, then the policy's layout there", file=stream)
+          "output layer and its logits (an overestimate; over: above the budget, which the "
+          "trainer refuses before the batch trains); fewest: devices, then the TRAIN layout "
+          "there", file=stream)
     print("memory rows (TRAIN on these devices: the policy's, the critic's own):", file=stream)
     for r in rows:
         w = r["with"]

@@ -26,11 +26,12 @@ def init_model(found: ModelConfig, overrides: dict, init: str) -> ModelConfig:
     them) keeps the checkpoint's exact value; a field of ``INIT_MAY_DIFFER`` and the ``lora``
     section take the value given; any other difference is a ConfigError naming the field, both
     values and the fix."""
-    hints = typing.get_type_hints(ModelConfig)
-    unknown = sorted(set(overrides) - set(hints))
+    hints, keys = typing.get_type_hints(ModelConfig), config_keys(ModelConfig)
+    overrides = without_internal(ModelConfig, overrides, "model")
+    unknown = sorted(set(overrides) - keys)
     if unknown:
         raise ConfigError(f"unknown key(s) {[f'model.{k}' for k in unknown]}; valid keys of "
-                          f"model: {sorted(hints)}")
+                          f"model: {sorted(keys)}")
     changes = {}
     for name, raw in overrides.items():
         want, have = coerce(hints[name], raw, f"model.{name}"), getattr(found, name)
@@ -64,12 +65,30 @@ REPLACED = {
 """Keys an earlier version read, and what says the same now."""
 
 
+def config_keys(cls) -> set[str]:
+    """The dataclass ``cls``'s fields a config sets: all but those marked ``internal`` in their
+    metadata (set by the code, e.g. ModelConfig.value_head, a critic's)."""
+    return {f.name for f in dataclasses.fields(cls) if "internal" not in f.metadata}
+
+
+def without_internal(cls, d: dict, path: str) -> dict:
+    """``d`` without ``cls``'s internal fields, each of which it may hold at its default only
+    (a resolved.json writes them), else one ConfigError naming the key and why."""
+    for f in dataclasses.fields(cls):
+        if "internal" in f.metadata and f.name in d and d[f.name] != f.default:
+            raise ConfigError(f"{_join(path, f.name)}={d[f.name]!r} is not a config key: "
+                              f"{f.metadata['internal']}")
+    return {k: v for k, v in d.items() if k in config_keys(cls) or
+            k not in {f.name for f in dataclasses.fields(cls)}}
+
+
 def build(cls, d: Any, path: str):
     """The dataclass ``cls`` from the mapping ``d`` found at ``path`` (module docstring)."""
     if not isinstance(d, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(d).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = config_keys(cls)
+    d = without_internal(cls, d, path)
     unknown = sorted(set(d) - names)
     for k in unknown:
         if _join(path, k) in REPLACED:

@@ -1,5 +1,4 @@
-"""The ``algorithm.critic`` section (PPO's value model, issue #45) and what ``algorithm.name=ppo``
-does not run with yet (``ppo_problem``). Pure Python.
+"""The ``algorithm.critic`` section (PPO's value model, issue #45). Pure Python.
 
 ``CriticConfig`` is read only under ``algorithm.name=ppo`` (config/algorithm.py refuses its keys
 at anything but their defaults under another estimator, and checks them under ppo with
@@ -51,33 +50,3 @@ class CriticConfig:
             raise ConfigError("algorithm.critic.init is empty: give a directory (an HF "
                               "directory or converted checkpoint), or null for the policy's "
                               "initial weights")
-
-
-def ppo_problem(cfg) -> Optional[str]:
-    """What ``algorithm.name=ppo`` does not run with yet in the TrainConfig ``cfg`` (issue #45),
-    naming the limit and the fix; None: it runs (every placement, static or auto layouts,
-    synchronous or asynchronous, after a warm start, with either engine: trainer/critic.py)."""
-    if cfg.algorithm.name != "ppo":
-        return None
-    cached, why = critic_cache_layouts(cfg)
-    if cfg.cluster.group_cache_layouts < cached:
-        return (f"cluster.group_cache_layouts={cfg.cluster.group_cache_layouts}: the critic "
-                "is re-activated in its layout's cached groups, not rebuilt yet (issue #45); set "
-                f"cluster.group_cache_layouts >= {cached} ({why})")
-    return None
-
-
-def critic_cache_layouts(cfg) -> tuple[int, str]:
-    """(the fewest cached layouts that keep the critic's groups alive, why): between CRITIC
-    TRAIN and the next VALUES the policy rolls out and the reference scores, each in its layout
-    (runtime/groups' cache is LRU); under auto those and TRAIN's may all be new. Static layouts
-    are compared as written (two spellings of one layout count twice: a larger cache than
-    needed, never a smaller one)."""
-    if cfg.layout.mode == "auto":
-        return 4, "under layout.mode=auto the ROLLOUT, LOGPROB and TRAIN layouts may all differ"
-    stages = ("rollout", "logprob", "train") if cfg.algorithm.kl_mode != "off" else \
-        ("rollout", "train")
-    distinct = len({"".join(cfg.layout.static(s).split()).lower() for s in stages})
-    if distinct < 2:
-        return 2, "the critic's groups beside the policy's"
-    return distinct, f"{distinct} distinct layouts in layout." + ", layout.".join(stages)

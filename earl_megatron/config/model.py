@@ -102,6 +102,12 @@ class ModelConfig:
     lora: LoraSpec = field(default_factory=LoraSpec)
     """Low-rank adapters (config/lora.py, docs/lora.md): ``lora.rank`` 0 (default) trains every
     parameter; r >= 1 trains rank-r adapters on ``lora.targets`` over a frozen base."""
+    value_head: bool = field(default=False, metadata={
+        "internal": "the critic's (algorithm.name=ppo builds one beside the policy)"})
+    """PPO's critic (models/value_model.py ``critic_config``; never a policy's): a scalar value
+    head in place of the output layer, so the tensor table's output rows are the head's
+    [1, hidden] weight and [1] bias, replicated on the last pp_stage, and build_on_layout puts
+    the head in: the critic switches layouts like the policy."""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -115,6 +121,8 @@ class ModelConfig:
                  "max_position_embeddings", "kv_channels", "moe_ffn_hidden_size",
                  "moe_router_topk")
         self._check_moe()
+        if self.value_head and (self.tie_word_embeddings or self.lora.enabled):
+            raise ConfigError("model.value_head (a critic) is built untied and without adapters")
         expert_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.lora.targets))
         if self.is_moe and self.lora.enabled and expert_targets:
             raise ConfigError(f"model.lora.targets={list(self.lora.targets)} on model.family="

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from earl_megatron.config.algorithm import GROUPED, AlgorithmConfig
-from earl_megatron.config.critic import ppo_problem
 from earl_megatron.config.checks import ConfigError, require_finite
 from earl_megatron.config.checks import at_least as _at_least
 from earl_megatron.config.cluster import ClusterConfig
@@ -186,8 +185,6 @@ class TrainConfig:
             if split_problem:
                 raise ConfigError(f"rollout.placement={self.rollout.placement}: "
                                   f"{split_problem}")
-        if problem := ppo_problem(self):
-            raise ConfigError(f"algorithm.name=ppo with {problem}")
         if self.model.lora.enabled and (lora_problem := _lora_problem(self)):
             raise ConfigError(f"model.lora.rank={self.model.lora.rank} with {lora_problem}")
         a, r = self.algorithm, self.rollout

@@ -61,8 +61,24 @@ HEAD_KEY = "value_head."
 
 
 def critic_config(cfg: ModelConfig) -> ModelConfig:
-    """The critic's ModelConfig for a policy's: the same trunk, untied, without adapters."""
-    return replace(cfg.base, tie_word_embeddings=False)
+    """The critic's ModelConfig for a policy's: the same trunk, untied, without adapters, with
+    the value head (``value_head``: the tensor table knows its rows, build_on_layout installs
+    it, so the switcher moves the critic like any model). Idempotent."""
+    return replace(cfg.base, tie_word_embeddings=False, value_head=True)
+
+
+def install_head(model: torch.nn.Module, seed: int) -> None:
+    """Put a ``ValueHead`` (drawn from ``seed``) where the bare GPTModel ``model``'s output layer
+    is, on the last pp_stage; build_on_layout calls it for a ``value_head`` config, before
+    anything loads and before DDP wraps the model."""
+    gpt = unwrap(model)
+    if not gpt.post_process:
+        return
+    tcfg = gpt.config
+    gpt.output_layer = ValueHead(tcfg.hidden_size, dtype=tcfg.params_dtype, seed=seed,
+                                 tp_group=gpt.tp_group, sequence_parallel=tcfg.sequence_parallel)
+    if torch.cuda.is_available():
+        gpt.output_layer.cuda(torch.cuda.current_device())
 
 
 class ValueHead(torch.nn.Module):
@@ -127,32 +143,25 @@ def value_head(model) -> Optional[ValueHead]:
 
 
 def critic_loader(weights: Optional[dict[str, torch.Tensor]], cfg: ModelConfig,
-                  layout: ParallelLayout, *, seed: int = 1234,
+                  layout: ParallelLayout, *,
                   fill: Optional[Callable[[torch.nn.Module, Coords], None]] = None
                   ) -> Callable[[torch.nn.Module, Coords], None]:
-    """``build_on_layout``'s ``load`` hook for the critic: the trunk from the policy's full
-    ``weights`` (tied or not: the output layer is never read), then the head on the last
-    pp_stage. ``cfg``: the critic's (``critic_config``) or the policy's. ``fill``: a critic
-    read whole from elsewhere instead (a value model, a trained critic:
-    weights/critic_import.py), called with the bare GPTModel once its head is in place; it
-    overwrites the trunk and the head (``weights`` unused)."""
+    """``build_on_layout``'s ``load`` hook for the critic (built from ``critic_config``, so its
+    head is in place, drawn from the build's seed): the trunk from the policy's full
+    ``weights`` (tied or not: the output layer is never read). ``cfg``: the critic's or the
+    policy's. ``fill``: a critic read from elsewhere instead (a value model, a trained critic:
+    weights/critic_import.py; the policy's shards: trainer/critic.copied_from), called with the
+    bare GPTModel; it overwrites the trunk, and the head or not (``weights`` unused)."""
     ccfg = critic_config(cfg)
 
     def load(model: torch.nn.Module, coords: Coords) -> None:
         gpt = unwrap(model)
-        if gpt.share_embeddings_and_output_weights:
-            raise ValueError("the critic must be built untied: build_on_layout(critic_config("
-                             "cfg), ...), not the policy's config")
+        if gpt.post_process and not isinstance(gpt.output_layer, ValueHead):
+            raise ValueError("the critic must be built with its head: build_on_layout("
+                             "critic_config(cfg), ...), not the policy's config")
         if fill is None:
             load_full_weights(CriticTrunk(gpt), weights, ccfg, layout, coords)
-        if gpt.post_process:
-            tcfg = gpt.config
-            gpt.output_layer = ValueHead(ccfg.hidden_size, dtype=tcfg.params_dtype, seed=seed,
-                                         tp_group=gpt.tp_group,
-                                         sequence_parallel=tcfg.sequence_parallel)
-            if torch.cuda.is_available():
-                gpt.output_layer.cuda(torch.cuda.current_device())
-        if fill is not None:
+        else:
             fill(gpt, coords)
 
     return load

@@ -20,6 +20,9 @@ Llama / Qwen2 / Qwen3 GPTModel (layer i)::
     decoder.final_layernorm.weight                        -     1   model.norm
     output_layer.weight                                   0     1   lm_head (untied only)
 
+A critic (``cfg.value_head``) has its head there: ``output_layer.weight`` [1, hidden] and
+``.bias`` [1], replicated (HF ``score.weight`` / ``.bias``).
+
 For a mixture-of-experts layer (qwen3_moe: every layer) the two MLP rows are replaced by the
 router and, for each expert e = 0..E-1 (global index; TE grouped-GEMM name in brackets)::
 
@@ -78,6 +81,7 @@ from earl_megatron.config.model import ModelConfig
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+VALUE_BIAS = "output_layer.bias"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(?:local_experts\.(\d+)\.(linear_fc[12]\.weight)|"
                      r"(linear_fc[12]\.weight)(\d+))$")
@@ -266,13 +270,11 @@ class TensorTable:
         """Parameter elements one rank of ``pp_rank`` holds (every tp/cp/dp/ep rank alike: an
         ep rank holds E / ep experts, each split ``etp`` ways, default tp).
         Memoised: the selector's memory model asks for thousands of layouts per plan."""
-        etp = tp if etp is None else etp
-        key = (pp_rank, tp, pp, ep, etp)
+        key = (pp_rank, tp, pp, ep, etp := tp if etp is None else etp)
         if key not in self._elements:
-            self._elements[key] = sum(
+            self._elements[key] = int(round(sum(
                 r.local_numel(tp) if r.expert is None else r.local_numel(etp) / ep
-                for r in self.on_pp_stage(pp_rank, pp))
-            self._elements[key] = int(round(self._elements[key]))
+                for r in self.on_pp_stage(pp_rank, pp))))
         return self._elements[key]
 
     def expert_elements(self) -> int:
@@ -287,13 +289,8 @@ class TensorTable:
             return dense
         return dense + self.expert_elements() * cfg.moe_router_topk // cfg.num_experts
 
-    @functools.cached_property
-    def _elements(self) -> dict[tuple[int, int, int], int]:
-        return {}
-
-    @functools.cached_property
-    def _stages(self) -> dict[tuple[int, int], tuple[TensorRow, ...]]:
-        return {}
+    _elements = functools.cached_property(lambda self: {})
+    _stages = functools.cached_property(lambda self: {})
 
 
 def _row(name, shape, split_dim, stride, layer, hf, combine, tied_to=None,
@@ -344,10 +341,13 @@ def tensor_table(cfg: ModelConfig) -> TensorTable:
     if cfg.lora.enabled:
         rows = _with_adapters(rows, cfg.lora.rank, cfg.lora.targets)
     rows.append(_row(FINAL_NORM, (h,), None, 1, None, ("model.norm.weight",), "copy"))
-    if cfg.tie_word_embeddings:
-        rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, (), "copy", tied_to=EMBEDDING))
+    if cfg.value_head:   # a critic's head (models/value_model.py): whole on every tp rank
+        rows += [_row(OUTPUT, (1, h), None, 1, None, ("score.weight",), "copy"),
+                 _row(VALUE_BIAS, (1,), None, 1, None, ("score.bias",), "copy")]
     else:
-        rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, ("lm_head.weight",), "copy"))
+        rows.append(_row(OUTPUT, (cfg.vocab_size, h), 0, 1, None, () if cfg.tie_word_embeddings
+                         else ("lm_head.weight",), "copy",
+                         tied_to=EMBEDDING if cfg.tie_word_embeddings else None))
     return TensorTable(cfg, tuple(rows))
 
 

@@ -3,11 +3,11 @@
 ``build_on_layout`` regroups the world for the layout (runtime.groups), builds this rank's
 pp_stage of the GPTModel, loads this rank's shard of the given full weights (or keeps
 Megatron's seeded init; with weights, or ``init=False``, Megatron's random init is skipped since
-every parameter is overwritten), adds LoRA adapters when ``cfg.lora`` has a rank (models/lora.py:
-the base frozen, the adapters drawn from ``seed`` so every layout holds the same), wraps it in
-Megatron DDP, and optionally creates Megatron's
-optimizer (plain or distributed). The returned ``ModelOnLayout`` is everything a step needs;
-callers never touch parallel_state.
+every parameter is overwritten), puts a critic's value head in (``cfg.value_head``), adds LoRA
+adapters when ``cfg.lora`` has a rank (models/lora.py: the base frozen, the adapters drawn from
+``seed`` so every layout holds the same), wraps it in Megatron DDP, and optionally creates
+Megatron's optimizer (plain or distributed). The returned ``ModelOnLayout`` is everything a
+step needs; callers never touch parallel_state.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ def build_on_layout(cfg: ModelConfig, layout: ParallelLayout, *,
     # the flag is read only during construction; a model built later from on_layout.tcfg (e.g. a
     # second live copy) gets Megatron's init as usual
     tcfg.perform_initialization = True
+    if cfg.value_head:   # PPO's critic: its head where the output layer was (models/value_model)
+        from earl_megatron.models.value_model import install_head
+        install_head(model, seed)
     if weights is not None:
         load_full_weights(model, weights, cfg, layout, coords)
     elif load is not None:

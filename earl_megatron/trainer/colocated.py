@@ -90,12 +90,14 @@ class Colocated:
 
     def _add_critic(self, checkpoint) -> None:
         """ppo: the critic in its layout (trainer/planner.py ``critic_choice``: layout.train, or
-        auto's choice) beside the policy (trainer/critic.py), its weights and Adam state from
-        ``checkpoint``'s critic/ when resuming one."""
+        auto's plan, a checkpoint's last when it restored one) beside the policy
+        (trainer/critic.py), its weights and Adam state from ``checkpoint``'s critic/ when
+        resuming one; each batch then moves it where the planner plans its stages."""
         from earl_megatron.trainer.critic import build_critic, load_critic
 
         tr, models = self.tr, self.models
         a = tr.cfg.algorithm
+        tr.planner.critic_layout = tr.planner.critic_choice()
         # a fresh trunk from the policy: the policy moved into the critic's layout (the
         # switcher, point to point) so each rank copies its own shard (a LoRA policy's merged
         # on it), then back, so the planner starts from the layout it would have
@@ -149,7 +151,6 @@ class Colocated:
                                        init=cfg.run.init)
         load_checkpoint(self.models.policy, found.path)
         if cfg.algorithm.name == "ppo":
-            tr.planner.critic_layout = tr.planner.critic_choice()
             self._add_critic(found.path)
         if cfg.sft.steps:
             self._warm_reference()

@@ -15,16 +15,21 @@ stage, GAE advantages, the CRITIC TRAIN stage and its checkpoint.
     CRITIC      ``epochs`` optimizer steps of the clipped value loss (rl/value.value_loss,
     TRAIN       token-mean over the global batch) on the critic layout's micro-batches
 
-Placement: the critic lives in one layout for the whole run (trainer/planner.py
-``critic_choice``: layout.train, or under layout.mode=auto the selector's TRAIN layout for the
-first batch; split placement: the train pool's TRAIN layout, trainer/split_sides.py, rebuilt
-from the checkpoint when auto moves the pools), so it never switches; its groups stay cached
-(runtime/groups) and are re-activated in place. The policy switches per stage around it: both critic stages dispatch
-from the batch's rollout layout to the critic's and (VALUES) back, whatever layout the policy
-trains in; CRITIC TRAIN plans its own micro-batches in the critic's layout (its sample tensors,
-padded for TRAIN's plan, are cut or padded to them: every prediction is inside both) and runs
-the recompute mode the planner gives it for the batch (``StagePlanner.critic_train``, planned
-with VALUES, before the policy's TRAIN step; recorded as ``critic_recompute``).
+Placement: the critic trains where the policy trains. Each batch's critic stages run in its
+TRAIN layout: before VALUES the critic moves there (``ModelPair.critic_in``: the switcher moves
+its weights, value head included, and its Adam state in memory, as the policy's; a no-op when
+it is there with its groups live), so under layout.mode=auto it follows the context as the
+policy does. The planner counts it so (trainer/planner.py: the TRAIN plan with the critic's
+state in each candidate's own layout, every other stage with it where it is). One move per
+batch: VALUES runs in the TRAIN layout too, not in LOGPROB's (its forward needs less than
+CRITIC TRAIN). It is built in ``critic_choice``'s layout (layout.train; under auto the first
+batch's plan, or a checkpoint's last TRAIN layout); split placement: the train pool's TRAIN
+layout (trainer/split_sides.py), where it stays. Both critic stages dispatch from the batch's
+rollout layout to the critic's and (VALUES) back; CRITIC TRAIN plans its own micro-batches in
+the critic's layout (its sample tensors, padded for TRAIN's plan, are cut or padded to them:
+every prediction is inside both) and runs the recompute mode the planner gives it for the batch
+(``StagePlanner.critic_train``, planned with VALUES, before the policy's TRAIN step; recorded
+as ``critic_recompute``).
 
 Checkpoint: the critic's weights and Adam state are saved in the policy's checkpoint directory,
 under ``critic/`` (Megatron dist_checkpointing, the value head under ``value_head.*``), before
@@ -106,8 +111,7 @@ def build_critic(cfg, policy: Optional[ModelOnLayout], layout: ParallelLayout, *
                              f"critic's layout {layout}, not {policy.layout} "
                              "(models.policy_in(layout))")
         fill = copied_from(policy)
-    return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, seed=seed,
-                                                            fill=fill),
+    return build_on_layout(ccfg, layout, load=critic_loader(None, ccfg, layout, fill=fill),
                            optimizer=spec, seed=seed, pools=pools, local=pools is not None)
 
 
@@ -256,9 +260,12 @@ def critic_scores(tr, models, policy: ModelOnLayout, layouts: dict, ids: list[in
     """The trainer's VALUES stage (timed as "values") and GAE: (advantages, targets); the
     value metrics join ``metrics``."""
     a = tr.cfg.algorithm
+    with t("critic_switch"):   # to the batch's TRAIN layout, counted there by every plan next
+        critic = models.critic_in(layouts["train"])
+    tr.planner.critic_layout = critic.layout
     with t("values"):
-        values, moved = values_of(models.critic_in(models.critic.layout), policy.layout, ids,
-                                  episodes, tokens, tr.tok.pad_token_id, tr.batch)
+        values, moved = values_of(critic, policy.layout, ids, episodes, tokens,
+                                  tr.tok.pad_token_id, tr.batch)
     adv, returns, old, found = gae_advantages(policy, ids, samples, values, a.gamma, a.lam, kl,
                                               tr.adv.kl_coef)
     metrics.update(found)

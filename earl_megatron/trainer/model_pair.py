@@ -32,9 +32,9 @@ through ``policy_in`` / ``trainee`` (rollout, re-scoring, training, evaluation, 
 do); ``models.policy`` read directly after ``reference_in`` still has its adapters off.
 
 PPO's critic (``algorithm.name=ppo``, trainer/critic.py) sits beside them: ``critic_in(layout)``
-makes its groups current like the others', but it never switches: it lives in one layout
-(trainer/planner.py ``critic_choice``; split placement: the train pool's TRAIN layout), whose
-groups stay cached.
+moves it to the batch's TRAIN layout (trainer/critic.py) as ``policy_in`` moves the policy:
+its value head is a row of the tensor table (``ModelConfig.value_head``), so the switcher moves
+the head and its Adam state with the trunk.
 """
 
 from __future__ import annotations
@@ -100,13 +100,9 @@ class ModelPair:
         self.critic, self._live = critic, "critic"
 
     def critic_in(self, layout: ParallelLayout) -> ModelOnLayout:
-        """The critic with its groups current; it lives in one layout (module docstring)."""
-        if layout != self.critic.layout or not (self._live == "critic" or
-                                                self._reactivated(layout)):
-            raise RuntimeError(f"the critic lives in {self.critic.layout} and cannot move to "
-                               f"{layout} or be regrouped (issue #45): raise "
-                               "cluster.group_cache_layouts (config/critic.py)")
-        self._live = "critic"
+        """The critic in ``layout`` with its groups current, moved like the policy (weights
+        and Adam state, in memory)."""
+        self.critic = self._live_in(self.critic, layout, "critic")
         return self.critic
 
     def _pools_with(self, layout: ParallelLayout) -> Optional[tuple[ParallelLayout, ...]]:

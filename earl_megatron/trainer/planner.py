@@ -9,13 +9,14 @@ Memory of the other model: the reference shard stays resident while the policy r
 trains, and the policy's weights, grads and Adam state stay resident while the reference scores:
 ``resident_bytes`` carries it into each stage's plan or check. PPO's critic (``critic_layout``)
 adds its weights, grads and Adam state (the policy's shape: the value head is counted as the
-output layer, an overestimate) to every stage's; its VALUES stage is taken as covered by the
-policy's LOGPROB estimate, and its CRITIC TRAIN gets a recompute mode of its own
-(``critic_train``: the fastest that fits beside the policy's train state). Its layout
-(``critic_choice``) is
-layout.train, or under auto the selector's TRAIN layout for the first batch, chosen once. The
-byte counts and the auto choice are plan/critic_memory.py's, which ``earl plan --critic`` calls
-too.
+output layer, an overestimate) to every stage's. Its stages run in the batch's TRAIN layout
+(the critic trains where the policy trains and moves with it: trainer/critic.py), so under
+auto the TRAIN plan counts the critic's state in each candidate's own layout, the rollout's and
+the reference's in the layout it is in (``critic_layout``, the last TRAIN's). Its VALUES stage
+is taken as covered by its CRITIC TRAIN estimate, which gets a recompute mode of its own
+(``critic_train``: the fastest that fits beside the policy's train state). Where it is built:
+``critic_choice``. The byte counts are plan/critic_memory.py's, which ``earl plan --critic``
+calls too.
 A LoRA run's reference is the policy's own base with its adapters off (trainer/model_pair.py):
 it holds no weights of its own (``weight_bytes`` 0), and while it scores only the policy's
 grads and Adam state (the adapters') are resident beside the weights the LOGPROB stage counts
@@ -109,8 +110,9 @@ class StagePlanner:
         self.critic = critic
         """ppo: a critic trains where the policy trains (split plans count it there)."""
         self.critic_layout: Optional[ParallelLayout] = None
-        """ppo: the critic's layout (trainer/critic.py); its weights, grads and Adam state are
-        resident beside every stage, counted in every plan and static check."""
+        """ppo: the critic's layout (trainer/critic.py: each batch's TRAIN layout, where the
+        trainer moves it); its weights, grads and Adam state are resident beside every stage,
+        counted in every plan and static check."""
 
     def plan(self, stage: str, lengths: list[int], current: Optional[ParallelLayout],
              resident_bytes: int = 0, *, fixed: Optional[ParallelLayout] = None
@@ -120,7 +122,13 @@ class StagePlanner:
         ``fixed``: this layout, checked as a static one is (split placement's train pool, whose
         layout the split's plan chose)."""
         wl = self._workload(stage, lengths)
-        if self.critic_layout is not None:   # the critic's train state beside every stage
+        selector = self.selector
+        if self.critic_layout is not None and self.auto and fixed is None and stage == "train":
+            # the critic moves to the TRAIN layout chosen here: its train state is counted in
+            # each candidate's own layout (critic_memory.beside_train_state)
+            selector = critic_memory.beside_train_state(selector,
+                                                        critic_memory.critic_model(self.model))
+        elif self.critic_layout is not None:   # the critic's train state beside every stage
             resident_bytes += critic_memory.held_bytes(critic_memory.critic_model(self.model),
                                                        self.critic_layout, self.opts)
         if not self.auto or fixed is not None:
@@ -143,8 +151,8 @@ class StagePlanner:
             if stage == "train":
                 self.recompute[stage] = rc.value
             return lay
-        plan, self.state = self.selector.plan(wl, current=current, state=self.state,
-                                              resident_bytes=resident_bytes)
+        plan, self.state = selector.plan(wl, current=current, state=self.state,
+                                         resident_bytes=resident_bytes)
         self.predicted_memory[stage] = plan.predicted_memory_bytes
         self.predicted_seconds[stage] = plan.predicted_seconds
         self.reasons[stage] = plan.reason
@@ -153,15 +161,18 @@ class StagePlanner:
         return plan.layout
 
     def critic_choice(self) -> ParallelLayout:
-        """ppo: the critic's layout for the run (it never moves). static: layout.train. auto:
-        the selector's TRAIN layout for a batch of the first rollout's planned length, with the
-        policy's train state counted resident in each candidate's own layout (the policy laid
-        out like the candidate: plan/critic_memory.py ``critic_plan``); from the config alone,
-        so a resumed run picks the same, and the selector's state (its hysteresis) is left as
-        it was."""
+        """ppo: the layout the critic is built in (each batch then moves it to its TRAIN
+        layout). static: layout.train. auto: the last TRAIN layout of a checkpoint's selector
+        state (``restore``), else the selector's TRAIN layout for a batch of the first
+        rollout's planned length, with the policy's train state counted resident in each
+        candidate's own layout (the policy laid out like the candidate: plan/critic_memory.py
+        ``critic_plan``), the selector's state (its hysteresis) left as it was."""
         if not self.auto:
             return ParallelLayout.parse(self.layout_cfg.static("train"), world_size=self.world,
                                         model=self.model)
+        last = self.state.previous(Stage.TRAIN)
+        if last is not None:
+            return last
         wl = self._workload("train", [FIRST_ROLLOUT_TOKENS] * self.episodes)
         return critic_memory.critic_plan(self.selector, wl).layout
 

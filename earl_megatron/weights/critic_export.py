@@ -102,7 +102,7 @@ def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: in
         base = json.loads(base_path.read_text()) if base_path.is_file() else None
     ccfg = critic_config(cfg)
     extra, copy = tokenizer_copies(config_dir / HF_SUBDIR, tokenizer_from)
-    rules = tuple(r for r in hfm.rules(ccfg) if r.name != "output_layer.weight")
+    rules = tuple(r for r in hfm.rules(ccfg) if not r.name.startswith("output_layer."))
     with cv.conversion_process(ccfg):
         template = cv.sharded_template(ccfg)
     head = {name: (name, tuple(stored[name].size)) for name in HEAD}

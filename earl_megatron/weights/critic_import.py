@@ -177,8 +177,6 @@ def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayou
 
 
 def _trunk_shapes(ccfg: ModelConfig) -> dict:
-    """The HF tensors (name: shape) of the critic's trunk: all of the model's but the LM head."""
-    from earl_megatron.plan.tensor_table import OUTPUT
-
-    lm_head = set(next(r.hf for r in hfm.rules(ccfg) if r.name == OUTPUT))
-    return {k: v for k, v in hfm.hf_shapes(ccfg).items() if k not in lm_head}
+    """The HF tensors (name: shape) of the critic's trunk: all of the model's but the head."""
+    head = {n for r in hfm.rules(ccfg) if r.name.startswith("output_layer.") for n in r.hf}
+    return {k: v for k, v in hfm.hf_shapes(ccfg).items() if k not in head}

@@ -22,11 +22,12 @@ of critic warm-up, KL in the loss (the reference beside the critic), 3 iteration
   critic.lr 1e-30, so the trunk saved at iteration 0 is the one it was built with), not the
   seed's initial policy's;
 - layout.mode=auto under a 0.015 GB budget with algorithm.max_staleness=1 (3 iterations): the
-  critic in TP2 for the whole run while the policy rolls out in DP2 and trains in CP2 from
-  iteration 1 (a switch there and back each iteration); iterations 1 and 2 train tokens one
+  critic, built in TP2, moves with the context: to DP2, the first batch's TRAIN layout, then
+  with the policy's TRAIN to CP2 as the contexts grow (the switcher moving its weights, head and
+  Adam state), while the policy rolls out in DP2; iterations 1 and 2 train tokens one
   version old (staleness_max 1), their values scored by the critic of the iteration that trains
   them; every value metric finite; and 2 iterations resumed to 3 record what 3 do, every metric
-  but the timings (the critic's layout chosen again, its weights and Adam state from critic/);
+  but the timings (the critic built where it was, its weights and Adam state from critic/);
   and the critic's values of a fixed batch are bit-equal before and after the policy switches
   DP2 -> TP2 -> CP2 -> DP2 beside it.
 """
@@ -62,11 +63,11 @@ def _cfg(out, iterations, algorithm=None, sections=None, **critic):
 
 AUTO = {"layout": {"mode": "auto", "memory_budget_gb": 0.015},
         "rollout": {"prefill_tokens": 256}}
-"""Auto layouts under a budget that puts the critic in TP2 (the selector's TRAIN choice for a
-first batch of 128 tokens, with the policy's train state counted in each candidate's own
-layout: TP2 without recompute, 13.5 of 13.8 MiB; plan/critic_memory.py), the rollout in
-DP2 (its prefill cut to 256 tokens to fit) and the reference's LOGPROB and the policy's TRAIN
-in CP2 (trainer/planner.py)."""
+"""Auto layouts under a budget that builds the critic in TP2 (the selector's TRAIN choice for a
+planned first batch of 128 tokens, with the policy's train state counted in each candidate's
+own layout: TP2 without recompute, 13.5 of 13.8 MiB; plan/critic_memory.py), the rollout in
+DP2 (its prefill cut to 256 tokens to fit), and each batch's TRAIN, where the critic follows,
+in DP2 for the first batch's short episodes and CP2 from iteration 1 (trainer/planner.py)."""
 
 
 def _critic_changed(root, cfg):
@@ -91,7 +92,7 @@ def _critic_changed(root, cfg):
 
         def critic():
             return build_on_layout(ccfg, lay, ddp=False, seed=cfg.run.seed,
-                                   load=critic_loader(weights, ccfg, lay, seed=cfg.run.seed))
+                                   load=critic_loader(weights, ccfg, lay))
 
         start, end = critic(), critic()
         load_model_state(end, checkpoint_dir(f"{root}/checkpoints", 2) / "critic")
@@ -123,7 +124,7 @@ def _critic_from_warmed_policy(root, cfg):
         load_checkpoint(warmed, warm_start_state(root)["path"])
         warm = gather_full(warmed.model, cfg.model, lay)
         critic = build_on_layout(ccfg, lay, ddp=False, seed=cfg.run.seed,
-                                 load=critic_loader(start, ccfg, lay, seed=cfg.run.seed))
+                                 load=critic_loader(start, ccfg, lay))
         load_model_state(critic, checkpoint_dir(f"{root}/checkpoints", 0) / "critic")
         trunk = gather_full(CriticTrunk(critic.model), ccfg, lay)
     return (all(torch.equal(t, warm[k]) for k, t in trunk.items()),
@@ -289,13 +290,16 @@ def test_ppo_trains_a_critic_beside_the_policy_and_resumes_exactly(tmp_path):
         losses = r["fixed_batch"]
         assert losses[0] > losses[1] > losses[2] > losses[3], losses
         assert max(losses[2:]) < 0.1 * losses[0], losses
-        # layout.mode=auto: the critic stays in TP2 while the policy moves between DP2 (ROLLOUT)
-        # and CP2 (TRAIN) every iteration, the values dispatched from the rollout's DP2; with
-        # max_staleness=1 tokens one version old train, the critic's values finite
+        # layout.mode=auto: the critic, built in TP2, moves with the context: to the first
+        # batch's TRAIN layout (DP2), then to CP2 with the policy as the contexts grow, the
+        # values dispatched from the rollout's DP2; with max_staleness=1 tokens one version
+        # old train, the critic's values finite
         auto = r["auto"]
         assert [h["staleness_max"] for h in auto] == [0, 1, 1], auto
         assert all(math.isfinite(h["loss"]) for h in auto[1:]), auto
-        assert [h["critic_layout"] for h in auto] == ["TP2"] * 3, auto
+        assert [h["critic_layout"] for h in auto] == ["DP2", "CP2", "CP2"], auto
+        assert all(h["critic_layout"] == h["layouts"]["train"] for h in auto), auto
+        assert auto[0]["max_context"] < auto[1]["max_context"], auto
         # (at k=1 the selector keeps iteration 0 in DP2)
         assert [h["layouts"] for h in auto[1:]] == \
             [{"rollout": "DP2", "logprob": "CP2", "train": "CP2"}] * 2, auto

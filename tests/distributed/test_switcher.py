@@ -208,48 +208,6 @@ def test_training_continues_on_the_same_trajectory(training_job, distributed):
     assert controls == 1
 
 
-class _Named:
-    """Stands in for a module in gather_full: named tensors (here fp32 master shards)."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def named_parameters(self):
-        return iter(self.tensors.items())
-
-
-def _gather_optimizer_state(mol):
-    """{kind: full fp32 tensors} of the masters and moments (collective), and whether every
-    weight on this rank equals its master cast to the weight's dtype."""
-    import torch
-    import torch.distributed as dist
-
-    from earl_megatron.runtime import groups
-    from earl_megatron.runtime.optimizer_state import MASTER, MOMENTS, optimizer_state
-    from earl_megatron.weights.gather import gather_full
-
-    flat, ranges, _ = optimizer_state(mol)
-    distributed = mol.optimizer.config.use_distributed_optimizer
-    params = dict(mol.module().named_parameters())
-    state = {}
-    for n, p in params.items():   # whole TP shards: each dp x cp rank fills its own range
-        shape, a, b = ranges.get(n, (tuple(p.shape), 0, 0))
-        state[n] = {}
-        for k in (MASTER, *MOMENTS):
-            whole = torch.zeros(p.numel(), dtype=torch.float32)
-            if n in flat:
-                whole[a:b] = flat[n][k]
-            if distributed:
-                dist.all_reduce(whole, group=groups.dp_group(with_context_parallel=True))
-            state[n][k] = whole.view(shape)
-    cast = all(torch.equal(params[n].detach(), s[MASTER].to(params[n].dtype))
-               for n, s in state.items())
-    full = {k: gather_full(_Named({n: s[k] for n, s in state.items()}), mol.cfg,
-                           mol.layout)
-            for k in (MASTER, *MOMENTS)}
-    return full, cast
-
-
 BF16_WORLD = 2   # 4 ranks on 2 CPU cores cost more than the test's 40 s budget
 BF16_PAIRS = {False: ("tp2", "pp2"), True: ("pp2", "dp2")}
 
@@ -264,6 +222,7 @@ def _bf16_job(family):
     from earl_megatron.runtime.step import local_microbatches, random_batch, train_step
     from earl_megatron.runtime.switcher import SwitchStats, switch_layout
     from earl_megatron.models.sharding import reference_weights
+    from earl_megatron.testing.optimizer_check import gathered_state
 
     cfg = ModelConfig.tiny(family, tie_word_embeddings=(family == "qwen2"),
                            params_dtype="bfloat16")
@@ -281,11 +240,11 @@ def _bf16_job(family):
                 for i in range(4):
                     if i == 2 and switch:
                         r["before"] = _forward_loss(mol, batch)
-                        state_before, _ = _gather_optimizer_state(mol)
+                        state_before, _ = gathered_state(mol)
                         stats = SwitchStats()
                         mol = switch_layout(mol, ParallelLayout.parse(b, BF16_WORLD, cfg),
                                             bucket_bytes=16 << 10, stats=stats)
-                        state_after, r["cast"] = _gather_optimizer_state(mol)
+                        state_after, r["cast"] = gathered_state(mol)
                         r["state_equal"] = {
                             kind: full.keys() == state_after[kind].keys() and all(
                                 torch.equal(t, state_after[kind][n]) for n, t in full.items())

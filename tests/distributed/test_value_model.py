@@ -114,7 +114,7 @@ def _family(family, names, ckpt_root):
         return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip=0.2)
 
     def build(lay, weights, seed):
-        mol = build_on_layout(cfg, lay, load=critic_loader(weights, cfg, lay, seed=seed),
+        mol = build_on_layout(cfg, lay, load=critic_loader(weights, cfg, lay), seed=seed,
                               optimizer=OptimizerSpec(lr=1e-3))
         return mol, local_microbatches(batch, lay, mol.coords, MBS, model=cfg)
 
@@ -265,12 +265,12 @@ def _inits_in_own_layout(hf_dir, mcore_dir, peft_dir, peft_merged):
         for name in ("pp2", "tp2"):
             lay = ParallelLayout.parse(name, world_size=dist.get_world_size(), model=cfg)
             ref = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
-                reference_weights(policy, seed=7), cfg, lay, seed=11)), cfg, "param")
+                reference_weights(policy, seed=7), cfg, lay), seed=11), cfg, "param")
             groups.destroy_groups()
             for init in (hf_dir, mcore_dir):
                 what, fill = critic_init(init, policy, lay)
                 got = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
-                    None, cfg, lay, seed=11, fill=fill)), cfg, "param")
+                    None, cfg, lay, fill=fill), seed=11), cfg, "param")
                 groups.destroy_groups()
                 out[(name, what.split()[4])] = (got.keys() == ref.keys() and
                                                 all(torch.equal(got[k], ref[k]) for k in ref))
@@ -281,10 +281,10 @@ def _inits_in_own_layout(hf_dir, mcore_dir, peft_dir, peft_merged):
                                               critic=CriticConfig(init=peft_dir)))
             fill = copied_from(_as_policy(cfg_init, lay, None))
             got = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
-                None, cfg, lay, seed=11, fill=fill)), cfg, "param")
+                None, cfg, lay, fill=fill), seed=11), cfg, "param")
             groups.destroy_groups()
             ref = _critic_full(build_on_layout(cfg, lay, load=critic_loader(
-                torch.load(peft_merged), cfg, lay, seed=11)), cfg, "param")
+                torch.load(peft_merged), cfg, lay), seed=11), cfg, "param")
             groups.destroy_groups()
             out[(name, "peft")] = got.keys() == ref.keys() and max(
                 (got[k] - ref[k]).abs().max().item() for k in ref) < 1e-6

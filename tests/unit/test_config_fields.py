@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from earl_megatron.config.compose import RECIPES, command_line_keys, compose, split_args
+from earl_megatron.config.conversion import config_keys
 from earl_megatron.config.model import INIT_MAY_DIFFER, ModelConfig
 from earl_megatron.config.train import ConfigError, TrainConfig
 from earl_megatron.train import apply_run_init, configure
@@ -56,7 +57,18 @@ def _every_field_set_to_its_default() -> list[str]:
     return [f"{section.name}.{f.name}="
             f"{_hydra_value(getattr(getattr(defaults, section.name), f.name))}"
             for section in dataclasses.fields(TrainConfig)
-            for f in dataclasses.fields(typing.get_type_hints(TrainConfig)[section.name])]
+            for f in dataclasses.fields(typing.get_type_hints(TrainConfig)[section.name])
+            if f.name in config_keys(typing.get_type_hints(TrainConfig)[section.name])]
+
+
+def test_an_internal_field_is_not_a_config_key(tmp_path):
+    """ModelConfig.value_head is the critic's: at its default (a resolved.json) it passes, set
+    it is one line naming why."""
+    assert "value_head" not in config_keys(ModelConfig)
+    assert TrainConfig.from_dict({"model": {"value_head": False}}).model.value_head is False
+    with pytest.raises(ConfigError, match=r"^model.value_head=True is not a config key: the "
+                       r"critic's \(algorithm.name=ppo builds one beside the policy\)$"):
+        TrainConfig.from_dict({"model": {"value_head": True}})
 
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)

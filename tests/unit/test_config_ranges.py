@@ -95,10 +95,6 @@ BAD = [  # (overrides, the whole message)
     ({"run": {"iterations": -1}}, "run.iterations=-1 must be >= 0"),
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns=0 must be >= 1"),
     # names that say what trains, and knobs that would do nothing in the mode chosen
-    ({"algorithm": {"name": "ppo"}, "cluster": {"group_cache_layouts": 3}},
-     "algorithm.name=ppo with cluster.group_cache_layouts=3: the critic is re-activated in its "
-     "layout's cached groups, not rebuilt yet (issue #45); set cluster.group_cache_layouts >= 4 "
-     "(under layout.mode=auto the ROLLOUT, LOGPROB and TRAIN layouts may all differ)"),
     ({"algorithm": {"name": "grpo", "group_size": 4, "gamma": 0.9}},
      "algorithm.gamma=0.9 does nothing under algorithm.name=grpo (it scores whole episodes, "
      "no per-turn returns): drop it, or use algorithm.name=reinforce_pp or ppo"),

@@ -3,6 +3,8 @@
 trunk and head; a causal LM is its trunk; a value model with several labels, or of another
 architecture, is one line naming the fix."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -19,15 +21,17 @@ POLICY = tiny_model("qwen2", vocab_size=64, num_layers=2)
 
 
 def _write(path, cfg, arch, score_rows=1, bias=True):
-    """An HF directory of ``cfg``'s trunk under ``arch`` with a ``score`` of ``score_rows``."""
-    ccfg = critic_config(cfg)
-    tensors = to_hf(ccfg, reference_weights(ccfg, seed=7))
-    if not arch.endswith("ForCausalLM"):
-        del tensors["lm_head.weight"]
+    """An HF directory of ``cfg``'s trunk under ``arch``: a causal LM's head, or a ``score``
+    of ``score_rows``."""
+    causal = arch.endswith("ForCausalLM")
+    hf_cfg = replace(critic_config(cfg), value_head=not causal)   # lm_head, or score.*
+    tensors = to_hf(hf_cfg, reference_weights(hf_cfg, seed=7))
+    if not causal:
         tensors["score.weight"] = torch.randn(score_rows, cfg.hidden_size)
-        if bias:
-            tensors["score.bias"] = torch.zeros(score_rows)
-    config = {**to_hf_config(ccfg), "architectures": [arch]}
+        tensors["score.bias"] = torch.zeros(score_rows)
+        if not bias:
+            del tensors["score.bias"]
+    config = {**to_hf_config(hf_cfg), "architectures": [arch]}
     write_hf_dir(path, tensors, config)
     return path
 

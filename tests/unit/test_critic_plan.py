@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 from test_plan_layouts_cli import tool  # noqa: F401 - the fixture loading tools/plan_layouts.py
 
-from earl_megatron.plan.critic_memory import critic_plan, held_bytes, train_bytes, weight_bytes
+from earl_megatron.plan.critic_memory import (FIRST_ROLLOUT_TOKENS, critic_plan, held_bytes,
+                                              train_bytes, weight_bytes)
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import RECOMPUTE_ORDER, NoLayoutFitsError
@@ -33,11 +34,35 @@ def test_the_tool_places_and_counts_the_critic_as_the_trainer_does(tmp_path, too
     assert train_bytes(cfg.model, one, opts) == 608_512 + train_state_bytes(cfg.model, one, opts)
     assert p.train_bytes(one) == train_bytes(cfg.model, one, opts)
 
-    chosen = tool.critic_choice(p.selector, 8)            # the tool's: 8 episodes of 128 tokens
-    assert chosen.layout == p.critic_choice()
+    first = p._workload("train", [FIRST_ROLLOUT_TOKENS] * 8)
+    chosen = critic_plan(p.selector, first)   # where the critic is built: 8 x 128 tokens
+    assert chosen.layout == p.critic_choice() == tool.critic_layout(p.selector, first)
     # the policy's train state in the critic's own layout, counted beside it
     assert chosen.chosen.memory.resident == p.train_bytes(chosen.layout) > 0
     assert "in each candidate's own layout" in chosen.reason
+
+    # the critic moves with each batch's TRAIN layout: TRAIN counts it in each candidate's own
+    # layout, every other stage where it is (the last TRAIN's); the run's state restores it
+    p = StagePlanner(cfg.model, cfg.layout, cfg.cluster, 2, distributed_optimizer=False,
+                     episodes=8, batch=BatchShape(1), critic=True)
+    p.critic_layout = p.critic_choice()
+    wheres = []
+    for n in (64, 512):
+        train = p.plan("train", [n] * 8, p.critic_layout)
+        beside = critic_plan(p.selector, p._workload("train", [n] * 8))   # the mirror rule
+        assert train == beside.layout and p.predicted_memory["train"] == \
+            beside.predicted_memory_bytes, n
+        p.critic_layout = train   # trainer/critic.py: the critic moves there
+        p.plan("logprob", [n] * 8, None)
+        alone = p.selector.memory(p.state.previous(Stage.LOGPROB),
+                                  p._workload("logprob", [n] * 8))
+        assert p.predicted_memory["logprob"] == alone.total + p.train_bytes(train)
+        wheres.append(str(train))
+    assert wheres == ["DP2", "TP2"], wheres   # the layout changes with the context
+    q = StagePlanner(cfg.model, cfg.layout, cfg.cluster, 2, distributed_optimizer=False,
+                     episodes=8, batch=BatchShape(1), critic=True)
+    q.restore(p.state_json(), [512] * 8)
+    assert str(q.critic_choice()) == "TP2"   # a resumed run builds it where it was
 
     # a LoRA policy: its critic is a full model (the base's), counted so beside every stage
     # and in CRITIC TRAIN; the policy beside the critic's TRAIN holds its weights too
@@ -76,7 +101,7 @@ def test_earl_plan_critic_on_the_7b_node(tool):
     opts = TrainOptions(distributed_optimizer=True)
     selector = tool.Selector(model, tool.cluster_from_args(args), opts,
                              tool.SelectorConfig(auto_recompute=True))
-    critic = tool.critic_choice(selector, 64).layout
+    critic = tool.critic_layout(selector, tool._workload(Stage.TRAIN, 1024, 64, 16384, None))
     state = train_bytes(model, critic, opts)
     for critic_on, resident in ((False, 0), (True, state)):
         grid = tool.plan_grid(selector, [Stage.TRAIN], [1024], [64], 16384, critic=critic_on)
@@ -86,7 +111,7 @@ def test_earl_plan_critic_on_the_7b_node(tool):
     # docs/algorithms.md: the 7B trains on 4 GPUs alone, on the node's 8 with a critic
     assert [r["alone_fewest"][0] for r in rows] == [4, 4]
     assert [r["with_fewest"][0] for r in rows] == [8, 8]
-    assert rows[0]["with"]["critic"].layout == critic and rows[0]["with"]["resident"] == state
+    assert rows[0]["with"]["critic"] == critic and rows[0]["with"]["resident"] == state
 
     # a LoRA policy (rank 8) beside a full critic: the policy alone trains 1K on 1 GPU, with
     # the critic (every parameter trained, counted as the base: critic_model) on 4; the
@@ -96,8 +121,11 @@ def test_earl_plan_critic_on_the_7b_node(tool):
     lrows = tool.critic_rows(lora, lora_args, opts, selector.config, 64)
     assert [r["alone_fewest"][0] for r in lrows] == [1, 4]
     assert [r["with_fewest"][0] for r in lrows] == [4, 8]
-    assert lrows[0]["with"]["resident"] == rows[0]["with"]["resident"] == \
-        held_bytes(lora.base, critic, opts) > train_bytes(lora, critic, opts)
+    lcritic = lrows[0]["with"]["critic"]
+    assert lrows[0]["with"]["resident"] == held_bytes(lora.base, lcritic, opts) > \
+        train_bytes(lora, lcritic, opts)
+    # the critic moves with the context: TP4xCP2 at 1K, TP2xCP2xPP2 at 32K (docs/algorithms.md)
+    assert [str(r["with"]["critic"]) for r in rows] == ["TP4xCP2", "TP2xCP2xPP2"]
     assert tool.main(argv + ["--critic", "--lora-rank", "8"], out=io.StringIO()) == 0
     # SGLang servers beside the trainer: a server's static pool is its fraction of the device
     # less what the device holds at its start, the critic's resident train state included, so

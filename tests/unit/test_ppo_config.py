@@ -48,28 +48,19 @@ def test_bad_values_are_one_config_error(tmp_path, algorithm, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
-REFUSED = [  # what ppo does not run with yet: one line naming issue #45 and the fix
-    ({"cluster": {"group_cache_layouts": 1}}, "cluster.group_cache_layouts=1",
-     "cluster.group_cache_layouts >= 2"),
-    # the rollout's and the reference's layouts come between CRITIC TRAIN and the next VALUES
-    # (LRU cache): three distinct static layouts with KL on need 3 (2 crashed mid-run at the
-    # first VALUES after a LOGPROB, before this row); under auto TRAIN's may be new too
-    ({"layout": {"logprob": "cp2"}, "algorithm": {"kl_mode": "loss", "kl_coef": 0.1},
-      "cluster": {"group_cache_layouts": 2}}, "cluster.group_cache_layouts=2",
-     "cluster.group_cache_layouts >= 3 (3 distinct layouts in layout.rollout, layout.logprob, "
-     "layout.train)"),
-    ({"layout": {"mode": "auto"}, "cluster": {"group_cache_layouts": 3}},
-     "cluster.group_cache_layouts=3", "cluster.group_cache_layouts >= 4 (under layout.mode=auto"),
+COMPOSES = [  # refused until the critic could switch (a rebuild under fresh groups, issue #45)
+    {"cluster": {"group_cache_layouts": 1}},
+    {"layout": {"logprob": "cp2"}, "algorithm": {"kl_mode": "loss", "kl_coef": 0.1},
+     "cluster": {"group_cache_layouts": 2}},
+    {"layout": {"mode": "auto"}, "cluster": {"group_cache_layouts": 0}},
 ]
 
 
-@pytest.mark.parametrize("sections, key, fix", REFUSED, ids=[k for _, k, _ in REFUSED])
-def test_what_ppo_does_not_run_with_yet_is_refused(tmp_path, sections, key, fix):
-    with pytest.raises(ConfigError) as e:
-        _ppo(tmp_path, **sections)
-    msg = str(e.value)
-    assert msg.startswith(f"algorithm.name=ppo with {key}") and "issue #45" in msg, msg
-    assert fix in msg and "\n" not in msg, msg
+@pytest.mark.parametrize("sections", COMPOSES, ids=["cache1", "cache2_kl", "auto_cache0"])
+def test_ppo_runs_with_any_group_cache(tmp_path, sections):
+    """The critic moves like the policy: the group cache is a speed knob, not a limit."""
+    cfg = _ppo(tmp_path, **sections)
+    assert cfg.algorithm.name == "ppo" and cfg.cluster.group_cache_layouts < 4
 
 
 @pytest.mark.parametrize("algorithm, key", [
