@@ -1,8 +1,8 @@
 """Benchmark: the algorithm menu's learning table (issue 44; docs/algorithms.md).
 
 Every recipe of recipes/algorithm/ trains on two workloads, each a real
-``torchrun -m earl_megatron.train`` on ``--nproc`` CPU ranks with ``layout=auto`` (``STATIC``'s
-recipes: static layouts):
+``torchrun -m earl_megatron.train`` on ``--nproc`` CPU ranks with ``layout=auto`` (ppo's critic
+moving with the policy's TRAIN layout):
 
 - **Connect Four** (the main job's recipe, recipes/config.yaml: tiny Llama against a
   uniform-random opponent, 64 episodes per iteration) for ``--c4-iterations`` iterations; the
@@ -39,14 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # `python benchmarks/NAME.py`: this checkout's earl_megatron
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml"))
-STATIC = {"ppo": ["layout.mode=static", "layout.rollout=tp1", "layout.logprob=tp1",
-                  "layout.train=tp1", "layout.memory_budget_gb=null"]}
-"""Recipes measured on static layouts: ppo runs under layout=auto (its critic stays in one layout
-the selector picks), but whether the critic fits the demo's 0.25 GB budget beside the policy was
-not measured, and the learning table's ppo rows were taken on static layouts, data parallel
-over --nproc (tp1: dp inferred), without that budget (issue #45)."""
-
-
 def train(args, out: Path, overrides: list[str], config: str = "config",
           eval_episodes: int = 64, nproc: int = 0) -> float:
     """One fresh run (``run.resume=false`` refuses a folder holding an earlier one); seconds.
@@ -117,8 +109,7 @@ def main() -> None:
     for recipe in recipes:
         row = {}
         for seed in args.seeds:
-            common = [f"algorithm={recipe}", f"run.seed={seed}", "run.checkpoint_every=0",
-                      *STATIC.get(recipe, [])]
+            common = [f"algorithm={recipe}", f"run.seed={seed}", "run.checkpoint_every=0"]
             if "connect_four" in workloads:
                 out = root / f"c4_{recipe}_s{seed}"
                 wall = train(args, out, common + [f"run.iterations={args.c4_iterations}"],

@@ -1,9 +1,10 @@
 """What a model's training state keeps resident beside another model's stage, and where PPO's
 critic is placed (issue #45). Pure functions over the memory model and the selector.
 
-The trainer (trainer/planner.py ``train_bytes``, ``critic_choice``) and the dry-run planner
-(tools/plan_layouts.py ``--critic``) both call these, so ``earl plan`` counts the critic exactly
-as a run does. Invariants:
+The trainer (trainer/planner.py: ``train_bytes``, ``critic_choice``, and under auto the TRAIN
+plan that counts the critic ``beside_train_state``, since the critic moves with each batch's
+TRAIN layout) and the dry-run planner (tools/plan_layouts.py ``--critic``) both call these, so
+``earl plan`` counts the critic exactly as a run does. Invariants:
 
 - ``weight_bytes``: the weights of the most loaded pp_stage in ``layout``, in the trainer's
   parameter dtype (``TrainOptions.param_bytes``).
@@ -22,9 +23,11 @@ as a run does. Invariants:
   there is kept when the critic's TRAIN in L beside ``train_bytes(model, L)`` fits, and the
   candidates are ranked as ``Selector.plan`` ranks them (cost, recompute order, memory,
   layout). It is ``Selector.plan`` itself run on a selector whose memory estimate adds that
-  layout's policy state (``_BesidePolicy``), so the loop, the ranking, the reason and
+  layout's policy state (``_Beside``), so the loop, the ranking, the reason and
   ``NoLayoutFitsError``'s suggestions (each re-checked under the same rule) are the
-  selector's. The selector's state (its hysteresis) is not read or changed.
+  selector's. The selector's state (its hysteresis) is not read or changed. The trainer
+  builds the critic where it places it (``critic_choice``, the first batch); each batch's
+  TRAIN plan (the mirror rule: the critic's state in each candidate's layout) then moves it.
 
   It replaced a first choice alone whose policy state was then counted in every candidate
   (one resident value for all): from that first choice's layout, which spreads the state less
