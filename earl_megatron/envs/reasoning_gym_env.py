@@ -19,6 +19,12 @@ Which task a seed plays (the episode seed the trainer gives ``reset``, earl_mega
   each generator ``j`` its row from ``Random(s + j + 1 + i)``), so the two pools' random
   streams are disjoint: no evaluation question is drawn from a training row's stream.
 
+Multi-turn with a Python tool (``tool=python``, envs/python_turns.py): before answering, the
+model may run Python programs (``<tool_call>{"name": "python", "arguments": {"code": ...}}
+</tool_call>``, at most ``max_tool_calls``), each in a resource-bounded process without network
+(envs/python_tool.py, its limits in ``python``), and reads what they print in a tool message;
+its ``<answer>`` reply is scored as above.
+
 Invariants: ``reset(seed)`` is a pure function of (kwargs, seed); ``step`` never raises on model
 output (a reply without an ``<answer>`` tag scores ``invalid_penalty``, default 0.0, which is
 reasoning-gym's score of no answer, and sets ``info["unparsable"]``). ``expert(seed)``, the
@@ -37,6 +43,7 @@ import json
 from typing import Any, Mapping, Optional, Sequence
 
 from earl_megatron.envs.base import Env, StepResult
+from earl_megatron.envs.python_turns import PythonTurns
 from earl_megatron.seeds import EVAL_BASE, EXPERT_BASE
 
 HELP = "pip install reasoning-gym==0.1.25 (the envs extra: pip install -e '.[envs]')"
@@ -86,8 +93,11 @@ class ReasoningGymEnv(Env):
 
     def __init__(self, tasks: Sequence[str] | str = ("basic_arithmetic",), size: int = 1000,
                  seed: int = 0, config: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                 system_prompt: str = "direct", invalid_penalty: float = 0.0):
+                 system_prompt: str = "direct", invalid_penalty: float = 0.0,
+                 tool: Optional[str] = None, max_tool_calls: int = 4,
+                 python: Optional[Mapping[str, Any]] = None):
         super().__init__(invalid_penalty)
+        self.tools = PythonTurns(tool, max_tool_calls, python)
         _, _, utils = _rg()
         tasks = (tasks,) if isinstance(tasks, str) else tuple(str(t) for t in tasks)
         known = known_tasks()
@@ -116,7 +126,8 @@ class ReasoningGymEnv(Env):
                                  "(env.kwargs.seed, env.kwargs.size): drop them there")
         self.tasks, self.size, self.seed = tasks, size, int(seed)
         self._config_json = json.dumps(config, sort_keys=True)
-        self._system_prompt = utils.SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+        self._system_prompt = self.tools.prompt(
+            utils.SYSTEM_PROMPTS.get(system_prompt, system_prompt))
         self._extract = utils.extract_answer
         self.dataset = self.held_out = None
         try:   # a generator's own check of its settings fails here, not at the first episode
@@ -146,8 +157,10 @@ class ReasoningGymEnv(Env):
 
     def expert(self, seed: int) -> list[str]:
         """The warm start's teacher for the episode ``reset(seed)`` starts: the gold answer in
-        reasoning-gym's answer tag (module docstring)."""
-        return [f"<answer>{self.task(seed)['answer']}</answer>"]
+        reasoning-gym's answer tag (module docstring); with the Python tool, first a program
+        that prints it where the task has one (envs/python_turns.py ``expert_program``)."""
+        entry = self.task(seed)
+        return self.tools.expert(entry) + [f"<answer>{entry['answer']}</answer>"]
 
     @property
     def system_prompt(self) -> str:
@@ -157,12 +170,17 @@ class ReasoningGymEnv(Env):
         held_out, row = pool_row(seed, self.size)
         self._scorer = self.pool(held_out)   # the dataset that drew the entry scores it
         self.entry = self._scorer[row]
+        self.tools.reset()
         return self.entry["question"]
 
     def _step(self, action: str) -> StepResult:
         task = self.entry["metadata"]["source_dataset"]
+        turn = self.tools.step(action, functools.partial(self.invalid, task=task))
+        if turn is not None:   # a tool call (None: an answer, scored here)
+            return turn
         answer, reward = self.score(action)
         if answer is None:
             return self.invalid("unparsable", "no <answer></answer> in the reply", task=task)
         return StepResult(f"score: {reward:g}", reward, True,
-                          {"task": task, "answer": answer[:200], "correct": reward >= 1.0})
+                          {"task": task, "answer": answer[:200], "correct": reward >= 1.0,
+                           **self.tools.counts()})

@@ -31,11 +31,16 @@ CALCULATOR_SCHEMA = {
 """The calculator as a tool schema, the form Qwen's and Hermes' chat templates list tools in."""
 
 
+def call_text(tool: str, argument: str, value: str) -> str:
+    """A call of ``tool`` with its one ``argument`` in the JSON format."""
+    call = {"name": tool, "arguments": {argument: value}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
 def tool_call_text(expression: str) -> str:
     """A calculator call in the JSON format, as the system prompt shows it and the expert writes
     it."""
-    call = {"name": "calculator", "arguments": {"expression": expression}}
-    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    return call_text("calculator", "expression", expression)
 
 
 HERMES_TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user "
@@ -74,6 +79,13 @@ def json_system_prompt() -> str:
 def parse_json_action(text: str) -> tuple[str, str]:
     """The first action of a turn in the JSON format: ("answer", body), ("call", expression),
     ("malformed", why) for a <tool_call> that is not a valid calculator call, or ("none", why)."""
+    return parse_call(text, "calculator", "expression")
+
+
+def parse_call(text: str, tool: str, argument: str) -> tuple[str, str]:
+    """The first action of a turn for an environment whose one tool is ``tool`` with the one
+    string ``argument``: ("answer", body), ("call", value), ("malformed", why) or ("none",
+    why); never raises."""
     match = _JSON_TAG.search(text)
     opened = text.find("<tool_call>")
     if 0 <= opened and (match is None or opened < match.start()):
@@ -88,11 +100,10 @@ def parse_json_action(text: str) -> tuple[str, str]:
         return "malformed", f"the tool call is not valid JSON ({e.msg} at character {e.pos})"
     if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
         return "malformed", 'a tool call is an object with exactly "name" and "arguments"'
-    if call["name"] != "calculator":
-        return "malformed", f"unknown tool {str(call['name'])[:40]!r}; the only tool is " \
-                            "calculator"
+    if call["name"] != tool:
+        return "malformed", f"unknown tool {str(call['name'])[:40]!r}; the only tool is {tool}"
     args = call["arguments"]
-    if not isinstance(args, dict) or set(args) != {"expression"} \
-            or not isinstance(args["expression"], str):
-        return "malformed", 'the arguments are exactly {"expression": "<a string>"}'
-    return "call", args["expression"].strip()
+    if not isinstance(args, dict) or set(args) != {argument} \
+            or not isinstance(args[argument], str):
+        return "malformed", f'the arguments are exactly {{"{argument}": "<a string>"}}'
+    return "call", args[argument].strip()
