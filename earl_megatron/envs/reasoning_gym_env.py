@@ -180,7 +180,8 @@ class ReasoningGymEnv(Env):
             return turn
         answer, reward = self.score(action)
         if answer is None:
-            return self.invalid("unparsable", "no <answer></answer> in the reply", task=task)
+            return self.invalid("unparsable", "no <answer></answer> in the reply", task=task,
+                                **self.tools.counts())
         return StepResult(f"score: {reward:g}", reward, True,
                           {"task": task, "answer": answer[:200], "correct": reward >= 1.0,
                            **self.tools.counts()})

@@ -101,6 +101,11 @@ def test_reasoning_gym_with_the_tool_runs_programs_then_scores_the_answer():
     score = reasoning_gym.get_score_answer_fn("basic_arithmetic")(extract_answer(reply),
                                                                   env.entry)
     assert (end.reward, end.done, end.info["tool_calls"]) == (score, True, 2) and score == 1.0
+    env.reset(3)   # no tag after a call: unparsable, scored 0 as without the tool, counted
+    env.step(_call("print(1)"))
+    none = env.step("I think it is 3")
+    assert (none.reward, none.done, none.info["unparsable"], none.info["tool_calls"]) == \
+        (0.0, True, True, 1)
     # the budget: a third call ends the episode with reward 0
     env.reset(3)
     env.step(_call("print(1)"))
