@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 from earl_megatron.config.checks import ConfigError
 from earl_megatron.config.lora import TARGETS, LoraSpec
 from earl_megatron.config.model import ModelConfig
-from earl_megatron.plan.critic_memory import (beside_train_state, critic_model,
+from earl_megatron.plan.critic_memory import (beside_critic, critic_model,
                                               critic_selector, held_bytes)
 from earl_megatron.plan.presets import PRESETS, get_preset
 from earl_megatron.plan.profile_table import ProfileTable
@@ -197,7 +197,7 @@ def plan_grid(selector: Selector, stages: Sequence[Stage], contexts: Sequence[in
         for load in loads:
             current, state, resident, train_sel = None, SelectorState(), 0, selector
             if critic:
-                train_sel = beside_train_state(selector, critic_model(selector.model))
+                train_sel = beside_critic(selector)
                 try:
                     resident = held_bytes(critic_model(selector.model), critic_layout(
                         selector, _workload(Stage.TRAIN, ctx, load, micro_batch_tokens,
@@ -222,7 +222,7 @@ def critic_layout(selector: Selector, train: StageWorkload) -> ParallelLayout:
     """Where the trainer's critic is for a batch of TRAIN workload ``train`` under auto: the
     batch's TRAIN layout, planned with the critic's train state in each candidate's own layout
     (trainer/planner.py); NoLayoutFitsError when none fits."""
-    return beside_train_state(selector, critic_model(selector.model)).plan(train)[0].layout
+    return beside_critic(selector).plan(train)[0].layout
 
 
 def critic_memory(selector: Selector, layout: ParallelLayout, train: StageWorkload,
@@ -540,7 +540,7 @@ def critic_rows(model: ModelConfig, args, opts: TrainOptions, config: SelectorCo
         def with_critic(world):
             sel = Selector(model, _on_devices(args, world), opts, config)
             try:
-                policy = beside_train_state(sel, critic_model(model)).plan(wl)[0]
+                policy = beside_critic(sel).plan(wl)[0]
             except NoLayoutFitsError as e:
                 return e
             lay = policy.layout

@@ -74,12 +74,12 @@ def config_keys(cls) -> set[str]:
 def without_internal(cls, d: dict, path: str) -> dict:
     """``d`` without ``cls``'s internal fields, each of which it may hold at its default only
     (a resolved.json writes them), else one ConfigError naming the key and why."""
-    for f in dataclasses.fields(cls):
-        if "internal" in f.metadata and f.name in d and d[f.name] != f.default:
+    internal = [f for f in dataclasses.fields(cls) if "internal" in f.metadata]
+    for f in internal:
+        if f.name in d and d[f.name] != f.default:
             raise ConfigError(f"{_join(path, f.name)}={d[f.name]!r} is not a config key: "
                               f"{f.metadata['internal']}")
-    return {k: v for k, v in d.items() if k in config_keys(cls) or
-            k not in {f.name for f in dataclasses.fields(cls)}}
+    return {k: v for k, v in d.items() if k not in {f.name for f in internal}}
 
 
 def build(cls, d: Any, path: str):

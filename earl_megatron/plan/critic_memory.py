@@ -2,7 +2,7 @@
 critic is placed (issue #45). Pure functions over the memory model and the selector.
 
 The trainer (trainer/planner.py: ``train_bytes``, ``critic_choice``, and under auto the TRAIN
-plan that counts the critic ``beside_train_state``, since the critic moves with each batch's
+plan that counts the critic ``beside_critic``, since the critic moves with each batch's
 TRAIN layout) and the dry-run planner (tools/plan_layouts.py ``--critic``) both call these, so
 ``earl plan`` counts the critic exactly as a run does. Invariants:
 
@@ -91,11 +91,17 @@ class _Beside(Selector):
 def beside_train_state(selector: Selector, beside: ModelConfig) -> Selector:
     """``selector`` with every estimate counting ``beside`` in training (weights, grads, Adam
     state) in the estimated layout itself: the critic's TRAIN beside a policy laid out like it
-    (``critic_plan``), or a split's train pool under ppo, whose critic lives in its TRAIN
-    layout (plan/split.py, ``beside`` the critic's model; for the pool's LOGPROB candidates an
-    estimate of the same bytes)."""
+    (``critic_plan``), or the policy's beside its critic (``beside_critic``)."""
     return _Beside(**{f.name: getattr(selector, f.name) for f in fields(selector)},
                    beside=beside)
+
+
+def beside_critic(selector: Selector) -> Selector:
+    """``selector`` (the policy's) with the critic's training state counted in each estimated
+    layout itself: a TRAIN the critic trains beside and follows (trainer/planner.py under auto),
+    or a split's train pool, where the critic lives in the pool's TRAIN layout (plan/split.py;
+    for the pool's LOGPROB candidates an estimate of the same bytes)."""
+    return beside_train_state(selector, critic_model(selector.model))
 
 
 def critic_selector(selector: Selector) -> Selector:

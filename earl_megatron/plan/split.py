@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from earl_megatron.plan.critic_memory import beside_train_state, critic_model
+from earl_megatron.plan.critic_memory import beside_critic
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.plan.memory_model import train_state_bytes
 from earl_megatron.plan.selector import LayoutPlan, NoLayoutFitsError, Selector, SelectorState
@@ -79,7 +79,7 @@ class SplitWorkload:
     critic: bool = False
     """ppo: a critic trains beside the policy where the policy trains (the train pool; the
     world when colocated), its train state counted in each candidate's memory
-    (plan/critic_memory.py ``beside_train_state``)."""
+    (plan/critic_memory.py ``beside_critic``)."""
 
     def __post_init__(self):
         for name, stage in (("rollout", Stage.ROLLOUT), ("logprob", Stage.LOGPROB),
@@ -215,7 +215,7 @@ def _pools(selector: Selector, workload: SplitWorkload, rollout_ranks: int,
         on_rollout = replace(selector, cluster=c)
         on_train = replace(selector, cluster=pool_cluster(selector.cluster, n_t))
     if workload.critic:
-        on_train = beside_train_state(on_train, critic_model(on_train.model))
+        on_train = beside_critic(on_train)
         on_rollout = on_train if rollout_ranks == 0 else on_rollout
     try:
         rollout, _ = on_rollout.plan(workload.rollout, state=state,

@@ -125,9 +125,8 @@ class StagePlanner:
         selector = self.selector
         if self.critic_layout is not None and self.auto and fixed is None and stage == "train":
             # the critic moves to the TRAIN layout chosen here: its train state is counted in
-            # each candidate's own layout (critic_memory.beside_train_state)
-            selector = critic_memory.beside_train_state(selector,
-                                                        critic_memory.critic_model(self.model))
+            # each candidate's own layout (critic_memory.beside_critic)
+            selector = critic_memory.beside_critic(selector)
         elif self.critic_layout is not None:   # the critic's train state beside every stage
             resident_bytes += critic_memory.held_bytes(critic_memory.critic_model(self.model),
                                                        self.critic_layout, self.opts)

@@ -38,6 +38,12 @@ HEAD = {"value_head.weight": "score.weight", "value_head.bias": "score.bias"}
 LABEL = "value"
 
 
+def trunk_rules(ccfg) -> tuple:
+    """The tensor table's rows of the critic ``ccfg``'s trunk: every row with HF sources but the
+    value head's (``output_layer.*``: ``score.*`` in HF, read and written apart)."""
+    return tuple(r for r in hfm.rules(ccfg) if not r.name.startswith("output_layer."))
+
+
 def critic_source(src: str | Path) -> tuple[Path, Path, dict]:
     """(the directory holding the critic's tensors, the directory holding its model config, the
     tensors' DCP metadata) for a training checkpoint, its ``critic/`` or a critic saved with its
@@ -102,7 +108,7 @@ def convert_critic_to_hf(src: str | Path, out_dir: str | Path, *, part_bytes: in
         base = json.loads(base_path.read_text()) if base_path.is_file() else None
     ccfg = critic_config(cfg)
     extra, copy = tokenizer_copies(config_dir / HF_SUBDIR, tokenizer_from)
-    rules = tuple(r for r in hfm.rules(ccfg) if not r.name.startswith("output_layer."))
+    rules = trunk_rules(ccfg)
     with cv.conversion_process(ccfg):
         template = cv.sharded_template(ccfg)
     head = {name: (name, tuple(stored[name].size)) for name in HEAD}

@@ -38,7 +38,7 @@ from earl_megatron.config.model import ModelConfig
 from earl_megatron.plan.layout import ParallelLayout
 from earl_megatron.runtime.io_errors import CheckpointError, reading
 from earl_megatron.weights import hf_mapping as hfm
-from earl_megatron.weights.critic_export import HEAD, find_critic
+from earl_megatron.weights.critic_export import HEAD, find_critic, trunk_rules
 
 VALUE_ARCHITECTURES = ("ForTokenClassification", "ForSequenceClassification")
 """transformers' heads whose ``score`` is a Linear over the final norm's output."""
@@ -178,5 +178,5 @@ def _value_model(path: Path, arch: str, ccfg: ModelConfig, layout: ParallelLayou
 
 def _trunk_shapes(ccfg: ModelConfig) -> dict:
     """The HF tensors (name: shape) of the critic's trunk: all of the model's but the head."""
-    head = {n for r in hfm.rules(ccfg) if r.name.startswith("output_layer.") for n in r.hf}
-    return {k: v for k, v in hfm.hf_shapes(ccfg).items() if k not in head}
+    trunk = {n for r in trunk_rules(ccfg) for n in r.hf}
+    return {k: v for k, v in hfm.hf_shapes(ccfg).items() if k in trunk}
